@@ -1,0 +1,193 @@
+"""The versioned, self-describing record: what a KV block looks like outside GPU memory.
+
+Layout (little-endian)::
+
+    0     4   magic  b"TKVR"
+    4     2   format version
+    6     2   flags (bit 0: the block has a parent)
+    8     4   header length H (from offset 0 to the payload)
+    12    8   payload length P
+    20    8   created, ns since the epoch
+    28   32   namespace digest        ┐ the block's key
+    60   32   block hash              ┘
+    92   32   parent hash (zeros for a root block)
+    124   1   dtype code
+    125   1   ndim
+    126   2   codec spec length C
+    128   4   number of token ids N
+    132  4*ndim  shape
+         C       codec spec, ASCII (e.g. "kivi2+zstd")
+         4*N     token ids (u32)
+    H    P    payload
+    H+P  8    xxh3-64 of bytes [0, H+P)
+
+The record is exactly ``H + P + 8`` bytes; the checksum is always the last eight. Every
+check is done before any field is trusted, and a failure of any of them raises
+:class:`RecordError` (never another exception type).
+"""
+from __future__ import annotations
+
+import dataclasses
+import struct
+import time
+
+import torch
+import xxhash
+
+from storage.base import DIGEST_SIZE, BlockKey
+
+MAGIC = b"TKVR"
+FORMAT_VERSION = 1
+MAX_NDIM = 8
+MAX_CODEC_LEN = 64
+_FLAG_HAS_PARENT = 1
+
+_FIXED = struct.Struct("<4sHHIQQ32s32s32sBBHI")
+_CHECKSUM = struct.Struct("<Q")
+_ZERO_DIGEST = bytes(DIGEST_SIZE)
+
+# Stable on-disk codes; never renumber.
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float16: 1,
+    torch.bfloat16: 2,
+    torch.float32: 3,
+    torch.float8_e4m3fn: 4,
+    torch.float8_e5m2: 5,
+    torch.uint8: 6,
+}
+DTYPES_BY_CODE = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+class RecordError(ValueError):
+    """A buffer is not a valid record for the key it was read under.
+
+    ``reason`` is one short word for counting: ``length``, ``magic``, ``version``,
+    ``checksum``, ``header``, ``key``.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """One KV block with everything needed to verify it and to rebuild its prefix tree.
+
+    ``payload`` is the codec's output; ``dtype`` and ``shape`` describe the decoded tensor.
+    """
+
+    key: BlockKey
+    parent_hash: bytes | None
+    token_ids: tuple[int, ...]
+    codec: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    payload: bytes | memoryview
+    created_ns: int = dataclasses.field(default_factory=time.time_ns)
+
+    def __post_init__(self) -> None:
+        self.key.validate()
+        if self.parent_hash is not None and len(self.parent_hash) != DIGEST_SIZE:
+            raise ValueError(f"parent hash must be {DIGEST_SIZE} bytes")
+        if self.dtype not in DTYPE_CODES:
+            raise ValueError(f"unsupported dtype for a record: {self.dtype}")
+        if len(self.shape) > MAX_NDIM:
+            raise ValueError(f"at most {MAX_NDIM} dimensions, got {len(self.shape)}")
+        if not self.codec.isascii() or not 0 < len(self.codec) <= MAX_CODEC_LEN:
+            raise ValueError(f"codec spec must be 1..{MAX_CODEC_LEN} ASCII chars: {self.codec!r}")
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the encoded record."""
+        return _header_len(len(self.shape), len(self.codec), len(self.token_ids)) + len(
+            self.payload
+        ) + _CHECKSUM.size
+
+
+def _header_len(ndim: int, codec_len: int, num_tokens: int) -> int:
+    return _FIXED.size + 4 * ndim + codec_len + 4 * num_tokens
+
+
+def encode_record(record: Record) -> bytes:
+    """Serialize ``record`` with its checksum."""
+    ndim, codec = len(record.shape), record.codec.encode("ascii")
+    header_len = _header_len(ndim, len(codec), len(record.token_ids))
+    flags = _FLAG_HAS_PARENT if record.parent_hash is not None else 0
+    try:
+        header = _FIXED.pack(
+            MAGIC, FORMAT_VERSION, flags, header_len, len(record.payload), record.created_ns,
+            record.key.namespace, record.key.block_hash, record.parent_hash or _ZERO_DIGEST,
+            DTYPE_CODES[record.dtype], ndim, len(codec), len(record.token_ids),
+        ) + struct.pack(f"<{ndim}I", *record.shape) + codec + struct.pack(
+            f"<{len(record.token_ids)}I", *record.token_ids
+        )
+    except struct.error as e:
+        raise ValueError(f"record field out of range: {e}") from None
+    digest = xxhash.xxh3_64()
+    digest.update(header)
+    digest.update(record.payload)
+    return b"".join((header, record.payload, _CHECKSUM.pack(digest.intdigest())))
+
+
+def decode_record(buf: bytes | memoryview, expected_key: BlockKey | None = None) -> Record:
+    """Parse and verify ``buf``. The returned payload is a view of ``buf`` (no copy).
+
+    Raises :class:`RecordError` if anything is wrong: size, magic, version, checksum,
+    header fields, or (when ``expected_key`` is given) a key that is not the one asked for.
+    """
+    view = memoryview(buf).cast("B")
+    size = len(view)
+    if size < _FIXED.size + _CHECKSUM.size:
+        raise RecordError("length", f"record of {size} bytes is shorter than any record")
+    if bytes(view[:4]) != MAGIC:
+        raise RecordError("magic", "not a tiered-kv record (bad magic)")
+    (version,) = struct.unpack_from("<H", view, 4)
+    if version != FORMAT_VERSION:
+        raise RecordError(
+            "version", f"record format version {version}, this build reads {FORMAT_VERSION}"
+        )
+    (stored,) = _CHECKSUM.unpack_from(view, size - _CHECKSUM.size)
+    if xxhash.xxh3_64_intdigest(view[: size - _CHECKSUM.size]) != stored:
+        raise RecordError("checksum", "record checksum mismatch")
+
+    (_, _, flags, header_len, payload_len, created_ns, namespace, block_hash, parent, dtype_code,
+     ndim, codec_len, num_tokens) = _FIXED.unpack_from(view, 0)
+    if ndim > MAX_NDIM or codec_len == 0 or codec_len > MAX_CODEC_LEN or flags & ~_FLAG_HAS_PARENT:
+        raise RecordError("header", "record header fields out of range")
+    if header_len != _header_len(ndim, codec_len, num_tokens):
+        raise RecordError("header", "record header length disagrees with its fields")
+    if header_len + payload_len + _CHECKSUM.size != size:
+        raise RecordError(
+            "length", f"record declares {header_len + payload_len + 8} bytes, buffer has {size}"
+        )
+    if dtype_code not in DTYPES_BY_CODE:
+        raise RecordError("header", f"unknown dtype code {dtype_code}")
+    pos = _FIXED.size
+    shape = struct.unpack_from(f"<{ndim}I", view, pos)
+    pos += 4 * ndim
+    try:
+        codec = bytes(view[pos : pos + codec_len]).decode("ascii")
+    except UnicodeDecodeError:
+        raise RecordError("header", "codec spec is not ASCII") from None
+    pos += codec_len
+    token_ids = struct.unpack_from(f"<{num_tokens}I", view, pos)
+    key = BlockKey(bytes(namespace), bytes(block_hash))
+    if expected_key is not None and key != expected_key:
+        raise RecordError("key", f"record is for {key.short()}, expected {expected_key.short()}")
+    has_parent = bool(flags & _FLAG_HAS_PARENT)
+    if not has_parent and parent != _ZERO_DIGEST:
+        raise RecordError("header", "root record carries a parent hash")
+    try:
+        return Record(
+            key=key,
+            parent_hash=bytes(parent) if has_parent else None,
+            token_ids=token_ids,
+            codec=codec,
+            dtype=DTYPES_BY_CODE[dtype_code],
+            shape=shape,
+            payload=view[header_len : header_len + payload_len],
+            created_ns=created_ns,
+        )
+    except ValueError as e:
+        raise RecordError("header", f"record header invalid: {e}") from None
