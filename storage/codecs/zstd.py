@@ -1,0 +1,134 @@
+"""``zstd``: lossless byte-plane split + zstd, after any tensor codec.
+
+Every section of the inner codec's payload (see :class:`TensorCodec.layout`) whose elements
+are ``w`` bytes wide is split into ``w`` byte planes — plane ``i`` holds byte ``i`` of every
+element, little-endian, so for fp16/bf16 plane 1 is sign + exponent (+ the top mantissa
+bits) and compresses well, while plane 0 is mantissa and hardly does. Each plane is then
+compressed on its own. Payload::
+
+    4 * P   u32 stored length of each plane, in section order, then byte order
+    ...     the planes, concatenated
+
+A plane whose stored length equals its raw length is stored as-is (zstd did not make it
+smaller); a shorter one is a single zstd frame that carries its content size. ``P`` and the
+raw plane lengths follow from the inner codec's layout for the record's dtype and shape.
+"""
+from __future__ import annotations
+
+import struct
+import threading
+
+import numpy as np
+import torch
+import zstandard
+
+from storage.codecs.base import Codec, CodecError, TensorCodec, as_byte_array
+
+DEFAULT_LEVEL = 1
+MIN_LEVEL, MAX_LEVEL = 1, 19
+
+
+class ZstdCodec(Codec):
+    """Byte planes of ``inner``'s payload, each compressed with zstd at ``level``."""
+
+    lossless: bool
+
+    def __init__(self, inner: TensorCodec, level: int = DEFAULT_LEVEL) -> None:
+        if not MIN_LEVEL <= level <= MAX_LEVEL:
+            raise ValueError(f"zstd level must be {MIN_LEVEL}..{MAX_LEVEL}, got {level}")
+        self.inner = inner
+        self.level = level
+        self.lossless = inner.lossless
+        stage = "zstd" if level == DEFAULT_LEVEL else f"zstd:{level}"
+        self.name = stage if inner.name == "raw" else f"{inner.name}+{stage}"
+        # zstandard contexts are not thread-safe: one pair per thread, reused across calls.
+        self._local = threading.local()
+
+    def _compressor(self) -> zstandard.ZstdCompressor:
+        cctx = getattr(self._local, "cctx", None)
+        if cctx is None:
+            # No frame checksum: the record's xxh3 already covers the payload.
+            cctx = self._local.cctx = zstandard.ZstdCompressor(
+                level=self.level, write_checksum=False, write_content_size=True
+            )
+        return cctx
+
+    def _decompressor(self) -> zstandard.ZstdDecompressor:
+        dctx = getattr(self._local, "dctx", None)
+        if dctx is None:
+            dctx = self._local.dctx = zstandard.ZstdDecompressor()
+        return dctx
+
+    def encode(self, kv: torch.Tensor) -> bytes:
+        buf = self.inner.encode_array(kv)
+        cctx = self._compressor()
+        lengths: list[int] = []
+        parts: list[bytes | memoryview] = []
+        offset = 0
+        for section in self.inner.layout(kv.dtype, tuple(kv.shape)):
+            data = buf[offset : offset + section.nbytes]
+            offset += section.nbytes
+            # [n, w] -> [w, n]: one copy that gathers each byte plane contiguously.
+            planes = data.reshape(-1, section.itemsize).T.copy() if section.itemsize > 1 else [data]
+            for plane in planes:
+                packed = cctx.compress(plane)
+                if len(packed) >= plane.size:
+                    packed = memoryview(plane)
+                lengths.append(len(packed))
+                parts.append(packed)
+        return b"".join([struct.pack(f"<{len(lengths)}I", *lengths), *parts])
+
+    def decode(
+        self,
+        payload: bytes | memoryview,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        device: torch.device | str = "cpu",
+    ) -> torch.Tensor:
+        shape = tuple(shape)
+        layout = self.inner.layout(dtype, shape)
+        src = as_byte_array(payload)
+        num_planes = sum(s.itemsize for s in layout)
+        header = 4 * num_planes
+        if src.size < header:
+            raise CodecError(f"{self.name} payload of {src.size} bytes is shorter than its header")
+        lengths = struct.unpack_from(f"<{num_planes}I", src, 0)
+        if header + sum(lengths) != src.size:
+            raise CodecError(
+                f"{self.name} payload is {src.size} bytes, its header accounts for "
+                f"{header + sum(lengths)}"
+            )
+        out = np.empty(sum(s.nbytes for s in layout), dtype=np.uint8)
+        dctx = self._decompressor()
+        lengths_iter = iter(lengths)
+        pos, offset = header, 0
+        for section in layout:
+            # [n, w]: column i is byte plane i
+            dst = out[offset : offset + section.nbytes].reshape(-1, section.itemsize)
+            offset += section.nbytes
+            plane_len = dst.shape[0]
+            for i in range(section.itemsize):
+                stored = next(lengths_iter)
+                chunk = src[pos : pos + stored]
+                pos += stored
+                dst[:, i] = self._plane(dctx, chunk, plane_len)
+        return self.inner.decode_array(out, dtype, shape, device)
+
+    def _plane(self, dctx: zstandard.ZstdDecompressor, chunk: np.ndarray, plane_len: int) -> np.ndarray:
+        if chunk.size == plane_len:
+            return chunk
+        if chunk.size > plane_len:
+            raise CodecError(f"{self.name}: a plane of {plane_len} bytes is stored in {chunk.size}")
+        try:
+            # Checked first so a forged header cannot make us allocate more than the plane.
+            declared = zstandard.frame_content_size(chunk)
+            if declared != plane_len:
+                raise CodecError(
+                    f"{self.name}: zstd frame declares {declared} bytes, the plane is {plane_len}"
+                )
+            data = dctx.decompress(chunk)
+        except zstandard.ZstdError as e:
+            raise CodecError(f"{self.name}: corrupt zstd frame: {e}") from None
+        if len(data) != plane_len:
+            raise CodecError(f"{self.name}: zstd frame gave {len(data)} bytes, expected {plane_len}")
+        return np.frombuffer(data, dtype=np.uint8)

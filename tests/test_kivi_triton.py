@@ -1,0 +1,120 @@
+"""The Triton KIVI kernels against the torch reference, on the CPU under TRITON_INTERPRET=1.
+
+Triton reads TRITON_INTERPRET when it is imported, so the kernels run in a subprocess with
+the variable set; this module never imports triton itself and works in any test order.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+CASES = [
+    # (bits, dtype, [L, 2, T, H, D], layout)
+    (2, "float16", (2, 2, 16, 3, 32), "contiguous"),
+    (4, "float16", (2, 2, 16, 3, 32), "contiguous"),
+    (2, "bfloat16", (1, 2, 32, 2, 40), "contiguous"),  # value tail group of 8
+    (4, "bfloat16", (1, 2, 32, 2, 40), "contiguous"),
+    (2, "float16", (1, 2, 48, 2, 34), "strided"),  # key tail of 16, value tail of 2 codes
+    (4, "bfloat16", (2, 2, 16, 2, 64), "strided"),
+    (4, "float32", (1, 2, 16, 2, 32), "contiguous"),
+    (2, "bfloat16", (1, 2, 16, 2, 32), "constant"),  # zero-range groups
+]
+
+CHECK = r"""
+import json, sys
+import torch
+from storage.codecs import kivi, kivi_triton
+
+assert kivi_triton._interpreting(), "TRITON_INTERPRET=1 did not reach triton"
+results = {}
+for i, (bits, dtype, shape, layout) in enumerate(json.loads(sys.argv[1])):
+    dtype, shape = getattr(torch, dtype), tuple(shape)
+    g = torch.Generator().manual_seed(i)
+    x = torch.randn(shape, generator=g) * 3
+    x[:, 0, ..., :2] += 8
+    if layout == "constant":
+        x[:, :, :, 0] = 1.5
+    kv = x.to(dtype)
+    if layout == "strided":
+        kv = kv.permute(4, 0, 1, 2, 3).contiguous().permute(1, 2, 3, 4, 0)
+    ref = kivi.quantize_block(kv, bits, backend="torch")
+    tri = kivi.quantize_block(kv, bits, backend="triton")
+    dec_ref = kivi.dequantize_block(ref, bits, dtype, shape, backend="torch")
+    dec_tri = kivi.dequantize_block(tri, bits, dtype, shape, backend="triton")
+    as_bytes = lambda t: t.contiguous().reshape(-1).view(torch.uint8)
+    results[str(i)] = {
+        "payload_equal": torch.equal(ref, tri),
+        "payload_bytes_differing": int((ref != tri).sum()),
+        "decoded_equal": torch.equal(as_bytes(dec_ref), as_bytes(dec_tri)),
+        "decoded_dtype": str(dec_tri.dtype),
+    }
+
+errors = {}
+kv = torch.zeros(1, 2, 16, 2, 32, dtype=torch.float16)
+lay = kivi.kivi_layout(tuple(kv.shape), 2)
+out = lay.views(torch.empty(lay.meta_bytes + lay.code_bytes, dtype=torch.uint8))
+calls = {
+    "short_codes": lambda: kivi_triton.quantize_pack(
+        kivi.value_rows(kv), 2, out.value_codes[..., :-1], out.value_scale, out.value_zero),
+    "strided_scale": lambda: kivi_triton.quantize_pack(
+        kivi.key_rows(kv), 2, out.key_codes,
+        torch.empty(1, 32, 2, 1, dtype=torch.float16).transpose(1, 2), out.key_zero),
+    "fp8_block": lambda: kivi_triton.quantize_pack(
+        kivi.value_rows(kv.to(torch.float8_e4m3fn)), 2, out.value_codes, out.value_scale,
+        out.value_zero),
+    "three_bits": lambda: kivi_triton.unpack_dequantize(
+        out.value_codes, out.value_scale, out.value_zero, 3, kivi.value_rows(kv)),
+}
+for name, call in calls.items():
+    try:
+        call()
+        errors[name] = None
+    except ValueError as e:
+        errors[name] = str(e)
+print(json.dumps({"results": results, "errors": errors}))
+"""
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", CHECK, json.dumps(CASES)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _case_id(case: tuple) -> str:
+    bits, dtype, shape, layout = case
+    return f"kivi{bits}-{dtype}-{'x'.join(map(str, shape))}-{layout}"
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[_case_id(c) for c in CASES])
+def test_triton_matches_torch(interpreted, case):
+    result = interpreted["results"][str(case)]
+    assert result["payload_equal"], f"{result['payload_bytes_differing']} payload bytes differ"
+    assert result["decoded_equal"]
+    assert result["decoded_dtype"] == f"torch.{CASES[case][1]}"
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        ("short_codes", "codes must be"),
+        ("strided_scale", "must be contiguous"),
+        ("fp8_block", "fp16, bf16 or fp32"),
+        ("three_bits", "2 or 4 bits"),
+    ],
+)
+def test_wrapper_rejects_bad_arguments(interpreted, call, message):
+    error = interpreted["errors"][call]
+    assert error is not None and message in error

@@ -1,0 +1,38 @@
+"""Human sizes and ages, as users type them on the command line and read them in tables."""
+from __future__ import annotations
+
+import re
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)b?\s*$", re.I)
+_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+
+
+def parse_size(text: str) -> int:
+    """``"4GiB"`` → 4·2³⁰, ``"500MB"`` → 500·10⁶, ``"1024"`` → 1024 bytes."""
+    m = _SIZE.match(text)
+    if m is None:
+        raise ValueError(f"not a size: {text!r} (examples: 4GiB, 500MB, 1048576)")
+    number, prefix, binary = float(m.group(1)), m.group(2).lower(), m.group(3)
+    base = 1024 if binary or not prefix else 1000
+    size = int(number * base ** _POWERS[prefix])
+    if size <= 0:
+        raise ValueError(f"size must be positive: {text!r}")
+    return size
+
+
+def format_size(nbytes: int) -> str:
+    if nbytes < 1024:
+        return f"{nbytes} B"
+    value, unit = nbytes / 1024, "KiB"
+    for bigger in ("MiB", "GiB", "TiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{value:.1f} {unit}"
+
+
+def format_age(seconds: float) -> str:
+    for unit, span in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= span:
+            return f"{seconds / span:.1f}{unit}"
+    return f"{max(seconds, 0):.0f}s"
