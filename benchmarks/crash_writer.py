@@ -18,6 +18,7 @@ deletes block ``i - 2``, so flushed deletions are checked too.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import json
 import os
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -98,9 +100,9 @@ class RoundResult:
     killed: bool  # False: the writer finished (or failed) before the kill
     exit_status: int
     written: int  # blocks of this round present after reopening
-    flushed_upto: int | None
+    flushed: int | None  # blocks of this round covered by a returned flush()
     entries: int
-    open_s: float
+    check_s: float  # reopening and checking the whole store
     problems: list[str]
 
 
@@ -120,7 +122,8 @@ def check_store(path: str, rounds: list[tuple[int, int, int | None]]) -> tuple[i
                 problems.append(f"{key.short()} listed but unreadable")
                 continue
             index = record.token_ids[0] // TOKENS_PER_BLOCK
-            if key != block_key(index) or encode_record(record) != encode_record(block_record(index)):
+            expected = block_record(index)
+            if key != expected.key or encode_record(record) != encode_record(expected):
                 problems.append(f"{key.short()} differs from block {index}")
         for start, count, flushed_upto in rounds:
             present = 0
@@ -151,7 +154,7 @@ def run_rounds(
     rounds_per_store: int = 10,
     max_delay_s: float = 0.3,
     count: int = 4000,
-    on_round=None,
+    on_round: Callable[[RoundResult], None] | None = None,
 ) -> list[RoundResult]:
     """Write, kill and check ``rounds`` times; a fresh store every ``rounds_per_store``."""
     rng = random.Random(seed)
@@ -189,8 +192,8 @@ def run_rounds(
             result = RoundResult(
                 round=r, sync=sync, flush_every=flush_every, delay_s=round(delay, 4),
                 killed=os.WIFSIGNALED(status), exit_status=status, written=written,
-                flushed_upto=None if flushed is None else flushed - start + 1,
-                entries=entries, open_s=round(time.perf_counter() - t0, 4), problems=problems,
+                flushed=None if flushed is None else flushed - start + 1,
+                entries=entries, check_s=round(time.perf_counter() - t0, 4), problems=problems,
             )
             results.append(result)
             if on_round is not None:
@@ -209,6 +212,7 @@ def _expect(server: subprocess.Popen, word: str) -> list[str]:
 
 
 def serve() -> None:
+    gc.freeze()  # children neither scan nor copy-on-write the objects imported here
     for line in sys.stdin:
         job = json.loads(line)
         pid = os.fork()

@@ -345,6 +345,8 @@ class LmdbStore(BlockStore[Record]):
                 max_readers=max_readers,  # concurrent read txns of the server and admin tools
                 max_spare_txns=1,  # reuse one reset read txn instead of a reader-table scan
                 lock=True,  # a writer process and read-only admin processes share the env
+                # lib_version stays unset: an existing file picks its own engine, and
+                # py-lmdb releases before 3.0 do not know the argument.
             )
         except lmdb.Error as e:
             raise StoreError(f"{self.path}: cannot open the LMDB environment: {e}") from None
@@ -541,11 +543,14 @@ class LmdbStore(BlockStore[Record]):
                 elif self.readonly or kb in self._index:
                     to_read.append(i)
         if to_read:
-            with self._env.begin(db=self._dbs[_DB_RECORDS], buffers=True) as txn:
-                for i in to_read:
-                    buf = txn.get(kbs[i])
-                    if buf is not None:
-                        found[i] = bytes(buf)
+            try:
+                with self._env.begin(db=self._dbs[_DB_RECORDS], buffers=True) as txn:
+                    for i in to_read:
+                        buf = txn.get(kbs[i])
+                        if buf is not None:
+                            found[i] = bytes(buf)
+            except lmdb.Error as e:  # a damaged file or a map outgrown: misses, not a crash
+                logger.error("%s: read failed: %s", self.path, e)
         results: list[Record | None] = [None] * len(kbs)
         bad: list[tuple[bytes, RecordError]] = []
         for i, data in enumerate(found):
@@ -680,7 +685,10 @@ class LmdbStore(BlockStore[Record]):
         return results
 
     def _queue_puts(
-        self, group: list[tuple[bytes, bytes | None, int]], results: list[bool], evicted: list[bytes]
+        self,
+        group: list[tuple[bytes, bytes | None, int]],
+        results: list[bool],
+        evicted: list[bytes],
     ) -> None:
         with self._lock:
             for kb, data, created_ns in group:

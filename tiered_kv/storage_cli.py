@@ -29,7 +29,7 @@ from tiered_kv.units import format_age, format_size, parse_size
 
 app = typer.Typer(help="Administer a KV cache directory.", no_args_is_help=True)
 out = Console()
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 
 EXIT_FOUND_CORRUPT = 1
 EXIT_ERROR = 2
@@ -183,8 +183,8 @@ def verify(path: Dir, as_json: AsJson = False) -> None:
     When a server holds the store, bad records are reported but left for the server to
     quarantine on its next read.
     """
-    if not path.exists():
-        raise _fail(f"{path}: no such KV cache directory")
+    with _open(path):
+        pass  # a clean error, and nothing created, if this is not a store
     try:
         store = LmdbStore(path, None)
     except StoreError:
