@@ -1,0 +1,151 @@
+"""Paged attention: the one place where the model meets the KV cache.
+
+The KV cache is one tensor ``[L, 2, num_blocks, block_size, kv_heads, head_dim]``; each
+layer gets the view ``kv_cache[layer]`` of shape ``[2, num_blocks, block_size, H, D]``.
+A step runs a flattened batch: ``N`` new tokens from ``B`` sequences, sequence ``b``
+owning rows ``query_start_loc[b] : query_start_loc[b+1]``. Its new tokens are the *last*
+``query_len`` positions of its ``seq_len`` context::
+
+    context of seq b:  |<------------- seq_len ------------->|
+                       |<-- cached: seq_len-query_len -->|<-q->|
+                       positions 0 ..                        seq_len-1
+
+Token ``j`` of the context lives in slot ``block_tables[b, j // block_size] *
+block_size + j % block_size``; ``slot_mapping`` gives that slot for each new token.
+A new token at context position ``p`` attends to context positions ``0..p`` (causal).
+
+:func:`paged_attention` first writes the new K/V into their slots, then attends. On CUDA
+it uses the Triton kernels of :mod:`engine.triton_attention`; elsewhere the torch path
+below, which is also the reference the kernels are tested against.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclasses.dataclass
+class AttentionMetadata:
+    """Where one step's tokens come from and go to. Built by the model runner.
+
+    All tensors live on the model's device. ``seq_lens_cpu`` / ``query_lens_cpu`` are host
+    copies (Python lists) so that the torch path never synchronizes with the device.
+    """
+
+    query_start_loc: torch.Tensor  # [B+1] int32, cumulative new-token counts
+    seq_lens: torch.Tensor  # [B] int32, context length including this step's tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int32; entries past a sequence's blocks unused
+    slot_mapping: torch.Tensor  # [N] int64, cache slot of each new token
+    seq_lens_cpu: list[int]
+    query_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_cpu, default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu, default=0)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+@dataclasses.dataclass(frozen=True)
+class KVScales:
+    """Per-layer dequantization scales for an fp8 KV cache (1.0 for other dtypes)."""
+
+    k: float = 1.0
+    v: float = 1.0
+
+
+def write_kv(
+    k: torch.Tensor,  # [N, H, D]
+    v: torch.Tensor,  # [N, H, D]
+    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, H, D]
+    slot_mapping: torch.Tensor,  # [N]
+    scales: KVScales = KVScales(),
+) -> None:
+    """Store new keys and values into their cache slots (quantizing for an fp8 cache)."""
+    flat = layer_cache.flatten(1, 2)  # [2, num_blocks * block_size, H, D]
+    flat[0].index_copy_(0, slot_mapping, _to_cache(k, layer_cache.dtype, scales.k))
+    flat[1].index_copy_(0, slot_mapping, _to_cache(v, layer_cache.dtype, scales.v))
+
+
+def _to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    if dtype in FP8_DTYPES:
+        limit = torch.finfo(dtype).max
+        return (x.float() / scale).clamp_(-limit, limit).to(dtype)
+    return x.to(dtype)
+
+
+def gather_context(
+    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, H, D]
+    block_table: torch.Tensor,  # [max_blocks]
+    seq_len: int,
+    scales: KVScales,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence's first ``seq_len`` keys and values, each ``[seq_len, H, D]`` in ``dtype``."""
+    block_size = layer_cache.shape[2]
+    num_blocks = -(-seq_len // block_size)
+    blocks = layer_cache[:, block_table[:num_blocks].long()]  # [2, n, block_size, H, D]
+    kv = blocks.flatten(1, 2)[:, :seq_len]  # [2, seq_len, H, D]
+    k, v = kv[0].to(dtype), kv[1].to(dtype)
+    if layer_cache.dtype in FP8_DTYPES:
+        k, v = k * scales.k, v * scales.v
+    return k, v
+
+
+def attention_torch(
+    q: torch.Tensor,  # [N, Hq, D]
+    layer_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    scales: KVScales = KVScales(),
+) -> torch.Tensor:
+    """Causal attention of each new token over its sequence's cached context. [N, Hq, D]."""
+    out = torch.empty_like(q)
+    num_kv_heads = layer_cache.shape[3]
+    group = q.shape[1] // num_kv_heads
+    start = 0
+    for b, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
+        k, v = gather_context(layer_cache, meta.block_tables[b], seq_len, scales, torch.float32)
+        qb = q[start : start + q_len].float().transpose(0, 1)  # [Hq, q_len, D]
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, seq_len, D]
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = torch.matmul(qb, k.transpose(1, 2)) * scale  # [Hq, q_len, seq_len]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        scores.masked_fill_(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start : start + q_len] = torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
+        start += q_len
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,  # [N, Hq, D]
+    k: torch.Tensor,  # [N, Hkv, D]
+    v: torch.Tensor,  # [N, Hkv, D]
+    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+    scales: KVScales = KVScales(),
+) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend. Returns ``[N, Hq, D]``."""
+    if q.is_cuda:
+        from engine import triton_attention
+
+        triton_attention.write_kv(k, v, layer_cache, meta.slot_mapping, scales)
+        return triton_attention.attention(q, layer_cache, meta, scale, scales)
+    write_kv(k, v, layer_cache, meta.slot_mapping, scales)
+    return attention_torch(q, layer_cache, meta, scale, scales)
