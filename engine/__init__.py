@@ -1,0 +1,11 @@
+"""A paged LLM inference engine (see docs/engine.md)."""
+from __future__ import annotations
+
+from engine.async_engine import AsyncLLM
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampler import SamplingParams
+
+__all__ = ["LLM", "AsyncLLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]

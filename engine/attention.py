@@ -76,8 +76,13 @@ def write_kv(
 ) -> None:
     """Store new keys and values into their cache slots (quantizing for an fp8 cache)."""
     flat = layer_cache.flatten(1, 2)  # [2, num_blocks * block_size, H, D]
-    flat[0].index_copy_(0, slot_mapping, _to_cache(k, layer_cache.dtype, scales.k))
-    flat[1].index_copy_(0, slot_mapping, _to_cache(v, layer_cache.dtype, scales.v))
+    k = _to_cache(k, layer_cache.dtype, scales.k)
+    v = _to_cache(v, layer_cache.dtype, scales.v)
+    if layer_cache.dtype in FP8_DTYPES:
+        # index_copy_ has no fp8 kernel on the CPU; copying the bytes is the same
+        flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)
 
 
 def _to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:

@@ -1,0 +1,245 @@
+"""``AsyncLLM``: the engine on a background thread, streaming to asyncio consumers.
+
+The engine thread owns the :class:`~engine.llm_engine.LLMEngine` and everything in it. Other
+threads talk to it only through a command queue (add, abort, stop); it answers each request
+on that request's ``asyncio.Queue`` via ``loop.call_soon_threadsafe``. While no request is
+unfinished the thread blocks on the command queue, so an idle engine costs nothing, and
+the model forward never runs on the event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Sequence as Seq
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.connector import KVConnector
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampler import SamplingParams
+from engine.stats import EngineStats
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    add_special_tokens: bool
+    loop: asyncio.AbstractEventLoop
+    stream: asyncio.Queue
+
+
+@dataclasses.dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stop:
+    pass
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (shut down, or a step raised); no request can run."""
+
+
+class AsyncLLM:
+    """``AsyncLLM(model="tiny" | folder, **EngineConfig fields, kv_connector=None)``.
+
+    ``generate`` streams :class:`~engine.outputs.RequestOutput` s (cumulative token ids,
+    ``delta_text`` per output); leaving the ``async for`` early, or cancelling the task
+    consuming it, aborts the request and frees its blocks.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] = "tiny",
+        *,
+        kv_connector: KVConnector | None = None,
+        **engine_config: Any,
+    ) -> None:
+        config = EngineConfig(model=os.fspath(model), **engine_config)
+        self._start(LLMEngine(config, kv_connector=kv_connector))
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> AsyncLLM:
+        """Serve an existing engine; from now on only the engine thread may touch it."""
+        self = cls.__new__(cls)
+        self._start(engine)
+        return self
+
+    def _start(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._streams: dict[str, _Add] = {}  # engine thread only
+        self._error: BaseException | None = None
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._stats = engine.stats()
+        self._thread = threading.Thread(target=self._run, name="tiered-kv-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    def stats(self) -> EngineStats:
+        """The engine's stats as of its last step (refreshed by the engine thread)."""
+        return self._stats
+
+    async def generate(
+        self,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        *,
+        add_special_tokens: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of one request until it finishes.
+
+        Raises ``ValueError`` for an invalid request (as :meth:`LLMEngine.add_request` does)
+        and :class:`EngineDeadError` once the engine has stopped.
+        """
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        prompt = prompt if isinstance(prompt, str) else list(prompt)
+        add = _Add(
+            request_id,
+            prompt,
+            params or SamplingParams(),
+            cache_salt,
+            add_special_tokens,
+            asyncio.get_running_loop(),
+            stream,
+        )
+        with self._lock:  # pairs with the drain in _run: no command is left unanswered
+            if self._stopped.is_set():
+                raise EngineDeadError("the engine is shut down") from self._error
+            self._commands.put(add)
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (a no-op for one that already finished). Thread-safe."""
+        self._commands.put(_Abort(request_id))
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Abort every request (their streams end with ``finish_reason="abort"``), stop the
+        engine thread and close the engine. Idempotent."""
+        if self._thread.is_alive():
+            self._commands.put(_Stop())
+            self._thread.join(timeout)
+        self.engine.close()
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                idle = not engine.has_unfinished_requests()
+                commands = [self._commands.get()] if idle else []
+                while True:
+                    try:
+                        commands.append(self._commands.get_nowait())
+                    except queue.Empty:
+                        break
+                for command in commands:
+                    if isinstance(command, _Stop):
+                        self._abort_all()
+                        return
+                    self._apply(command)
+                if engine.has_unfinished_requests():
+                    for output in engine.step():
+                        self._deliver(output.request_id, output, output.finished)
+                self._stats = engine.stats()
+        except Exception as e:  # a failed step leaves the engine in an unknown state
+            logger.exception("the engine thread failed")
+            self._error = e
+            for request_id in list(self._streams):
+                self._deliver(request_id, EngineDeadError(f"the engine failed: {e!r}"), True)
+        finally:
+            with self._lock:
+                self._stopped.set()
+            self._answer_leftovers()
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            output = self.engine.abort_request(command.request_id)
+            if output is not None:
+                self._deliver(command.request_id, output, True)
+            self._streams.pop(command.request_id, None)
+            return
+        if command.request_id in self._streams:
+            error = ValueError(f"request id {command.request_id!r} is already in use")
+            command.loop.call_soon_threadsafe(command.stream.put_nowait, error)
+            return
+        try:
+            self.engine.add_request(
+                command.prompt,
+                command.params,
+                request_id=command.request_id,
+                cache_salt=command.cache_salt,
+                add_special_tokens=command.add_special_tokens,
+            )
+        except ValueError as e:
+            command.loop.call_soon_threadsafe(command.stream.put_nowait, e)
+            return
+        self._streams[command.request_id] = command
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException, last: bool) -> None:
+        target = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
+        if target is None:
+            return
+        try:
+            target.loop.call_soon_threadsafe(target.stream.put_nowait, item)
+        except RuntimeError:  # the consumer's event loop is closed: nobody is listening
+            if not last:
+                self._streams.pop(request_id, None)
+                self.engine.abort_request(request_id)
+
+    def _answer_leftovers(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                error = EngineDeadError("the engine is shut down")
+                try:
+                    command.loop.call_soon_threadsafe(command.stream.put_nowait, error)
+                except RuntimeError:
+                    pass
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._streams):
+            output = self.engine.abort_request(request_id)
+            if output is not None:
+                self._deliver(request_id, output, True)
+        self._streams.clear()

@@ -1,0 +1,153 @@
+"""The pool of KV blocks: reference counts, the prefix cache and the LRU free queue.
+
+A block is *free* when no sequence references it. Free blocks wait in an LRU queue (oldest
+first) and, when they hold a full block whose hash is registered, stay findable by that
+hash until the queue hands them out again (lazy eviction, as in vLLM): only then is the
+hash dropped and the eviction reported. A hit on a free block takes it back out of the
+queue, so the queue is the LRU order of unreferenced blocks.
+
+A hit needs both the chained hash and the block's token ids to match: the hash finds the
+block, the token check guarantees it holds what the sequence needs.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence as Seq
+
+from engine.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: bytes | None = None  # set only while registered in the prefix cache
+        self.token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    """Hands out the blocks of one KV cache. Single-threaded: the engine thread owns it."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        on_evict: Callable[[list[bytes]], None] | None = None,
+    ) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[bytes, int] = {}  # hash -> block id
+        self._on_evict = on_evict
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self.blocks) - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def is_cached(self, block_hash: bytes) -> bool:
+        return block_hash in self._cached
+
+    def find_cached_prefix(self, seq: Sequence, max_blocks: int) -> list[int]:
+        """Block ids of the longest run of ``seq``'s leading full blocks in the prefix cache."""
+        if not self.enable_prefix_caching or max_blocks <= 0:
+            return []
+        hit: list[int] = []
+        for i, block_hash in enumerate(seq.hashes_of_full_blocks(max_blocks * self.block_size)):
+            block_id = self._cached.get(block_hash)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.block_tokens(i)):
+                break
+            hit.append(block_id)
+        return hit
+
+    def num_blocks_to_allocate(self, seq: Sequence, num_tokens: int, prefix: Seq[int] = ()) -> int:
+        """Free-queue entries that :meth:`allocate` would take (new blocks + reclaimed hits)."""
+        new = -(-num_tokens // self.block_size) - len(seq.block_table) - len(prefix)
+        reclaimed = sum(1 for b in prefix if self.blocks[b].ref_count == 0)
+        return max(new, 0) + reclaimed
+
+    def can_allocate(self, seq: Sequence, num_tokens: int, prefix: Seq[int] = ()) -> bool:
+        return self.num_blocks_to_allocate(seq, num_tokens, prefix) <= len(self._free)
+
+    def allocate(self, seq: Sequence, num_tokens: int, prefix: Seq[int] = ()) -> bool:
+        """Give ``seq`` blocks for its first ``num_tokens`` tokens; False (and no change) if short.
+
+        ``prefix``: cached block ids (from :meth:`find_cached_prefix`) to share first; only
+        for a sequence that holds no blocks yet.
+        """
+        if prefix and seq.block_table:
+            raise ValueError("a cached prefix can only start an empty block table")
+        if not self.can_allocate(seq, num_tokens, prefix):
+            return False
+        for block_id in prefix:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+        seq.block_table.extend(prefix)
+        evicted: list[bytes] = []
+        for _ in range(-(-num_tokens // self.block_size) - len(seq.block_table)):
+            seq.block_table.append(self._take_free(evicted))
+        if evicted and self._on_evict is not None:
+            self._on_evict(evicted)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Drop ``seq``'s references. Its last blocks become the first to be reused."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+        seq.block_table = []
+
+    def cache_blocks(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """Register ``seq``'s full blocks ``start..end-1`` (computed, hashed) in the prefix cache.
+
+        Returns the indices of the blocks whose hash was new to the cache (a block whose
+        hash another block already holds stays unregistered and is simply reused when freed).
+        With prefix caching off nothing is registered and every index is returned.
+        """
+        hashes = seq.hashes_of_full_blocks(end * self.block_size)
+        if not self.enable_prefix_caching:
+            return list(range(start, end))
+        new: list[int] = []
+        for i in range(start, end):
+            block_hash = hashes[i]
+            if block_hash in self._cached:
+                continue
+            block = self.blocks[seq.block_table[i]]
+            block.block_hash = block_hash
+            block.token_ids = tuple(seq.block_tokens(i))
+            self._cached[block_hash] = block.block_id
+            new.append(i)
+        return new
+
+    def _take_free(self, evicted: list[bytes]) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            del self._cached[block.block_hash]
+            evicted.append(block.block_hash)
+            block.block_hash = None
+            block.token_ids = ()
+        block.ref_count = 1
+        return block_id

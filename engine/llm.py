@@ -1,0 +1,132 @@
+"""``LLM``: offline batch generation, the way vLLM's ``LLM`` class is used."""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.connector import KVConnector
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampler import SamplingParams
+from engine.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """``LLM(model="tiny" | folder, **EngineConfig fields, kv_connector=None)``.
+
+    >>> llm = LLM(max_model_len=256)
+    >>> out = llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=8))
+    >>> out[0].token_ids
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] = "tiny",
+        *,
+        kv_connector: KVConnector | None = None,
+        **engine_config: Any,
+    ) -> None:
+        config = EngineConfig(model=os.fspath(model), **engine_config)
+        self.engine = LLMEngine(config, kv_connector=kv_connector)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Seq[int] | Seq[str | Seq[int]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        cache_salt: str | Seq[str | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Run ``prompts`` to completion; one finished output per prompt, in order.
+
+        ``prompts``: a string, a list of token ids (one prompt), or a list of either.
+        ``sampling_params`` and ``cache_salt``: one for all prompts or one per prompt.
+        """
+        prompts = _normalize_prompts(prompts)
+        params = _per_prompt("sampling_params", sampling_params, len(prompts), SamplingParams())
+        salts = _per_prompt("cache_salt", cache_salt, len(prompts), None)
+        return self._run([(p, sp, salt, True) for p, sp, salt in zip(prompts, params, salts)])
+
+    def chat(
+        self,
+        messages: Seq[dict[str, Any]] | Seq[Seq[dict[str, Any]]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        cache_salt: str | Seq[str | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` messages)
+        or to a list of conversations, rendered with the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        texts = [self.tokenizer.apply_chat_template(list(c)) for c in conversations]
+        params = _per_prompt("sampling_params", sampling_params, len(texts), SamplingParams())
+        salts = _per_prompt("cache_salt", cache_salt, len(texts), None)
+        # Chat templates write their own BOS.
+        return self._run([(t, sp, salt, False) for t, sp, salt in zip(texts, params, salts)])
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run(self, requests: list[tuple[Prompt, SamplingParams, str | None, bool]]) -> list[RequestOutput]:
+        engine = self.engine
+        ids: list[str] = []
+        done: dict[str, RequestOutput] = {}
+        try:
+            for prompt, params, salt, special in requests:
+                ids.append(
+                    engine.add_request(prompt, params, cache_salt=salt, add_special_tokens=special)
+                )
+            pending = set(ids)
+            while pending:
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        done[out.request_id] = out
+                        pending.discard(out.request_id)
+        finally:
+            for request_id in ids:
+                if request_id not in done:
+                    engine.abort_request(request_id)
+        return [done[i] for i in ids]
+
+
+def _normalize_prompts(prompts: Any) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]
+    normalized: list[Prompt] = []
+    for p in prompts:
+        if isinstance(p, str):
+            normalized.append(p)
+        elif isinstance(p, Seq) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            normalized.append(list(p))
+        else:
+            raise ValueError(
+                "prompts must be a string, a list of token ids, or a list of strings / token-id "
+                f"lists; got an element of type {type(p).__name__}"
+            )
+    return normalized
+
+
+def _per_prompt(name: str, value: Any, count: int, default: Any) -> list[Any]:
+    if value is None:
+        return [default] * count
+    if isinstance(value, (SamplingParams, str)):
+        return [value] * count
+    values = list(value)
+    if len(values) != count:
+        raise ValueError(f"{name}: {len(values)} values for {count} prompts")
+    return values

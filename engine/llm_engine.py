@@ -1,0 +1,320 @@
+"""The engine: requests in, one step at a time, outputs out.
+
+A step is three calls: the scheduler picks the tokens to compute, the model runner computes
+them and samples, and post-processing appends the samples, detokenizes, checks the stop
+conditions and finishes requests (freeing their blocks). Not thread-safe: one thread drives
+an engine (:class:`engine.async_engine.AsyncLLM` runs it on its own thread).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import time
+from collections.abc import Sequence as Seq
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.connector import KVConnector
+from engine.hashing import KVNamespace, root_hash
+from engine.kv_cache import (
+    FP8_CALIBRATION_TEXT,
+    KVCacheSpec,
+    cuda_kv_budget,
+    kv_cache_dtype,
+    num_blocks_for_budget,
+)
+from engine.model_runner import ModelRunner
+from engine.models import LoadedModel, load_model
+from engine.outputs import RequestOutput
+from engine.sampler import Sample, SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.stats import EngineStats, NvmlTelemetry, StatsCollector
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclasses.dataclass
+class _TextState:
+    """Detokenization and stop-string state of one request."""
+
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+    num_sent_chars: int = 0
+    stop_reason: str | int | None = None
+
+
+class LLMEngine:
+    """Loads the model, sizes the KV cache, and runs steps over the queued requests.
+
+    ``model``: an already loaded model to use instead of loading ``config.model``.
+    ``kv_connector``: see :mod:`engine.connector`; ``None`` keeps all KV in the block pool.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        kv_connector: KVConnector | None = None,
+        model: LoadedModel | None = None,
+    ) -> None:
+        config = config or EngineConfig()
+        if model is None:
+            model = load_model(config.model, dtype=config.dtype, device=config.torch_device)
+        self.config = config = config.resolve(model.config.max_position_embeddings)
+        self.model_config = mc = model.config
+        self.tokenizer: Tokenizer = model.tokenizer
+        self.fingerprint = model.fingerprint
+        self.device = torch.device(config.device)
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
+        spec = KVCacheSpec(
+            num_layers=mc.num_layers,
+            block_size=config.block_size,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            dtype=kv_cache_dtype(config.kv_cache_dtype, model.dtype),
+        )
+        self.model_runner = ModelRunner(model.model, config, spec, self.eos_token_ids, mc.vocab_size)
+
+        kv_scales = None
+        if config.kv_cache_dtype == "fp8":
+            calibration = self.tokenizer.encode(FP8_CALIBRATION_TEXT)
+            limit = min(config.max_model_len - 1, config.max_num_batched_tokens)
+            kv_scales = self.model_runner.calibrate_fp8_scales(calibration[:limit])
+        num_blocks = self._num_blocks(spec, kv_scales)
+        kv_cache = self.model_runner.init_kv_cache(num_blocks, kv_scales)
+        self.namespace = KVNamespace(
+            model_fingerprint=model.fingerprint,
+            kv_dtype=str(spec.dtype).removeprefix("torch."),
+            kv_scales=tuple((s.k, s.v) for s in kv_scales or ()),
+            block_size=config.block_size,
+            num_layers=mc.num_layers,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+        ).digest()
+
+        self.connector = kv_connector
+        if kv_connector is not None:
+            kv_connector.register_kv_cache(kv_cache, self.namespace, config.block_size)
+        self._stats = StatsCollector()
+        self._telemetry = NvmlTelemetry(self.device)
+        self.block_manager = BlockManager(
+            num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            on_evict=kv_connector.on_blocks_evicted if kv_connector is not None else None,
+        )
+        self.scheduler = Scheduler(config, self.block_manager, self._stats, kv_connector)
+        self._texts: dict[str, _TextState] = {}
+        self._counter = itertools.count()
+        self._closed = False
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    def add_request(
+        self,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        add_special_tokens: bool = True,
+    ) -> str:
+        """Queue a request (text or token ids); returns its id. Raises ``ValueError`` for a
+        prompt that is empty, has an invalid token id or does not fit ``max_model_len``."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        else:
+            text, token_ids = None, list(prompt)
+            vocab = self.model_config.vocab_size
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        number = next(self._counter)
+        if request_id is None:
+            request_id = str(number)
+        seed = params.seed if params.seed is not None else _derived_seed(self.config.seed, number)
+        seq = Sequence(
+            request_id,
+            token_ids,
+            params,
+            block_size=self.config.block_size,
+            root_hash=root_hash(self.namespace, cache_salt),
+            generator=torch.Generator(self.device).manual_seed(seed),
+            prompt=text,
+            cache_salt=cache_salt,
+        )
+        self.scheduler.add(seq)
+        self._texts[request_id] = _TextState(
+            IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        )
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a waiting or running request and free its blocks; its final output, or None
+        if there is no such unfinished request."""
+        seq = self.scheduler.get(request_id)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, "abort")
+        return self._output(seq, self._texts.pop(request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; an output for every request that got a token or finished in it."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler could not schedule any of the queued requests")
+            return []
+        samples = self.model_runner.run(plan)
+        self.scheduler.complete_step(plan)
+        now = time.perf_counter()
+        outputs = []
+        for (seq, _), sample in zip(plan.scheduled, samples):
+            if sample is not None:
+                outputs.append(self._append(seq, sample, now))
+        return outputs
+
+    def stats(self) -> EngineStats:
+        s, bm = self._stats, self.block_manager
+        return EngineStats(
+            num_blocks=bm.num_blocks,
+            num_used_blocks=bm.num_used_blocks,
+            num_cached_blocks=bm.num_cached_blocks,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            connector_hits=s.connector_hits,
+            connector_load_failures=s.connector_load_failures,
+            num_preemptions=s.num_preemptions,
+            num_prompt_tokens=s.num_prompt_tokens,
+            num_generated_tokens=s.num_generated_tokens,
+            num_finished_requests=s.num_finished_requests,
+            ttft_s=tuple(s.ttft_s),
+            itl_s=tuple(s.itl_s),
+            gpu_memory=self._telemetry.memory(),
+        )
+
+    def close(self) -> None:
+        """Abort what is left and release the connector and NVML. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for request_id in list(self._texts):
+            self.abort_request(request_id)
+        if self.connector is not None:
+            self.connector.close()
+        self._telemetry.close()
+
+    def _num_blocks(self, spec: KVCacheSpec, kv_scales) -> int:
+        config = self.config
+        if config.num_gpu_blocks_override is not None:
+            num_blocks = config.num_gpu_blocks_override
+        elif self.device.type == "cuda":
+            peak = self.model_runner.profile_peak_memory(kv_scales)
+            budget = cuda_kv_budget(self.device, config.gpu_memory_utilization, peak)
+            num_blocks = num_blocks_for_budget(spec, max(budget, 0))
+        else:
+            num_blocks = num_blocks_for_budget(spec, config.cpu_kv_cache_bytes)
+        needed = -(-config.max_model_len // config.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"the KV cache has room for {num_blocks} blocks ({num_blocks * config.block_size} "
+                f"tokens), fewer than one sequence of max_model_len={config.max_model_len} needs "
+                f"({needed} blocks); lower max_model_len or give the cache more memory "
+                "(gpu_memory_utilization, cpu_kv_cache_bytes, num_gpu_blocks_override)"
+            )
+        return num_blocks
+
+    def _append(self, seq: Sequence, sample: Sample, now: float) -> RequestOutput:
+        """Append a sampled token; detokenize; finish the request on a stop condition."""
+        params, state = seq.params, self._texts[seq.request_id]
+        token = sample.token_id
+        seq.token_ids.append(token)
+        if seq.logprobs is not None:
+            seq.logprobs.append(sample.logprob)
+        if seq.top_logprobs is not None:
+            seq.top_logprobs.append(sample.top_logprobs)
+        self._stats.num_generated_tokens += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            self._stats.ttft_s.append(now - seq.arrival_time)
+        else:
+            self._stats.itl_s.append(now - seq.last_token_time)
+        seq.last_token_time = now
+
+        reason = None
+        num_out = seq.num_output_tokens
+        may_stop = num_out >= params.min_tokens
+        stop_ids = params.stop_token_ids + (() if params.ignore_eos else self.eos_token_ids)
+        new_text = ""
+        if may_stop and token in stop_ids:
+            reason, state.stop_reason = "stop", token
+        else:
+            new_text = state.detokenizer.add(token)
+            if (params.max_tokens is not None and num_out >= params.max_tokens) or (
+                seq.num_tokens >= self.config.max_model_len
+            ):
+                reason = "length"
+        if reason is not None:
+            new_text += state.detokenizer.finish()
+        searched_from = len(state.text)
+        state.text += new_text
+        if params.stop and may_stop:
+            cut = _find_stop(state.text, params.stop, searched_from)
+            if cut is not None:
+                state.text = state.text[: cut[0]]
+                reason, state.stop_reason = "stop", cut[1]
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            del self._texts[seq.request_id]
+        return self._output(seq, state)
+
+    def _output(self, seq: Sequence, state: _TextState) -> RequestOutput:
+        text = state.text
+        if not seq.is_finished and seq.params.stop:
+            text = text[: max(len(text) - max(map(len, seq.params.stop)) + 1, state.num_sent_chars)]
+        delta, state.num_sent_chars = text[state.num_sent_chars :], len(text)
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            text=text,
+            delta_text=delta,
+            num_cached_tokens=seq.num_cached_tokens or 0,
+            finish_reason=seq.finish_reason,
+            stop_reason=state.stop_reason,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            top_logprobs=list(seq.top_logprobs) if seq.top_logprobs is not None else None,
+        )
+
+
+def _find_stop(text: str, stops: Seq[str], searched_from: int) -> tuple[int, str] | None:
+    """The earliest stop string in ``text`` that ends after ``searched_from``."""
+    best = None
+    for stop in stops:
+        i = text.find(stop, max(0, searched_from - len(stop) + 1))
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, stop)
+    return best
+
+
+def _derived_seed(engine_seed: int, number: int) -> int:
+    digest = hashlib.sha256(f"tiered-kv/request-seed/{engine_seed}/{number}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1

@@ -1,0 +1,171 @@
+"""Runs one scheduled step on the model: inputs, attention metadata, forward, logits, sampling."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence as Seq
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata, KVScales
+from engine.config import EngineConfig
+from engine.kv_cache import KVCacheSpec, fp8_scales_from_cache
+from engine.sampler import Sample, Sampler, SamplingRow
+from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
+
+
+@dataclasses.dataclass
+class BatchInputs:
+    """The flattened inputs of one forward: ``N`` tokens from ``B`` sequences."""
+
+    input_ids: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [M] rows of the hidden states whose next token is sampled
+
+
+class ModelRunner:
+    """Owns the model and the KV cache tensor; one :meth:`run` per engine step."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: EngineConfig,
+        spec: KVCacheSpec,
+        eos_token_ids: Seq[int],
+        vocab_size: int,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.spec = spec
+        self.device = torch.device(config.device)
+        self.block_size = config.block_size
+        self.eos_token_ids = tuple(t for t in eos_token_ids if 0 <= t < vocab_size)
+        self.vocab_size = vocab_size
+        self.sampler = Sampler()
+        self.kv_cache: torch.Tensor | None = None  # [L, 2, num_blocks, block_size, H, D]
+        self.kv_scales: list[KVScales] | None = None
+
+    def init_kv_cache(self, num_blocks: int, kv_scales: list[KVScales] | None) -> torch.Tensor:
+        self.kv_cache = self.spec.allocate(num_blocks, self.device)
+        self.kv_scales = kv_scales
+        return self.kv_cache
+
+    @torch.inference_mode()
+    def run(self, output: SchedulerOutput) -> list[Sample | None]:
+        """Forward the step; a sample for each scheduled sequence that completes its tokens."""
+        if self.kv_cache is None:
+            raise RuntimeError("init_kv_cache() must be called before run()")
+        items = output.scheduled
+        sampled = [i for i, (seq, n) in enumerate(items) if seq.num_computed_tokens + n == seq.num_tokens]
+        batch = self._prepare(
+            [seq.token_ids for seq, _ in items],
+            [seq.num_computed_tokens for seq, _ in items],
+            [n for _, n in items],
+            [seq.block_table for seq, _ in items],
+            sampled,
+        )
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta, self.kv_scales)
+        results: list[Sample | None] = [None] * len(items)
+        if not sampled:
+            return results
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [M, vocab] float32
+        rows = [self._sampling_row(items[i].seq) for i in sampled]
+        for i, sample in zip(sampled, self.sampler(logits, rows)):
+            results[i] = sample
+        return results
+
+    @torch.inference_mode()
+    def profile_peak_memory(self, kv_scales: list[KVScales] | None) -> int:
+        """Peak CUDA bytes of a ``max_num_batched_tokens`` forward plus logits, less its cache."""
+        budget = self.config.max_num_batched_tokens
+        num_seqs = min(self.config.max_num_seqs, budget)
+        lengths = [budget // num_seqs + (i < budget % num_seqs) for i in range(num_seqs)]
+        lengths = [min(n, self.config.max_model_len - 1) for n in lengths]
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        cache = self._forward_on_fresh_cache([[0] * n for n in lengths], self.spec, kv_scales)
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - cache.numel() * cache.element_size()
+
+    @torch.inference_mode()
+    def calibrate_fp8_scales(self, token_ids: list[int]) -> list[KVScales]:
+        """Per-layer fp8 scales from the K/V the model writes for ``token_ids``."""
+        model_dtype = next(self.model.parameters()).dtype
+        cache = self._forward_on_fresh_cache(
+            [token_ids], dataclasses.replace(self.spec, dtype=model_dtype), None
+        )
+        return fp8_scales_from_cache(cache)
+
+    def _forward_on_fresh_cache(
+        self, prompts: list[list[int]], spec: KVCacheSpec, kv_scales: list[KVScales] | None
+    ) -> torch.Tensor:
+        """Prefill ``prompts`` into a new cache just big enough for them (and compute logits)."""
+        tables, num_blocks = [], 0
+        for prompt in prompts:
+            count = -(-len(prompt) // self.block_size)
+            tables.append(list(range(num_blocks, num_blocks + count)))
+            num_blocks += count
+        cache = spec.allocate(num_blocks, self.device)
+        lengths = [len(p) for p in prompts]
+        batch = self._prepare(prompts, [0] * len(prompts), lengths, tables, range(len(prompts)))
+        hidden = self.model(batch.input_ids, batch.positions, cache, batch.meta, kv_scales)
+        torch.softmax(self.model.compute_logits(hidden[batch.logits_indices]), dim=-1)
+        return cache
+
+    def _prepare(
+        self,
+        token_ids: Seq[Seq[int]],
+        starts: Seq[int],
+        query_lens: Seq[int],
+        block_tables: Seq[Seq[int]],
+        sampled: Seq[int],
+    ) -> BatchInputs:
+        """Flatten a batch; sequence ``b`` computes ``token_ids[b][starts[b]:starts[b]+query_lens[b]]``."""
+        bs = self.block_size
+        num_seqs = len(query_lens)
+        seq_lens = [s + n for s, n in zip(starts, query_lens)]
+        input_ids: list[int] = []
+        for tokens, s, n in zip(token_ids, starts, query_lens):
+            input_ids += tokens[s : s + n]
+
+        width = max(-(-n // bs) for n in seq_lens)
+        tables = np.zeros((num_seqs, width), dtype=np.int32)  # [B, max_blocks]
+        for b, table in enumerate(block_tables):
+            used = -(-seq_lens[b] // bs)
+            tables[b, :used] = table[:used]
+        if max(query_lens) == 1:
+            positions = np.asarray(starts, dtype=np.int64)
+            rows = np.arange(num_seqs)
+        else:
+            positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, query_lens)])
+            rows = np.repeat(np.arange(num_seqs), query_lens)
+        slots = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs  # [N]
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+
+        device = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.from_numpy(query_start_loc).to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.from_numpy(tables).to(device),
+            slot_mapping=torch.from_numpy(slots).to(device),
+            seq_lens_cpu=list(seq_lens),
+            query_lens_cpu=list(query_lens),
+        )
+        logits_indices = torch.from_numpy(query_start_loc[1:][list(sampled)] - 1).long()
+        return BatchInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+            positions=torch.from_numpy(positions).to(device),
+            meta=meta,
+            logits_indices=logits_indices.to(device),
+        )
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        params = seq.params
+        suppressed: tuple[int, ...] = ()
+        if seq.num_output_tokens < params.min_tokens:
+            stop_ids = params.stop_token_ids + (() if params.ignore_eos else self.eos_token_ids)
+            suppressed = tuple(t for t in stop_ids if 0 <= t < self.vocab_size)
+        return SamplingRow(params, seq.generator, suppressed)

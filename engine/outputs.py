@@ -1,0 +1,31 @@
+"""What the engine hands back for a request."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """The state of one request after a step; the last one has ``finished`` set.
+
+    ``token_ids``, ``text`` and ``logprobs`` are cumulative; ``delta_text`` is the text
+    that is new since the previous output of the same request (for streaming). While a
+    request has stop strings, the last ``len(longest stop) - 1`` characters are held back
+    until it is clear they do not start a stop string.
+    """
+
+    request_id: str
+    prompt: str | None  # None when the prompt was given as token ids
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated so far (including a final stop/eos token)
+    text: str
+    delta_text: str
+    num_cached_tokens: int  # prompt tokens not computed: GPU prefix hit + connector-loaded
+    finish_reason: str | None  # "stop", "length" or "abort"; None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id, if one ended it
+    logprobs: list[float] | None = None  # of each chosen token, when asked for
+    top_logprobs: list[dict[int, float]] | None = None  # when asked for logprobs=k > 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,107 @@
+"""A request as the scheduler sees it: its tokens, its blocks and how far it has been computed.
+
+::
+
+    token_ids:  | prompt ......................... | outputs ...... |
+                |<--- num_computed_tokens --->|                     (KV in the cache)
+                |<- num_cached_tokens ->|       (prompt tokens found in a cache, not computed)
+
+``num_computed_tokens`` only ever lags ``num_tokens``: the newest sampled token is fed to
+the model in the next step. ``block_table[i]`` holds tokens ``i*B .. i*B+B-1``.
+"""
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from engine.hashing import hash_blocks
+from engine.sampler import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One request. Owned by the engine thread; nothing here is thread-safe."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        block_size: int,
+        root_hash: bytes,
+        generator: torch.Generator,
+        prompt: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.block_size = block_size
+        self.root_hash = root_hash
+        self.cache_salt = cache_salt
+        self.generator = generator
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # of the full blocks of token_ids, as far as needed
+        self.num_computed_tokens = 0
+        self.num_cached_tokens: int | None = None  # set when first scheduled
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.logprobs: list[float] | None = [] if params.wants_logprobs else None
+        self.top_logprobs: list[dict[int, float]] | None = (
+            [] if params.num_top_logprobs else None
+        )
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than one token still lacks KV (a prompt, or a sequence being recomputed)."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    def block_tokens(self, index: int) -> list[int]:
+        return self.token_ids[index * self.block_size : (index + 1) * self.block_size]
+
+    def hashes_of_full_blocks(self, num_tokens: int | None = None) -> list[bytes]:
+        """Hashes of the full blocks among the first ``num_tokens`` tokens (default: all)."""
+        num_tokens = self.num_tokens if num_tokens is None else num_tokens
+        num_blocks = num_tokens // self.block_size
+        if len(self.block_hashes) < num_blocks:
+            self.block_hashes = hash_blocks(
+                self.root_hash,
+                self.token_ids[: num_blocks * self.block_size],
+                self.block_size,
+                self.block_hashes,
+            )
+        return self.block_hashes[:num_blocks]

@@ -1,0 +1,94 @@
+"""Engine counters and latency samples, and a snapshot type to read them."""
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from typing import NamedTuple
+
+import torch
+
+DEFAULT_MAX_SAMPLES = 1000
+
+
+class GpuMemory(NamedTuple):
+    total_bytes: int
+    used_bytes: int  # by every process on the device, as NVML reports it
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A point-in-time copy of the engine's state and counters. Counters only grow."""
+
+    num_blocks: int
+    num_used_blocks: int  # referenced by a running sequence
+    num_cached_blocks: int  # findable in the prefix cache (referenced or free)
+    num_running: int
+    num_waiting: int
+    prefix_cache_queries: int  # tokens looked up in the GPU prefix cache
+    prefix_cache_hits: int  # of those, tokens found there
+    connector_hits: int  # prompt tokens loaded through the connector
+    connector_load_failures: int  # loads that failed and were recomputed
+    num_preemptions: int
+    num_prompt_tokens: int  # prompt tokens computed (not cached)
+    num_generated_tokens: int
+    num_finished_requests: int
+    ttft_s: tuple[float, ...]  # recent time-to-first-token samples
+    itl_s: tuple[float, ...]  # recent inter-token latency samples
+    gpu_memory: GpuMemory | None  # NVML telemetry; None without CUDA or NVML
+
+    @property
+    def kv_usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class StatsCollector:
+    """The engine's mutable counters. Updated only by the engine thread."""
+
+    def __init__(self, max_samples: int = DEFAULT_MAX_SAMPLES) -> None:
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.connector_hits = 0
+        self.connector_load_failures = 0
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_generated_tokens = 0
+        self.num_finished_requests = 0
+        self.ttft_s: deque[float] = deque(maxlen=max_samples)
+        self.itl_s: deque[float] = deque(maxlen=max_samples)
+
+
+class NvmlTelemetry:
+    """Total and used memory of one CUDA device through NVML (package ``nvidia-ml-py``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._handle = None
+        self._nvml = None
+        if device.type != "cuda":
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            # NVML numbers devices physically; the UUID also holds under CUDA_VISIBLE_DEVICES.
+            uuid = f"GPU-{torch.cuda.get_device_properties(index).uuid}"
+            self._handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+            self._nvml = pynvml
+        except Exception:  # no NVML library, no driver access: telemetry is optional
+            self._handle = None
+
+    def memory(self) -> GpuMemory | None:
+        if self._handle is None:
+            return None
+        info = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
+        return GpuMemory(int(info.total), int(info.used))
+
+    def close(self) -> None:
+        if self._nvml is not None:
+            self._nvml.nvmlShutdown()
+            self._nvml = None
+            self._handle = None

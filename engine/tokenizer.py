@@ -1,0 +1,218 @@
+"""Text ↔ token ids, chat templates, and streaming detokenization.
+
+A :class:`Tokenizer` is read from a model folder: ``tokenizer.json`` (the ``tokenizers``
+format, required), ``tokenizer_config.json`` (special tokens and ``chat_template``,
+optional) and ``chat_template.jinja`` (newer checkpoints keep the template there).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import tokenizers
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    """A ``tokenizers.Tokenizer`` plus the special tokens and chat template of a model.
+
+    ``eos_token_ids`` is every id that ends a generation (the loader merges the ids of
+    ``config.json``, ``generation_config.json`` and ``tokenizer_config.json``).
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        eos_token_ids: Iterable[int] = (),
+        chat_template: str | None = None,
+        special_tokens: dict[str, str] | None = None,
+    ) -> None:
+        self._backend = backend
+        self.bos_token = bos_token
+        self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
+        ids = list(dict.fromkeys(eos_token_ids))
+        eos_id = backend.token_to_id(eos_token) if eos_token else None
+        if eos_id is not None and eos_id not in ids:
+            ids.append(eos_id)
+        if eos_token is None and ids:
+            eos_token = backend.id_to_token(ids[0])
+        self.eos_token = eos_token
+        self.eos_token_ids: tuple[int, ...] = tuple(ids)
+        self.chat_template = chat_template
+        self._special_tokens = {
+            **(special_tokens or {}),
+            "bos_token": bos_token or "",
+            "eos_token": eos_token or "",
+        }
+        self._compiled: jinja2.Template | None = None
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, *, eos_token_ids: Iterable[int] = ()) -> Tokenizer:
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no tokenizer.json in the model folder")
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:  # the Rust side raises a bare Exception
+            raise ValueError(f"{path}: not a valid tokenizer.json: {e}") from None
+        config: dict[str, Any] = {}
+        config_path = folder / "tokenizer_config.json"
+        if config_path.is_file():
+            config = _read_json(config_path)
+        special = {
+            key: token
+            for key in ("bos_token", "eos_token", "unk_token", "pad_token")
+            if (token := _token_text(config.get(key))) is not None
+        }
+        template_path = folder / "chat_template.jinja"
+        if template_path.is_file():
+            template = template_path.read_text(encoding="utf-8")
+        else:
+            template = _pick_template(config.get("chat_template"), config_path)
+        return cls(
+            backend,
+            bos_token=special.get("bos_token"),
+            eos_token=special.get("eos_token"),
+            eos_token_ids=eos_token_ids,
+            chat_template=template,
+            special_tokens=special,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer's post-processor
+        adds (a BOS for Llama). Encode a rendered chat prompt with ``add_special_tokens=False``:
+        chat templates write their own BOS."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` (``{"role": ..., "content": ...}``) with the model's template."""
+        if self.chat_template is None:
+            raise ValueError(
+                "this model has no chat template (tokenizer_config.json has no 'chat_template' "
+                "and there is no chat_template.jinja); use a completion prompt instead"
+            )
+        if self._compiled is None:
+            self._compiled = _environment().from_string(self.chat_template)
+        try:
+            return self._compiled.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                **self._special_tokens,
+            )
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template: {e}") from None
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into a stream of text pieces.
+
+    ``add`` returns only text that is complete: while the bytes seen so far end in the
+    middle of a UTF-8 character (a byte-level tokenizer splits characters across tokens),
+    it returns ``""`` and waits. ``finish`` returns whatever is still held back. The
+    pieces joined equal ``tokenizer.decode(all_ids)``.
+
+    Decoding runs over a short window of ids, not the whole output::
+
+        ids:  ... | emitted, context |  held back  |
+                  ^prefix            ^read         ^len(ids)
+
+    Text for ``ids[read:]`` is ``decode(ids[prefix:])`` minus ``decode(ids[prefix:read])``;
+    the context token keeps decoders that strip a leading space from changing the text.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self._ids)
+
+    def add(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        piece = self._pending()
+        if not piece or piece.endswith(REPLACEMENT_CHAR):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return piece
+
+    def finish(self) -> str:
+        """The held-back rest (text the ids end with that is not valid UTF-8, decoded with
+        replacement characters, as ``decode`` would)."""
+        piece = self._pending()
+        self._prefix = self._read = len(self._ids)
+        return piece
+
+    def _pending(self) -> str:
+        decode = self._tokenizer.decode
+        context = decode(self._ids[self._prefix : self._read], self._skip)
+        text = decode(self._ids[self._prefix :], self._skip)
+        return text[len(context) :]
+
+
+def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **kwargs: Any) -> str:
+    # Templates expect unescaped unicode, unlike jinja's built-in filter.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, **kwargs)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _pick_template(value: Any, source: Path) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        if "default" in named:
+            return named["default"]
+    raise ValueError(f"{source}: 'chat_template' must be a string or a list with a 'default' entry")
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # the serialized AddedToken form
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data

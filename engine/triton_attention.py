@@ -1,0 +1,593 @@
+"""Triton kernels for paged attention on CUDA: the KV write and the attention itself.
+
+They implement the contract of :mod:`engine.attention` (cache layout, metadata, fp8
+scales) and are tested against its torch path on the CPU under ``TRITON_INTERPRET=1``.
+
+- :func:`write_kv` scatters a step's new K/V into their slots. A cache of the inputs'
+  dtype gets a bit copy; an fp8 cache gets ``x / scale`` clamped to the fp8 range and
+  rounded to nearest-even with integer ops, so the bytes equal the torch path's on any
+  GPU and in the interpreter (whose own fp8 casts do not round to nearest-even).
+- :func:`attention` runs one of two kernels. Decode (every sequence has one new token):
+  one program per (sequence, kv head, split) whose ``GROUP`` query heads form the rows of
+  one tile; a long context is split into ``num_splits`` partitions whose partial results
+  a second kernel merges (split-KV, so a small batch still fills the GPU). Prefill
+  (anything else): one program per (query head, tile of ``BLOCK_M`` new tokens,
+  sequence), first over the key tiles every row of the tile sees, then over the causal
+  diagonal with a mask.
+
+Both attend with an online softmax in base 2 and fp32 accumulation. Keys are gathered
+per token through the block table, so a key tile may span several cache blocks or part
+of one. Head dims that are not a power of two are zero-padded in registers. An fp8 cache
+is decoded exactly into q's dtype (every fp8 value is an fp16/bf16 value) and its scales
+are folded into the softmax scale and the output; see :func:`_fp8_to_fp16`.
+"""
+from __future__ import annotations
+
+import operator
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.attention import AttentionMetadata, KVScales
+
+MAX_HEAD_DIM = 256
+QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+# fp8 formats, as the kernels name them: (id, mantissa bits, exponent bias).
+# An e4m3fn byte is decoded to an fp16 that is 2**-8 times its value, an e5m2 byte to its
+# own value; FP8_FACTOR undoes that.
+FP8_FORMATS = {torch.float8_e4m3fn: (1, 3, 7), torch.float8_e5m2: (2, 2, 15)}
+FP8_FACTOR = {torch.float8_e4m3fn: 256.0, torch.float8_e5m2: 1.0}
+
+# Fewest keys a decode split is given: below this the merge costs more than it saves.
+MIN_SPLIT_TOKENS = 256
+
+_LOG2E = 1.4426950408889634
+
+
+# --- KV write ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _fp32_to_fp8_bits(y, MAN: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr):
+    """fp32 -> fp8 byte: clamp to ±max, round to nearest-even; NaN stays NaN."""
+    u = y.to(tl.int32, bitcast=True)
+    sign = (u >> 24) & 0x80
+    is_nan = (u & 0x7FFFFFFF) > 0x7F800000
+    a = tl.minimum(u & 0x7FFFFFFF, MAX_BITS)  # |y| clamped, as bits (monotonic for non-NaN)
+    # normal fp8: drop SHIFT mantissa bits with round-to-nearest-even; a carry bumps the
+    # exponent, which is right. Then re-bias the exponent from 127 to BIAS.
+    SHIFT: tl.constexpr = 23 - MAN
+    r = (a + ((1 << (SHIFT - 1)) - 1) + ((a >> SHIFT) & 1)) >> SHIFT
+    normal = r - ((127 - BIAS) << MAN)
+    # subnormal fp8: |y| / 2**(1 - BIAS - MAN), an integer 0..2**MAN after rounding, is the
+    # 24-bit significand shifted right by s; s is capped where the result is 0 anyway.
+    s = tl.minimum(tl.maximum((SHIFT + 128 - BIAS) - (a >> 23), 1), 30)
+    sig = (a & 0x7FFFFF) | 0x800000
+    q = sig >> s
+    rem = sig & ((1 << s) - 1)
+    half = 1 << (s - 1)
+    q += ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
+    bits = tl.where(a < ((128 - BIAS) << 23), q, normal)
+    bits = tl.where(is_nan, 0x7F, bits) | sign
+    return bits.to(tl.uint8)
+
+
+@triton.jit
+def _load_fp32(ptrs, mask, SRC_BF16: tl.constexpr):
+    if SRC_BF16:
+        # bf16 is the top half of an fp32; the tensor is passed as int16
+        bits = tl.load(ptrs, mask=mask, other=0).to(tl.int32) & 0xFFFF
+        x = (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, cache_ptr, slot_ptr,
+    k_scale, v_scale, num_slots, num_heads,
+    stride_kn, stride_kh, stride_vn, stride_vh, stride_slot, stride_head, v_offset,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+    FP8: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr,
+    SRC_BF16: tl.constexpr,
+):
+    n = tl.program_id(0)
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    if (slot < 0) | (slot >= num_slots):
+        return
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, D_PAD)
+    mask = (h < num_heads)[:, None] & (d < HEAD_DIM)[None, :]
+    k_src = k_ptr + n.to(tl.int64) * stride_kn + h[:, None] * stride_kh + d[None, :]
+    v_src = v_ptr + n.to(tl.int64) * stride_vn + h[:, None] * stride_vh + d[None, :]
+    dst = cache_ptr + slot * stride_slot + h[:, None] * stride_head + d[None, :]
+    if FP8:
+        k = tl.math.div_rn(_load_fp32(k_src, mask, SRC_BF16), k_scale)
+        v = tl.math.div_rn(_load_fp32(v_src, mask, SRC_BF16), v_scale)
+        tl.store(dst, _fp32_to_fp8_bits(k, MAN, BIAS, MAX_BITS), mask=mask)
+        tl.store(dst + v_offset, _fp32_to_fp8_bits(v, MAN, BIAS, MAX_BITS), mask=mask)
+    else:
+        # same dtype: the tensors are passed as same-width integers and copied bit for bit
+        tl.store(dst, tl.load(k_src, mask=mask), mask=mask)
+        tl.store(dst + v_offset, tl.load(v_src, mask=mask), mask=mask)
+
+
+# --- attention: shared pieces ------------------------------------------------------------
+
+
+@triton.jit
+def _fp8_to_fp16(b, FP8: tl.constexpr):
+    """An fp8 byte tile -> fp16, exactly: e5m2 as is, e4m3fn times 2**-8 (NaN kept)."""
+    x = b.to(tl.int32)
+    if FP8 == 1:
+        # e4m3fn's exponent bias is 7, fp16's 15: placing the bits in an fp16 divides by 2**8
+        bits = ((x & 0x80) << 8) | ((x & 0x7F) << 7)
+        bits = tl.where((x & 0x7F) == 0x7F, bits | 0x7E00, bits)
+    else:
+        bits = x << 8
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _as_dot(x, q_ptr, DOT_FP32: tl.constexpr):
+    if DOT_FP32:
+        y = x.to(tl.float32)
+    else:
+        y = x.to(q_ptr.dtype.element_ty)
+    return y
+
+
+@triton.jit
+def _load_kv(ptrs, t_ok, d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, MASKED: tl.constexpr):
+    if MASKED:
+        if HEAD_DIM == D_PAD:
+            x = tl.load(ptrs, mask=t_ok[:, None], other=0)
+        else:
+            x = tl.load(ptrs, mask=t_ok[:, None] & (d < HEAD_DIM)[None, :], other=0)
+    else:
+        if HEAD_DIM == D_PAD:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=(d < HEAD_DIM)[None, :], other=0)
+    return x
+
+
+@triton.jit
+def _attend(
+    acc, m_i, l_i, q, q_ptr, pos,
+    cache_ptr, bt_row_ptr, head_off, lo, hi, qk_scale,
+    stride_blk, stride_tok, v_offset,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, FP8: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    MASK: tl.constexpr,
+):
+    """Online softmax of ``q`` [M, D_PAD] over context positions ``lo..hi-1``.
+
+    MASK: 0 every key is visible to every row and in range; 1 keys past ``hi`` are
+    masked; 2 causal, key ``t`` visible to the row at position ``pos`` iff ``t <= pos``.
+    """
+    d = tl.arange(0, D_PAD)
+    for start in range(lo, hi, BLOCK_N):
+        t = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] context positions
+        t_ok = t < hi
+        if MASK == 0:
+            blk = tl.load(bt_row_ptr + t // BLOCK_SIZE)
+        else:
+            blk = tl.load(bt_row_ptr + t // BLOCK_SIZE, mask=t_ok, other=0)
+        off = blk.to(tl.int64) * stride_blk + (t % BLOCK_SIZE) * stride_tok + head_off
+        ptrs = cache_ptr + off[:, None] + d[None, :]  # [BLOCK_N, D_PAD]
+        k = _load_kv(ptrs, t_ok, d, HEAD_DIM, D_PAD, MASK != 0)
+        v = _load_kv(ptrs + v_offset, t_ok, d, HEAD_DIM, D_PAD, MASK != 0)
+        if FP8:
+            k = _fp8_to_fp16(k, FP8)
+            v = _fp8_to_fp16(v, FP8)
+        k = _as_dot(k, q_ptr, DOT_FP32)
+        v = _as_dot(v, q_ptr, DOT_FP32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, BLOCK_N]
+        if MASK == 1:
+            s = tl.where(t_ok[None, :], s, float("-inf"))
+        elif MASK == 2:
+            s = tl.where(t[None, :] <= pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(_as_dot(p, q_ptr, DOT_FP32), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+# --- attention: decode ------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, qk_scale, v_factor,
+    stride_qn, stride_qh, stride_on, stride_oh, stride_bt,
+    stride_blk, stride_tok, stride_kvh, v_offset,
+    part_ptr, lse_ptr, split_len, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+):
+    kvh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    row = tl.load(qsl_ptr + b)
+    if tl.load(qsl_ptr + b + 1) == row:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+
+    g = tl.arange(0, G_PAD)  # this kv head's query heads are rows; G_PAD >= 16 for tl.dot
+    d = tl.arange(0, D_PAD)
+    io_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    heads = kvh * GROUP + g
+    q = tl.load(
+        q_ptr + row.to(tl.int64) * stride_qn + heads[:, None] * stride_qh + d[None, :],
+        mask=io_mask, other=0.0,
+    )
+    q = _as_dot(q, q_ptr, DOT_FP32)
+    acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
+    m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    acc, m_i, l_i = _attend(
+        acc, m_i, l_i, q, q_ptr, g,
+        cache_ptr, bt_ptr + b.to(tl.int64) * stride_bt, kvh * stride_kvh, lo, hi, qk_scale,
+        stride_blk, stride_tok, v_offset,
+        BLOCK_SIZE, HEAD_DIM, D_PAD, BLOCK_N, FP8, DOT_FP32, PRECISION, 1,
+    )
+    # an empty split (past the end of a shorter sequence) leaves l == 0, m == -inf
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    if SPLIT:
+        part = (
+            part_ptr + b.to(tl.int64) * stride_pb + heads[:, None] * stride_ph
+            + split * stride_ps + d[None, :]
+        )
+        tl.store(part, acc / l_safe[:, None], mask=io_mask)
+        lse = m_i + tl.log2(l_safe)
+        tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g < GROUP)
+    else:
+        out = acc * (v_factor / l_safe)[:, None]
+        ptrs = out_ptr + row.to(tl.int64) * stride_on + heads[:, None] * stride_oh + d[None, :]
+        tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_ptr, lse_ptr, out_ptr, qsl_ptr, num_splits, v_factor,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_on, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+):
+    """out = Σ_s 2**lse_s · o_s / Σ_s 2**lse_s over a head's split partials ``o_s``."""
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    row = tl.load(qsl_ptr + b)
+    if tl.load(qsl_ptr + b + 1) == row:
+        return
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    part = part_ptr + b.to(tl.int64) * stride_pb + h * stride_ph + d
+    lse = lse_ptr + b * stride_lb + h * stride_lh
+    # split 0 starts at position 0, so it is never empty and its lse is finite
+    m = tl.load(lse)
+    acc = tl.load(part, mask=d_ok, other=0.0)
+    total = tl.full([D_PAD], 1.0, dtype=tl.float32)
+    for s in range(1, num_splits):
+        lse_s = tl.load(lse + s)
+        m_new = tl.maximum(m, lse_s)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse_s - m_new)
+        acc = acc * alpha + tl.load(part + s * stride_ps, mask=d_ok, other=0.0) * w
+        total = total * alpha + w
+        m = m_new
+    out = acc * v_factor / total
+    ptrs = out_ptr + row.to(tl.int64) * stride_on + h * stride_oh + d
+    tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+# --- attention: prefill -----------------------------------------------------------------
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, qk_scale, v_factor,
+    stride_qn, stride_qh, stride_on, stride_oh, stride_bt,
+    stride_blk, stride_tok, stride_kvh, v_offset,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    hq = tl.program_id(0)
+    # the last query tiles see the most keys: launch them first
+    m_tile = tl.num_programs(1) - 1 - tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    m_lo = m_tile * BLOCK_M
+    if m_lo >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx = seq_len - q_len  # cached positions before this step's tokens
+    #   keys:   |0 .............. full_end|... causal ...|causal_end      seq_len
+    #   rows:                    ctx + m_lo| this tile |ctx + m_lo + BLOCK_M
+    # keys before ctx + m_lo are visible to every row of the tile; whole key tiles up to
+    # there need no mask, the rest up to the tile's last row do.
+    full_end = ((ctx + m_lo) // BLOCK_N) * BLOCK_N
+    causal_end = tl.minimum(seq_len, ctx + m_lo + BLOCK_M)
+
+    rows = m_lo + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D_PAD)
+    io_mask = (rows < q_len)[:, None] & (d < HEAD_DIM)[None, :]
+    tok = (q_start + rows).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * stride_qn + hq * stride_qh + d[None, :], mask=io_mask, other=0.0)
+    q = _as_dot(q, q_ptr, DOT_FP32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    head_off = (hq // GROUP) * stride_kvh
+    pos = ctx + rows
+    acc, m_i, l_i = _attend(
+        acc, m_i, l_i, q, q_ptr, pos, cache_ptr, bt_row, head_off, 0, full_end, qk_scale,
+        stride_blk, stride_tok, v_offset,
+        BLOCK_SIZE, HEAD_DIM, D_PAD, BLOCK_N, FP8, DOT_FP32, PRECISION, 0,
+    )
+    acc, m_i, l_i = _attend(
+        acc, m_i, l_i, q, q_ptr, pos, cache_ptr, bt_row, head_off, full_end, causal_end, qk_scale,
+        stride_blk, stride_tok, v_offset,
+        BLOCK_SIZE, HEAD_DIM, D_PAD, BLOCK_N, FP8, DOT_FP32, PRECISION, 2,
+    )
+    out = acc * (v_factor / l_i)[:, None]
+    ptrs = out_ptr + tok[:, None] * stride_on + hq * stride_oh + d[None, :]
+    tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+# --- wrappers ---------------------------------------------------------------------------
+
+
+def _interpreting() -> bool:
+    return bool(triton.knobs.runtime.interpret)
+
+
+def _check_device(t: torch.Tensor, name: str, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+
+
+def _check_kernel_device(t: torch.Tensor, name: str) -> None:
+    if not (t.is_cuda or _interpreting()):
+        raise ValueError(f"{name} must be on a CUDA device (or run under TRITON_INTERPRET=1)")
+
+
+def _check_cache(layer_cache: torch.Tensor, device: torch.device) -> None:
+    if layer_cache.dim() != 5 or layer_cache.shape[0] != 2:
+        raise ValueError(
+            "layer_cache must be [2, num_blocks, block_size, kv_heads, head_dim], "
+            f"got {list(layer_cache.shape)}"
+        )
+    if not layer_cache.is_contiguous():
+        raise ValueError("layer_cache must be contiguous")
+    _check_device(layer_cache, "layer_cache", device)
+
+
+def _check_index(t: torch.Tensor, name: str, shape: tuple[int, ...], device: torch.device) -> None:
+    if t.dtype not in INDEX_DTYPES:
+        raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if t.numel() and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim")
+    _check_device(t, name, device)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _fp8_max_bits(dtype: torch.dtype) -> int:
+    return struct.unpack("<i", struct.pack("<f", torch.finfo(dtype).max))[0]
+
+
+def write_kv(
+    k: torch.Tensor,  # [N, H, D]
+    v: torch.Tensor,  # [N, H, D]
+    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, H, D]
+    slot_mapping: torch.Tensor,  # [N]
+    scales: KVScales = KVScales(),
+) -> None:
+    """Store new keys and values into their cache slots; see :func:`engine.attention.write_kv`.
+
+    ``k`` and ``v`` may be strided views (e.g. slices of a fused QKV projection) as long as
+    their last dim is contiguous. Slots outside the cache are skipped rather than written.
+    """
+    _check_kernel_device(k, "k")
+    if k.dim() != 3 or k.shape != v.shape:
+        raise ValueError(f"k and v must both be [N, H, D], got {list(k.shape)} and {list(v.shape)}")
+    if k.dtype != v.dtype or k.dtype not in QUERY_DTYPES:
+        raise ValueError(f"k and v must share a dtype among fp16, bf16, fp32, got {k.dtype}, {v.dtype}")
+    if k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError("k and v must be contiguous in their last dim")
+    _check_device(v, "v", k.device)
+    _check_cache(layer_cache, k.device)
+    N, H, D = k.shape
+    if tuple(layer_cache.shape[3:]) != (H, D):
+        raise ValueError(f"layer_cache holds [H, D] = {list(layer_cache.shape[3:])}, k is {[H, D]}")
+    _check_index(slot_mapping, "slot_mapping", (N,), k.device)
+    fp8 = FP8_FORMATS.get(layer_cache.dtype)
+    if fp8 is None and layer_cache.dtype != k.dtype:
+        raise ValueError(f"a {layer_cache.dtype} cache takes {layer_cache.dtype} or fp8 inputs, got {k.dtype}")
+    if N == 0:
+        return
+
+    d_pad = _pow2(D)
+    block_h = min(_pow2(H), max(1, 4096 // d_pad))
+    if fp8 is not None:
+        _, man, bias = fp8
+        cache = layer_cache.view(torch.uint8)
+        src_bf16 = k.dtype == torch.bfloat16
+        k_arg, v_arg = (k.view(torch.int16), v.view(torch.int16)) if src_bf16 else (k, v)
+        max_bits = _fp8_max_bits(layer_cache.dtype)
+    else:
+        man, bias, max_bits, src_bf16 = 0, 0, 0, False
+        as_int = {2: torch.int16, 4: torch.int32}[k.element_size()]
+        cache, k_arg, v_arg = layer_cache.view(as_int), k.view(as_int), v.view(as_int)
+    grid = (N, triton.cdiv(H, block_h))
+    _write_kv_kernel[grid](
+        k_arg, v_arg, cache, slot_mapping,
+        float(scales.k), float(scales.v), layer_cache.shape[1] * layer_cache.shape[2], H,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        layer_cache.stride(2), layer_cache.stride(3), layer_cache.stride(0),
+        HEAD_DIM=D, D_PAD=d_pad, BLOCK_H=block_h,
+        FP8=fp8 is not None, MAN=man, BIAS=bias, MAX_BITS=max_bits, SRC_BF16=src_bf16,
+    )
+
+
+def _check_meta(
+    meta: AttentionMetadata, num_tokens: int, block_size: int, max_seq_len: int, device: torch.device
+) -> None:
+    B = meta.num_seqs
+    if len(meta.query_lens_cpu) != B:
+        raise ValueError(f"{len(meta.query_lens_cpu)} query lengths for {B} sequences")
+    if sum(meta.query_lens_cpu) != num_tokens:
+        raise ValueError(f"query lengths sum to {sum(meta.query_lens_cpu)}, q has {num_tokens} tokens")
+    if any(map(operator.gt, meta.query_lens_cpu, meta.seq_lens_cpu)):
+        raise ValueError("a sequence has more new tokens than its seq_len")
+    _check_index(meta.query_start_loc, "query_start_loc", (B + 1,), device)
+    _check_index(meta.seq_lens, "seq_lens", (B,), device)
+    if meta.block_tables.dim() != 2:
+        raise ValueError(f"block_tables must be [B, max_blocks], got {list(meta.block_tables.shape)}")
+    _check_index(meta.block_tables, "block_tables", (B, meta.block_tables.shape[1]), device)
+    if meta.block_tables.shape[1] * block_size < max_seq_len:
+        raise ValueError(
+            f"block_tables has {meta.block_tables.shape[1]} blocks of {block_size} per sequence, "
+            f"fewer than max_seq_len {max_seq_len}"
+        )
+
+
+def _decode_splits(num_seqs: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Enough splits for about two programs per SM, none shorter than MIN_SPLIT_TOKENS."""
+    if device.type != "cuda":
+        return 1
+    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    programs = num_seqs * kv_heads
+    if programs >= target:
+        return 1
+    return max(1, min(triton.cdiv(target, programs), max_seq_len // MIN_SPLIT_TOKENS))
+
+
+def attention(
+    q: torch.Tensor,  # [N, Hq, D]
+    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+    scales: KVScales = KVScales(),
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each new token over its sequence's paged context. ``[N, Hq, D]``.
+
+    Matches :func:`engine.attention.attention_torch`. The cache's dtype is q's or fp8
+    (with ``scales``). Grid sizes come from the host lists in ``meta``: no device sync.
+    ``num_splits`` overrides how many partitions the decode kernel splits each context
+    into (by default enough to fill the GPU); it is ignored for prefill steps.
+    """
+    _check_kernel_device(q, "q")
+    if q.dim() != 3:
+        raise ValueError(f"q must be [N, Hq, D], got {list(q.shape)}")
+    if q.dtype not in QUERY_DTYPES:
+        raise ValueError(f"q must be fp16, bf16 or fp32, got {q.dtype}")
+    if q.stride(2) != 1:
+        raise ValueError("q must be contiguous in its last dim")
+    _check_cache(layer_cache, q.device)
+    N, Hq, D = q.shape
+    _, _, block_size, Hkv, cache_d = layer_cache.shape
+    if cache_d != D:
+        raise ValueError(f"q has head_dim {D}, the cache {cache_d}")
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be 1..{MAX_HEAD_DIM}, got {D}")
+    if Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    fp8 = FP8_FORMATS.get(layer_cache.dtype)
+    if fp8 is None and layer_cache.dtype != q.dtype:
+        raise ValueError(f"the cache must be q's dtype ({q.dtype}) or fp8, got {layer_cache.dtype}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    max_seq_len = meta.max_seq_len
+    _check_meta(meta, N, block_size, max_seq_len, q.device)
+
+    out = torch.empty(N, Hq, D, dtype=q.dtype, device=q.device)
+    if N == 0:
+        return out
+    factor = FP8_FACTOR.get(layer_cache.dtype, 1.0)
+    k_scale, v_factor = (scales.k * factor, scales.v * factor) if fp8 else (1.0, 1.0)
+    d_pad = max(16, _pow2(D))
+    block_n = 32 if d_pad > 128 else 64
+    args = (
+        q, layer_cache.view(torch.uint8) if fp8 else layer_cache, out,
+        meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        float(scale) * k_scale * _LOG2E, v_factor,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
+        layer_cache.stride(1), layer_cache.stride(2), layer_cache.stride(3), layer_cache.stride(0),
+    )
+    constants = dict(
+        BLOCK_SIZE=block_size, HEAD_DIM=D, D_PAD=d_pad, BLOCK_N=block_n,
+        FP8=fp8[0] if fp8 else 0,
+        # the interpreter cannot multiply bf16 tiles; fp32 dots stay fp32 (no tf32)
+        DOT_FP32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _interpreting()),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    if meta.is_decode_only:
+        _decode(args, constants, out, meta, v_factor, Hkv, max_seq_len, num_splits)
+        return out
+    wide = d_pad > 128 or q.dtype == torch.float32
+    block_m = min(64 if wide else 128, max(16, _pow2(meta.max_query_len)))
+    grid = (Hq, triton.cdiv(meta.max_query_len, block_m), meta.num_seqs)
+    _prefill_kernel[grid](
+        *args, GROUP=Hq // Hkv, BLOCK_M=block_m,
+        num_warps=8 if block_m == 128 or d_pad > 128 else 4, num_stages=2, **constants,
+    )
+    return out
+
+
+def _decode(
+    args: tuple,
+    constants: dict,
+    out: torch.Tensor,
+    meta: AttentionMetadata,
+    v_factor: float,
+    kv_heads: int,
+    max_seq_len: int,
+    num_splits: int | None,
+) -> None:
+    """Launch the decode kernel; split-KV plus a merge when the batch is too small."""
+    num_seqs, q_heads, head_dim = meta.num_seqs, out.shape[1], out.shape[2]
+    device = out.device
+    if num_splits is None:
+        num_splits = _decode_splits(num_seqs, kv_heads, max_seq_len, device)
+    # split s covers positions [s * split_len, (s + 1) * split_len) of every sequence
+    block_n = constants["BLOCK_N"]
+    split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max_seq_len, split_len)
+    group = q_heads // kv_heads
+    grid = (kv_heads, num_splits, num_seqs)
+    common = dict(GROUP=group, G_PAD=max(16, _pow2(group)), num_warps=4, num_stages=2, **constants)
+    if num_splits == 1:
+        _decode_kernel[grid](*args, out, out, split_len, 0, 0, 0, 0, 0, SPLIT=False, **common)
+        return
+    part = torch.empty(num_seqs, q_heads, num_splits, head_dim, dtype=torch.float32, device=device)
+    lse = torch.empty(num_seqs, q_heads, num_splits, dtype=torch.float32, device=device)
+    strides = (*part.stride()[:3], *lse.stride()[:2])
+    _decode_kernel[grid](*args, part, lse, split_len, *strides, SPLIT=True, **common)
+    _merge_splits_kernel[(q_heads, num_seqs)](
+        part, lse, out, meta.query_start_loc, num_splits, v_factor, *strides, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, D_PAD=constants["D_PAD"],
+    )
