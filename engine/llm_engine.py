@@ -15,6 +15,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from engine.attention import KVScales
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.connector import KVConnector
@@ -34,6 +35,9 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.stats import EngineStats, NvmlTelemetry, StatsCollector
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+DETOKENIZER_CONTEXT = 4  # prompt tokens decoded before the first output token
 
 
 @dataclasses.dataclass
@@ -156,9 +160,7 @@ class LLMEngine:
             cache_salt=cache_salt,
         )
         self.scheduler.add(seq)
-        self._texts[request_id] = _TextState(
-            IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-        )
+        self._texts[request_id] = _TextState(self._detokenizer(token_ids, params))
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -221,7 +223,16 @@ class LLMEngine:
             self.connector.close()
         self._telemetry.close()
 
-    def _num_blocks(self, spec: KVCacheSpec, kv_scales) -> int:
+    def _detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
+        """A detokenizer primed with the prompt's last tokens, so that the first output token
+        decodes in context (SentencePiece decoders drop the leading space of a first token)."""
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        pieces = [detokenizer.add(t) for t in prompt_token_ids[-DETOKENIZER_CONTEXT:]]
+        if not pieces[-1]:  # the prompt ends inside a character: start clean instead
+            detokenizer.finish()
+        return detokenizer
+
+    def _num_blocks(self, spec: KVCacheSpec, kv_scales: list[KVScales] | None) -> int:
         config = self.config
         if config.num_gpu_blocks_override is not None:
             num_blocks = config.num_gpu_blocks_override

@@ -15,16 +15,20 @@ scales) and are tested against its torch path on the CPU under ``TRITON_INTERPRE
   sequence), first over the key tiles every row of the tile sees, then over the causal
   diagonal with a mask.
 
-Both attend with an online softmax in base 2 and fp32 accumulation. Keys are gathered
-per token through the block table, so a key tile may span several cache blocks or part
-of one. Head dims that are not a power of two are zero-padded in registers. An fp8 cache
-is decoded exactly into q's dtype (every fp8 value is an fp16/bf16 value) and its scales
-are folded into the softmax scale and the output; see :func:`_fp8_to_fp16`.
+Both attend with an online softmax in base 2 and fp32 accumulation; fp16/bf16 dots run
+on tensor cores (probabilities rounded to q's dtype before P·V), fp32 dots as 3xTF32.
+Keys are gathered per token through the block table, so a key tile may span several
+cache blocks or part of one. Head dims that are not a power of two are zero-padded in
+registers. An fp8 cache is decoded exactly into q's dtype (every fp8 value is an
+fp16/bf16 value) and its scales are folded into the softmax scale and the output; see
+:func:`_fp8_to_fp16`. Grids come from host-side lengths, so a step's launch shapes
+change with its batch (relevant to CUDA-graph capture).
 """
 from __future__ import annotations
 
 import operator
 import struct
+from typing import NamedTuple
 
 import torch
 import triton
@@ -197,7 +201,8 @@ def _attend(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(_as_dot(p, q_ptr, DOT_FP32), v, acc * alpha[:, None], input_precision=PRECISION)
+        p = _as_dot(p, q_ptr, DOT_FP32)
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -326,7 +331,8 @@ def _prefill_kernel(
     d = tl.arange(0, D_PAD)
     io_mask = (rows < q_len)[:, None] & (d < HEAD_DIM)[None, :]
     tok = (q_start + rows).to(tl.int64)
-    q = tl.load(q_ptr + tok[:, None] * stride_qn + hq * stride_qh + d[None, :], mask=io_mask, other=0.0)
+    q_ptrs = q_ptr + tok[:, None] * stride_qn + hq * stride_qh + d[None, :]
+    q = tl.load(q_ptrs, mask=io_mask, other=0.0)
     q = _as_dot(q, q_ptr, DOT_FP32)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -411,7 +417,7 @@ def write_kv(
     if k.dim() != 3 or k.shape != v.shape:
         raise ValueError(f"k and v must both be [N, H, D], got {list(k.shape)} and {list(v.shape)}")
     if k.dtype != v.dtype or k.dtype not in QUERY_DTYPES:
-        raise ValueError(f"k and v must share a dtype among fp16, bf16, fp32, got {k.dtype}, {v.dtype}")
+        raise ValueError(f"k and v must both be fp16, bf16 or fp32, got {k.dtype} and {v.dtype}")
     if k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError("k and v must be contiguous in their last dim")
     _check_device(v, "v", k.device)
@@ -422,7 +428,8 @@ def write_kv(
     _check_index(slot_mapping, "slot_mapping", (N,), k.device)
     fp8 = FP8_FORMATS.get(layer_cache.dtype)
     if fp8 is None and layer_cache.dtype != k.dtype:
-        raise ValueError(f"a {layer_cache.dtype} cache takes {layer_cache.dtype} or fp8 inputs, got {k.dtype}")
+        dtype = layer_cache.dtype
+        raise ValueError(f"a {dtype} cache needs {dtype} k and v, got {k.dtype}")
     if N == 0:
         return
 
@@ -450,23 +457,29 @@ def write_kv(
 
 
 def _check_meta(
-    meta: AttentionMetadata, num_tokens: int, block_size: int, max_seq_len: int, device: torch.device
+    meta: AttentionMetadata,
+    num_tokens: int,
+    block_size: int,
+    max_seq_len: int,
+    device: torch.device,
 ) -> None:
     B = meta.num_seqs
     if len(meta.query_lens_cpu) != B:
         raise ValueError(f"{len(meta.query_lens_cpu)} query lengths for {B} sequences")
-    if sum(meta.query_lens_cpu) != num_tokens:
-        raise ValueError(f"query lengths sum to {sum(meta.query_lens_cpu)}, q has {num_tokens} tokens")
+    total = sum(meta.query_lens_cpu)
+    if total != num_tokens:
+        raise ValueError(f"query lengths sum to {total}, q has {num_tokens} tokens")
     if any(map(operator.gt, meta.query_lens_cpu, meta.seq_lens_cpu)):
         raise ValueError("a sequence has more new tokens than its seq_len")
     _check_index(meta.query_start_loc, "query_start_loc", (B + 1,), device)
     _check_index(meta.seq_lens, "seq_lens", (B,), device)
-    if meta.block_tables.dim() != 2:
-        raise ValueError(f"block_tables must be [B, max_blocks], got {list(meta.block_tables.shape)}")
-    _check_index(meta.block_tables, "block_tables", (B, meta.block_tables.shape[1]), device)
-    if meta.block_tables.shape[1] * block_size < max_seq_len:
+    tables = meta.block_tables
+    if tables.dim() != 2:
+        raise ValueError(f"block_tables must be [B, max_blocks], got {list(tables.shape)}")
+    _check_index(tables, "block_tables", (B, tables.shape[1]), device)
+    if tables.shape[1] * block_size < max_seq_len:
         raise ValueError(
-            f"block_tables has {meta.block_tables.shape[1]} blocks of {block_size} per sequence, "
+            f"block_tables has {tables.shape[1]} blocks of {block_size} per sequence, "
             f"fewer than max_seq_len {max_seq_len}"
         )
 
@@ -530,7 +543,7 @@ def attention(
     factor = FP8_FACTOR.get(layer_cache.dtype, 1.0)
     k_scale, v_factor = (scales.k * factor, scales.v * factor) if fp8 else (1.0, 1.0)
     d_pad = max(16, _pow2(D))
-    block_n = 32 if d_pad > 128 else 64
+    tiles = _tiles(q.dtype, d_pad)
     args = (
         q, layer_cache.view(torch.uint8) if fp8 else layer_cache, out,
         meta.query_start_loc, meta.seq_lens, meta.block_tables,
@@ -539,23 +552,38 @@ def attention(
         layer_cache.stride(1), layer_cache.stride(2), layer_cache.stride(3), layer_cache.stride(0),
     )
     constants = dict(
-        BLOCK_SIZE=block_size, HEAD_DIM=D, D_PAD=d_pad, BLOCK_N=block_n,
+        BLOCK_SIZE=block_size, HEAD_DIM=D, D_PAD=d_pad, BLOCK_N=tiles.block_n,
         FP8=fp8[0] if fp8 else 0,
-        # the interpreter cannot multiply bf16 tiles; fp32 dots stay fp32 (no tf32)
+        # the interpreter cannot multiply bf16 tiles; fp32 runs as 3xTF32 (about fp32 accuracy)
         DOT_FP32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _interpreting()),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
+        num_stages=2,
     )
     if meta.is_decode_only:
+        constants["num_warps"] = tiles.decode_warps
         _decode(args, constants, out, meta, v_factor, Hkv, max_seq_len, num_splits)
         return out
-    wide = d_pad > 128 or q.dtype == torch.float32
-    block_m = min(64 if wide else 128, max(16, _pow2(meta.max_query_len)))
+    block_m = min(tiles.block_m, max(16, _pow2(meta.max_query_len)))
     grid = (Hq, triton.cdiv(meta.max_query_len, block_m), meta.num_seqs)
-    _prefill_kernel[grid](
-        *args, GROUP=Hq // Hkv, BLOCK_M=block_m,
-        num_warps=8 if block_m == 128 or d_pad > 128 else 4, num_stages=2, **constants,
-    )
+    warps = tiles.prefill_warps if block_m >= 32 else 4
+    _prefill_kernel[grid](*args, GROUP=Hq // Hkv, BLOCK_M=block_m, num_warps=warps, **constants)
     return out
+
+
+class _Tiles(NamedTuple):
+    block_m: int  # prefill: most new tokens per program
+    block_n: int  # keys per step of the inner loop
+    prefill_warps: int
+    decode_warps: int
+
+
+def _tiles(dtype: torch.dtype, d_pad: int) -> _Tiles:
+    """Tile sizes that fit an H100's registers and shared memory at num_stages=2."""
+    if dtype == torch.float32:  # 3xTF32 dots hold about twice the registers
+        return _Tiles(32, 32, 8, 8)
+    if d_pad > 128:
+        return _Tiles(64, 32, 8, 4)
+    return _Tiles(128, 64, 8, 4)
 
 
 def _decode(
@@ -579,7 +607,7 @@ def _decode(
     num_splits = triton.cdiv(max_seq_len, split_len)
     group = q_heads // kv_heads
     grid = (kv_heads, num_splits, num_seqs)
-    common = dict(GROUP=group, G_PAD=max(16, _pow2(group)), num_warps=4, num_stages=2, **constants)
+    common = dict(GROUP=group, G_PAD=max(16, _pow2(group)), **constants)
     if num_splits == 1:
         _decode_kernel[grid](*args, out, out, split_len, 0, 0, 0, 0, 0, SPLIT=False, **common)
         return
@@ -588,6 +616,7 @@ def _decode(
     strides = (*part.stride()[:3], *lse.stride()[:2])
     _decode_kernel[grid](*args, part, lse, split_len, *strides, SPLIT=True, **common)
     _merge_splits_kernel[(q_heads, num_seqs)](
-        part, lse, out, meta.query_start_loc, num_splits, v_factor, *strides, out.stride(0), out.stride(1),
+        part, lse, out, meta.query_start_loc, num_splits, v_factor,
+        *strides, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, D_PAD=constants["D_PAD"],
     )

@@ -1,0 +1,154 @@
+from __future__ import annotations
+
+import pytest
+
+from engine.block_manager import BlockManager
+from engine_testing import make_seq
+
+BS = 4
+
+
+def manager(num_blocks: int = 8, **kw) -> tuple[BlockManager, list[list[bytes]]]:
+    evictions: list[list[bytes]] = []
+    return BlockManager(num_blocks, BS, on_evict=evictions.append, **kw), evictions
+
+
+def computed(bm: BlockManager, seq, num_tokens: int) -> None:
+    """Allocate and mark ``num_tokens`` tokens of ``seq`` computed, as a step would."""
+    assert bm.allocate(seq, num_tokens)
+    seq.num_computed_tokens = num_tokens
+    bm.cache_blocks(seq, 0, num_tokens // BS)
+
+
+def test_allocate_covers_the_tokens_and_free_returns_blocks():
+    bm, _ = manager()
+    seq = make_seq(range(10), block_size=BS)
+    assert bm.allocate(seq, 10)
+    assert seq.block_table == [0, 1, 2]
+    assert (bm.num_used_blocks, bm.num_free_blocks) == (3, 5)
+    assert bm.allocate(seq, 12)  # still fits in block 2
+    assert len(seq.block_table) == 3
+    assert bm.allocate(seq, 13)
+    assert seq.block_table == [0, 1, 2, 3]
+    bm.free(seq)
+    assert seq.block_table == [] and bm.num_free_blocks == 8
+
+
+def test_allocation_that_does_not_fit_changes_nothing():
+    bm, _ = manager(num_blocks=4)
+    a, b = make_seq(range(12), "a", block_size=BS), make_seq(range(8), "b", block_size=BS)
+    assert bm.allocate(a, 12)
+    assert not bm.can_allocate(b, 8)
+    assert not bm.allocate(b, 8)
+    assert b.block_table == [] and bm.num_free_blocks == 1
+
+
+def test_shared_prefix_is_reference_counted():
+    bm, _ = manager()
+    a = make_seq(range(10), "a", block_size=BS)
+    computed(bm, a, 10)
+    b = make_seq(list(range(8)) + [99, 98, 97], "b", block_size=BS)
+    hit = bm.find_cached_prefix(b, max_blocks=2)
+    assert hit == a.block_table[:2]
+    assert bm.allocate(b, 11, prefix=hit)
+    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] not in a.block_table
+    assert [bm.blocks[i].ref_count for i in a.block_table] == [2, 2, 1]
+    bm.free(a)
+    assert [bm.blocks[i].ref_count for i in b.block_table] == [1, 1, 1]
+    assert bm.num_used_blocks == 3
+    bm.free(b)
+    assert bm.num_used_blocks == 0
+
+
+def test_hit_needs_matching_tokens_not_just_the_hash():
+    bm, _ = manager()
+    a = make_seq(range(8), "a", block_size=BS)
+    computed(bm, a, 8)
+    # Simulate a hash collision: the cached block claims other tokens.
+    bm.blocks[a.block_table[1]].token_ids = (0, 0, 0, 0)
+    b = make_seq(range(9), "b", block_size=BS)
+    assert bm.find_cached_prefix(b, max_blocks=2) == a.block_table[:1]
+
+
+def test_prefix_is_found_only_through_the_chain_and_salt():
+    bm, _ = manager()
+    computed(bm, make_seq(range(8), "a", block_size=BS), 8)
+    same_second_block = make_seq([9, 9, 9, 9, 4, 5, 6, 7, 1], "b", block_size=BS)
+    assert bm.find_cached_prefix(same_second_block, 2) == []
+    salted = make_seq(range(9), "c", block_size=BS, cache_salt="tenant")
+    assert bm.find_cached_prefix(salted, 2) == []
+    assert len(bm.find_cached_prefix(make_seq(range(9), "d", block_size=BS), 2)) == 2
+
+
+def test_freed_blocks_stay_findable_until_reused_in_lru_order():
+    bm, evictions = manager(num_blocks=4)
+    a = make_seq(range(8), "a", block_size=BS)
+    computed(bm, a, 8)  # blocks 0, 1
+    bm.free(a)  # free queue: 2, 3, then a's blocks tail first: 1, 0
+    assert bm.num_cached_blocks == 2
+    b = make_seq(range(100, 109), "b", block_size=BS)
+    assert bm.allocate(b, 8)  # takes 2, 3: nothing evicted
+    assert evictions == [] and bm.num_cached_blocks == 2
+    assert bm.find_cached_prefix(make_seq(range(9), "x", block_size=BS), 2) == [0, 1]
+    assert bm.allocate(b, 9)  # takes block 1 (a's tail) first
+    assert b.block_table[-1] == 1
+    assert evictions == [[a.block_hashes[1]]]
+    assert bm.find_cached_prefix(make_seq(range(9), "x", block_size=BS), 2) == [0]
+
+
+def test_a_hit_takes_the_block_out_of_the_free_queue():
+    bm, evictions = manager(num_blocks=3)
+    a = make_seq(range(8), "a", block_size=BS)
+    computed(bm, a, 8)
+    a_blocks = list(a.block_table)
+    bm.free(a)
+    c = make_seq(range(9), "c", block_size=BS)
+    hit = bm.find_cached_prefix(c, 2)
+    assert bm.num_blocks_to_allocate(c, 9, hit) == 3  # two reclaimed hits + one new
+    assert bm.allocate(c, 9, prefix=hit)
+    assert c.block_table[:2] == a_blocks and evictions == []
+    assert bm.num_free_blocks == 0
+
+
+def test_reuse_drops_the_hash_and_reports_each_eviction_once():
+    bm, evictions = manager(num_blocks=2)
+    a = make_seq(range(8), "a", block_size=BS)
+    computed(bm, a, 8)
+    bm.free(a)
+    b = make_seq(range(50, 58), "b", block_size=BS)
+    assert bm.allocate(b, 8)
+    assert sorted(evictions[0]) == sorted(a.block_hashes[:2])
+    assert bm.num_cached_blocks == 0
+    assert all(blk.block_hash is None for blk in bm.blocks)
+    bm.free(b)  # b's blocks were never registered: no further notices
+    assert bm.allocate(make_seq(range(8), "c", block_size=BS), 8)
+    assert len(evictions) == 1
+
+
+def test_duplicate_content_is_registered_once():
+    bm, _ = manager()
+    a, b = make_seq(range(8), "a", block_size=BS), make_seq(range(8), "b", block_size=BS)
+    assert bm.allocate(a, 8) and bm.allocate(b, 8)
+    assert bm.cache_blocks(a, 0, 2) == [0, 1]
+    assert bm.cache_blocks(b, 0, 2) == []  # another block already holds these hashes
+    assert bm.num_cached_blocks == 2
+
+
+def test_without_prefix_caching_nothing_is_cached():
+    bm, evictions = manager(enable_prefix_caching=False)
+    a = make_seq(range(8), "a", block_size=BS)
+    computed(bm, a, 8)
+    assert bm.num_cached_blocks == 0
+    assert bm.find_cached_prefix(make_seq(range(9), "b", block_size=BS), 2) == []
+    bm.free(a)
+    assert bm.allocate(make_seq(range(32), "c", block_size=BS), 32) and evictions == []
+
+
+def test_prefix_only_for_an_empty_table():
+    bm, _ = manager()
+    a = make_seq(range(8), "a", block_size=BS)
+    computed(bm, a, 8)
+    b = make_seq(range(9), "b", block_size=BS)
+    assert bm.allocate(b, 1)
+    with pytest.raises(ValueError):
+        bm.allocate(b, 9, prefix=a.block_table)

@@ -1,0 +1,157 @@
+"""The KV connector contract, driven by an in-memory connector on the tiny model."""
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.connector import KVConnector
+from engine.hashing import hash_blocks, root_hash
+from engine_testing import MemoryConnector, one_thread  # noqa: F401  (autouse fixture)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPTS = [
+    "A document that several requests share, long enough for a few blocks. " * 2,
+    "Another, different document: the connector keeps both of them around. " * 2,
+]
+
+
+def make_llm(connector: KVConnector | None, **kw) -> LLM:
+    return LLM(max_model_len=256, num_gpu_blocks_override=kw.pop("blocks", 64), kv_connector=connector, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with make_llm(None, enable_prefix_caching=False) as llm:
+        return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_connector_is_registered_with_the_cache_and_namespace():
+    conn = MemoryConnector()
+    with make_llm(conn) as llm:
+        engine = llm.engine
+        assert conn.kv_cache is engine.model_runner.kv_cache
+        assert conn.namespace == engine.namespace and len(conn.namespace) == 32
+        assert conn.block_size == 16
+    assert conn.closed
+
+
+def test_full_blocks_are_saved_with_their_chain(reference):
+    conn = MemoryConnector()
+    with make_llm(conn) as llm:
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outs] == reference
+        ns = llm.engine.namespace
+    assert sorted(conn.finished) == sorted(o.request_id for o in outs)
+    for out in outs:
+        tokens = out.prompt_token_ids + out.token_ids
+        chain = hash_blocks(root_hash(ns), tokens[: len(tokens) - 1], 16)  # the last token has no KV
+        saved = [b for b in conn.saved if b.block_hash in set(chain)]
+        assert [b.block_hash for b in saved] == chain
+        for i, block in enumerate(saved):
+            assert block.parent_hash == (chain[i - 1] if i else None)
+            assert list(block.token_ids) == tokens[16 * i : 16 * (i + 1)]
+            assert block.is_prompt == (16 * (i + 1) <= len(out.prompt_token_ids))
+        assert any(not b.is_prompt for b in saved)  # decoded blocks are offered too
+
+
+def test_a_fresh_engine_loads_saved_blocks_and_matches(reference):
+    store: dict = {}
+    with make_llm(MemoryConnector(store)) as first:
+        first.generate(PROMPTS, GREEDY)
+    conn = MemoryConnector(store)
+    with make_llm(conn) as second:
+        outs = second.generate(PROMPTS, GREEDY)
+        stats = second.engine.stats()
+    assert [o.token_ids for o in outs] == reference
+    for out in outs:
+        assert out.num_cached_tokens == (len(out.prompt_token_ids) - 1) // 16 * 16 > 0
+    assert stats.connector_hits == sum(o.num_cached_tokens for o in outs)
+    assert stats.prefix_cache_hits == 0 and stats.connector_load_failures == 0
+    assert len(conn.loads) == 2
+    # Loaded blocks enter the GPU prefix cache: a third run hits on the GPU, loads nothing.
+    with make_llm(conn) as third:
+        third.generate(PROMPTS[0], GREEDY)
+        again = third.generate(PROMPTS[0], GREEDY)[0]
+        assert third.engine.stats().prefix_cache_hits == again.num_cached_tokens > 0
+
+
+def test_blocks_evicted_from_a_tiny_pool_come_back_through_the_connector(reference):
+    conn = MemoryConnector()
+    with make_llm(conn, blocks=16) as llm:
+        first = llm.generate(PROMPTS[0], GREEDY)[0]
+        llm.generate(PROMPTS[1], GREEDY)  # needs most of the pool: evicts the first's blocks
+        assert conn.evicted
+        loads_before = len(conn.loads)
+        again = llm.generate(PROMPTS[0], GREEDY)[0]
+        stats = llm.engine.stats()
+    assert again.token_ids == first.token_ids == reference[0]
+    assert again.num_cached_tokens == (len(first.prompt_token_ids) - 1) // 16 * 16
+    assert len(conn.loads) == loads_before + 1 and stats.connector_hits > 0
+
+
+def test_gpu_hit_first_then_connector_for_the_rest():
+    conn = MemoryConnector()
+    with make_llm(conn) as llm:
+        llm.generate(PROMPTS[0], GREEDY)
+    with make_llm(conn) as llm:
+        prefix = llm.tokenizer.encode(PROMPTS[0])[:40]  # 2 full blocks + 8 tokens
+        llm.generate(prefix, GREEDY)  # GPU now holds (loaded) blocks 0-1
+        out = llm.generate(PROMPTS[0], GREEDY)[0]
+    request_id, hashes, num_computed = conn.queries[-1]
+    assert num_computed == 2 and hashes == len(out.prompt_token_ids) // 16
+    assert conn.loads[-1][0] == out.request_id and len(conn.loads[-1][1]) == out.num_cached_tokens // 16 - 2
+
+
+def test_a_failed_load_is_recomputed_with_identical_output(reference):
+    store: dict = {}
+    with make_llm(MemoryConnector(store)) as first:
+        first.generate(PROMPTS, GREEDY)
+    failing = MemoryConnector(store, fail_loads=True)
+    with make_llm(failing) as llm:
+        outs = llm.generate(PROMPTS, GREEDY)
+        stats = llm.engine.stats()
+        assert [o.token_ids for o in outs] == reference
+        assert all(o.num_cached_tokens == 0 for o in outs)
+        assert stats.connector_load_failures == 2 and stats.connector_hits == 0
+        # The failed blocks were not entered in the prefix cache; a rerun hits only what
+        # the recompute itself cached.
+        again = llm.generate(PROMPTS[0], GREEDY)[0]
+        assert again.token_ids == reference[0]
+
+
+class RaisingConnector(MemoryConnector):
+    def load_blocks(self, request_id, block_hashes, block_ids) -> bool:
+        raise RuntimeError("disk on fire")
+
+
+def test_a_raising_load_counts_as_a_failure(reference):
+    store: dict = {}
+    with make_llm(MemoryConnector(store)) as first:
+        first.generate(PROMPTS[0], GREEDY)
+    with make_llm(RaisingConnector(store)) as llm:
+        out = llm.generate(PROMPTS[0], GREEDY)[0]
+        assert out.token_ids == reference[0] and out.num_cached_tokens == 0
+        assert llm.engine.stats().connector_load_failures == 1
+
+
+def test_salted_requests_use_their_own_chain(reference):
+    conn = MemoryConnector()
+    with make_llm(conn) as llm:
+        llm.generate(PROMPTS[0], GREEDY, cache_salt="tenant-a")
+    with make_llm(conn) as llm:
+        other = llm.generate(PROMPTS[0], GREEDY, cache_salt="tenant-b")[0]
+        same = llm.generate(PROMPTS[0], GREEDY, cache_salt="tenant-a")[0]
+    assert other.num_cached_tokens == 0 and same.num_cached_tokens > 0
+    assert other.token_ids == same.token_ids == reference[0]
+
+
+def test_the_namespace_depends_on_the_cache_layout():
+    a, b = MemoryConnector(), MemoryConnector()
+    with make_llm(a), make_llm(b, block_size=32):
+        pass
+    assert a.namespace != b.namespace
+
+
+def test_the_protocol_is_abstract():
+    with pytest.raises(TypeError):
+        KVConnector()  # type: ignore[abstract]

@@ -1,0 +1,194 @@
+"""End to end on the tiny model: the public API, prefix caching, salts, limits, stats."""
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, EngineConfig, RequestOutput, SamplingParams
+from engine.kv_cache import KVCacheSpec
+from engine.models import tiny_model_path
+from engine_testing import one_thread  # noqa: F401  (autouse fixture)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+LONG = "A long shared system prompt that many requests start with. " * 2  # 121 tokens
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(max_model_len=256, num_gpu_blocks_override=128) as llm:
+        yield llm
+
+
+def test_prompt_forms_and_output_fields(llm):
+    text = llm.generate("Hello", GREEDY)
+    assert len(text) == 1 and isinstance(text[0], RequestOutput)
+    out = text[0]
+    assert out.prompt == "Hello" and out.prompt_token_ids == llm.tokenizer.encode("Hello")
+    assert len(out.token_ids) == 8 and out.finish_reason == "length" and out.finished
+    assert out.text == llm.tokenizer.decode(out.token_ids) and out.logprobs is None
+
+    ids = llm.tokenizer.encode("Hello")
+    assert llm.generate(ids, GREEDY)[0].token_ids == out.token_ids  # one prompt of ids
+    many = llm.generate(["Hello", ids, "Bye"], GREEDY)
+    assert [o.token_ids for o in many[:2]] == [out.token_ids] * 2
+    assert many[1].prompt is None and many[2].prompt == "Bye"
+    assert len({o.request_id for o in many}) == 3
+    assert len(llm.generate([ids, ids], GREEDY)) == 2
+    assert llm.generate([], GREEDY) == []
+
+
+def test_per_prompt_params(llm):
+    outs = llm.generate(["a", "b"], [GREEDY, SamplingParams(temperature=0.0, max_tokens=2)])
+    assert [len(o.token_ids) for o in outs] == [8, 2]
+    with pytest.raises(ValueError, match="2 prompts"):
+        llm.generate(["a", "b"], [GREEDY])
+
+
+def test_repeated_prompt_hits_the_prefix_cache(llm):
+    first = llm.generate(LONG + "one", GREEDY)[0]
+    before = llm.engine.stats()
+    again = llm.generate(LONG + "one", GREEDY)[0]
+    after = llm.engine.stats()
+    n = len(first.prompt_token_ids)
+    assert first.num_cached_tokens == 0
+    assert again.num_cached_tokens == (n - 1) // 16 * 16 > 0
+    assert again.token_ids == first.token_ids
+    assert after.prefix_cache_hits - before.prefix_cache_hits == again.num_cached_tokens
+    assert after.prefix_cache_queries - before.prefix_cache_queries == n
+    # Another suffix shares the full blocks of the prefix.
+    other = llm.generate(LONG + "two", GREEDY)[0]
+    assert other.num_cached_tokens == len(llm.tokenizer.encode(LONG)) // 16 * 16
+
+
+def test_a_prompt_of_whole_blocks_is_never_fully_cached(llm):
+    prompt = list(range(100, 132))  # 32 tokens = 2 full blocks
+    llm.generate(prompt, GREEDY)
+    again = llm.generate(prompt, GREEDY)[0]
+    assert again.num_cached_tokens == 16
+
+
+def test_cache_salt_separates_tenants(llm):
+    prompt = LONG + "salted"
+    llm.generate(prompt, GREEDY)
+    a1 = llm.generate(prompt, GREEDY, cache_salt="tenant-a")[0]
+    a2 = llm.generate(prompt, GREEDY, cache_salt="tenant-a")[0]
+    b = llm.generate(prompt, GREEDY, cache_salt="tenant-b")[0]
+    assert a1.num_cached_tokens == 0 and b.num_cached_tokens == 0
+    assert a2.num_cached_tokens > 0
+    assert a1.token_ids == a2.token_ids == b.token_ids
+    mixed = llm.generate([prompt, prompt], GREEDY, cache_salt=["tenant-a", "tenant-c"])
+    assert mixed[0].num_cached_tokens > 0 and mixed[1].num_cached_tokens == 0
+
+
+def test_chat_uses_the_template(llm):
+    messages = [{"role": "user", "content": "hi"}]
+    out = llm.chat(messages, GREEDY)[0]
+    rendered = llm.tokenizer.apply_chat_template(messages)
+    assert out.prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
+    assert out.prompt_token_ids.count(llm.tokenizer.bos_token_id) == 1
+    assert len(llm.chat([messages, messages], GREEDY)) == 2
+
+
+def test_invalid_prompts_are_rejected_and_leave_nothing_queued(llm):
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate(["ok", list(range(1, 257))], GREEDY)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], GREEDY)
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate([[1, 10**6]], GREEDY)
+    with pytest.raises(ValueError, match="prompts must be"):
+        llm.generate([1.5], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.stats().num_used_blocks == 0
+
+
+def test_generation_stops_at_max_model_len():
+    with LLM(max_model_len=24, num_gpu_blocks_override=8) as llm:
+        out = llm.generate(list(range(1, 21)), SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))[0]
+        assert len(out.token_ids) == 4 and out.finish_reason == "length"
+        with pytest.raises(ValueError, match="max_model_len"):
+            llm.generate(list(range(1, 25)), GREEDY)
+
+
+def test_preemption_gives_the_same_outputs():
+    prompts = [list(range(10 * i + 1, 10 * i + 41)) for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with LLM(max_model_len=128, num_gpu_blocks_override=64) as roomy:
+        expected = [o.token_ids for o in roomy.generate(prompts, params)]
+    with LLM(max_model_len=128, num_gpu_blocks_override=10) as tight:
+        got = tight.generate(prompts, params)
+        assert [o.token_ids for o in got] == expected
+        stats = tight.engine.stats()
+        assert stats.num_preemptions > 0 and stats.num_used_blocks == 0
+
+
+def test_abort_frees_blocks(llm):
+    engine = llm.engine
+    request_id = engine.add_request("abort me", SamplingParams(max_tokens=50))
+    engine.step()
+    assert engine.stats().num_used_blocks > 0
+    out = engine.abort_request(request_id)
+    assert out.finish_reason == "abort" and len(out.token_ids) == 1
+    assert engine.abort_request(request_id) is None
+    assert engine.stats().num_used_blocks == 0 and not engine.has_unfinished_requests()
+
+
+def test_stats(llm):
+    before = llm.engine.stats()
+    llm.generate(["x", "y"], GREEDY)
+    s = llm.engine.stats()
+    assert s.num_generated_tokens - before.num_generated_tokens == 16
+    assert s.num_finished_requests - before.num_finished_requests == 2
+    assert s.num_blocks == 128 and s.num_used_blocks == 0 and s.kv_usage == 0.0
+    assert s.num_running == s.num_waiting == 0
+    assert len(s.ttft_s) >= 2 and len(s.itl_s) >= 14 and min(s.itl_s) >= 0
+    assert s.gpu_memory is None  # no CUDA here
+
+
+def test_config_defaults_are_resolved_from_the_model(llm):
+    cfg = EngineConfig().resolve(max_position_embeddings=4096)
+    assert (cfg.max_model_len, cfg.max_num_batched_tokens, cfg.device) == (4096, 2048, "cpu")
+    assert EngineConfig().resolve(1024).max_model_len == 1024
+    no_chunk = EngineConfig(enable_chunked_prefill=False).resolve(8192)
+    assert no_chunk.max_num_batched_tokens == 4096
+    assert llm.engine.config.max_model_len == 256
+
+
+def test_cpu_cache_is_sized_from_its_byte_budget():
+    with LLM(tiny_model_path(), max_model_len=64, cpu_kv_cache_bytes=2**20) as llm:
+        engine = llm.engine
+        spec = KVCacheSpec(4, 16, 2, 16, engine.model_runner.kv_cache.dtype)
+        assert engine.num_blocks == 2**20 // spec.bytes_per_block
+        assert engine.model_runner.kv_cache.shape == (4, 2, engine.num_blocks, 16, 2, 16)
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(max_model_len=4096, cpu_kv_cache_bytes=2**16)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"block_size": 12}, "power of two"),
+        ({"block_size": 0}, "block_size"),
+        ({"max_model_len": 1}, "max_model_len"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_num_batched_tokens": -5}, "max_num_batched_tokens"),
+        ({"kv_cache_dtype": "int8"}, "kv_cache_dtype"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"num_gpu_blocks_override": 0}, "num_gpu_blocks_override"),
+        ({"cpu_kv_cache_bytes": 0}, "cpu_kv_cache_bytes"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"device": "tpu"}, "device"),
+        ({"enable_prefix_caching": "yes"}, "enable_prefix_caching"),
+        ({"seed": -1}, "seed"),
+        ({"model": ""}, "model"),
+    ],
+)
+def test_config_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
+
+
+def test_config_checks_against_the_model():
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        EngineConfig(max_model_len=8192).resolve(4096)
+    with pytest.raises(ValueError, match="chunked prefill"):
+        EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=100, max_model_len=512).resolve(4096)
