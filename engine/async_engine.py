@@ -157,6 +157,9 @@ class AsyncLLM:
         if self._thread.is_alive():
             self._commands.put(_Stop())
             self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("the engine thread did not stop within %s s; engine left open", timeout)
+            return
         self.engine.close()
 
     def _run(self) -> None:
@@ -196,10 +199,6 @@ class AsyncLLM:
                 self._deliver(command.request_id, output, True)
             self._streams.pop(command.request_id, None)
             return
-        if command.request_id in self._streams:
-            error = ValueError(f"request id {command.request_id!r} is already in use")
-            command.loop.call_soon_threadsafe(command.stream.put_nowait, error)
-            return
         try:
             self.engine.add_request(
                 command.prompt,
@@ -209,20 +208,15 @@ class AsyncLLM:
                 add_special_tokens=command.add_special_tokens,
             )
         except ValueError as e:
-            command.loop.call_soon_threadsafe(command.stream.put_nowait, e)
+            _send(command, e)
             return
         self._streams[command.request_id] = command
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException, last: bool) -> None:
         target = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
-        if target is None:
-            return
-        try:
-            target.loop.call_soon_threadsafe(target.stream.put_nowait, item)
-        except RuntimeError:  # the consumer's event loop is closed: nobody is listening
-            if not last:
-                self._streams.pop(request_id, None)
-                self.engine.abort_request(request_id)
+        if target is not None and not _send(target, item) and not last:
+            self._streams.pop(request_id, None)
+            self.engine.abort_request(request_id)
 
     def _answer_leftovers(self) -> None:
         while True:
@@ -231,11 +225,7 @@ class AsyncLLM:
             except queue.Empty:
                 return
             if isinstance(command, _Add):
-                error = EngineDeadError("the engine is shut down")
-                try:
-                    command.loop.call_soon_threadsafe(command.stream.put_nowait, error)
-                except RuntimeError:
-                    pass
+                _send(command, EngineDeadError("the engine is shut down"))
 
     def _abort_all(self) -> None:
         for request_id in list(self._streams):
@@ -243,3 +233,12 @@ class AsyncLLM:
             if output is not None:
                 self._deliver(request_id, output, True)
         self._streams.clear()
+
+
+def _send(target: _Add, item: RequestOutput | BaseException) -> bool:
+    """Hand ``item`` to the request's consumer; False if its event loop is closed."""
+    try:
+        target.loop.call_soon_threadsafe(target.stream.put_nowait, item)
+    except RuntimeError:
+        return False
+    return True

@@ -39,7 +39,9 @@ class BlockManager:
         on_evict: Callable[[list[bytes]], None] | None = None,
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
-            raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
+            raise ValueError(
+                f"need positive num_blocks and block_size, got {num_blocks}, {block_size}"
+            )
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]

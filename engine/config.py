@@ -53,7 +53,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be 'tiny' or a checkpoint folder, got {self.model!r}")
-        if not (isinstance(self.dtype, torch.dtype) or self.dtype == "auto" or self.dtype in DTYPES):
+        known = isinstance(self.dtype, torch.dtype) or self.dtype == "auto" or self.dtype in DTYPES
+        if not known:
             raise ValueError(
                 f"dtype must be 'auto', one of {', '.join(DTYPES)} or a torch dtype, "
                 f"got {self.dtype!r}"
@@ -61,7 +62,9 @@ class EngineConfig:
         if isinstance(self.dtype, torch.dtype) and self.dtype not in DTYPES.values():
             raise ValueError(f"dtype {self.dtype} is not supported for weights")
         if not isinstance(self.device, str) or not _DEVICE.match(self.device):
-            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+            raise ValueError(
+                f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
+            )
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r} but CUDA is not available on this machine")
         _positive_int("block_size", self.block_size)
@@ -124,7 +127,10 @@ class EngineConfig:
                 "prefill or lower max_model_len"
             )
         return dataclasses.replace(
-            self, max_model_len=max_model_len, max_num_batched_tokens=budget, device=str(self.torch_device)
+            self,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=budget,
+            device=str(self.torch_device),
         )
 
 

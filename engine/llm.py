@@ -79,7 +79,9 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _run(self, requests: list[tuple[Prompt, SamplingParams, str | None, bool]]) -> list[RequestOutput]:
+    def _run(
+        self, requests: list[tuple[Prompt, SamplingParams, str | None, bool]]
+    ) -> list[RequestOutput]:
         engine = self.engine
         ids: list[str] = []
         done: dict[str, RequestOutput] = {}

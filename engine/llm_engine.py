@@ -53,7 +53,8 @@ class _TextState:
 class LLMEngine:
     """Loads the model, sizes the KV cache, and runs steps over the queued requests.
 
-    ``model``: an already loaded model to use instead of loading ``config.model``.
+    ``loaded_model``: an already loaded model to use instead of loading ``config.model``
+    (it must be on ``config``'s device).
     ``kv_connector``: see :mod:`engine.connector`; ``None`` keeps all KV in the block pool.
     """
 
@@ -62,11 +63,15 @@ class LLMEngine:
         config: EngineConfig | None = None,
         *,
         kv_connector: KVConnector | None = None,
-        model: LoadedModel | None = None,
+        loaded_model: LoadedModel | None = None,
     ) -> None:
         config = config or EngineConfig()
+        model = loaded_model
         if model is None:
             model = load_model(config.model, dtype=config.dtype, device=config.torch_device)
+        model_device = next(model.model.parameters()).device
+        if model_device.type != config.torch_device.type:
+            raise ValueError(f"the model is on {model_device}, the config says {config.device!r}")
         self.config = config = config.resolve(model.config.max_position_embeddings)
         self.model_config = mc = model.config
         self.tokenizer: Tokenizer = model.tokenizer
@@ -80,7 +85,9 @@ class LLMEngine:
             head_dim=mc.head_dim,
             dtype=kv_cache_dtype(config.kv_cache_dtype, model.dtype),
         )
-        self.model_runner = ModelRunner(model.model, config, spec, self.eos_token_ids, mc.vocab_size)
+        self.model_runner = ModelRunner(
+            model.model, config, spec, self.eos_token_ids, mc.vocab_size
+        )
 
         kv_scales = None
         if config.kv_cache_dtype == "fp8":
@@ -130,9 +137,13 @@ class LLMEngine:
     ) -> str:
         """Queue a request (text or token ids); returns its id. Raises ``ValueError`` for a
         prompt that is empty, has an invalid token id or does not fit ``max_model_len``."""
+        if self._closed:
+            raise RuntimeError("the engine is closed")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
+        if request_id is not None and not (isinstance(request_id, str) and request_id):
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         if isinstance(prompt, str):
@@ -141,7 +152,7 @@ class LLMEngine:
         else:
             text, token_ids = None, list(prompt)
             vocab = self.model_config.vocab_size
-            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
+            if not all(_is_token_id(t, vocab) for t in token_ids):
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if not token_ids:
             raise ValueError("the prompt is empty")
@@ -213,7 +224,8 @@ class LLMEngine:
         )
 
     def close(self) -> None:
-        """Abort what is left and release the connector and NVML. Idempotent."""
+        """Abort what is left and release the connector and NVML; no request can be added
+        afterwards. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -223,7 +235,9 @@ class LLMEngine:
             self.connector.close()
         self._telemetry.close()
 
-    def _detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
+    def _detokenizer(
+        self, prompt_token_ids: list[int], params: SamplingParams
+    ) -> IncrementalDetokenizer:
         """A detokenizer primed with the prompt's last tokens, so that the first output token
         decodes in context (SentencePiece decoders drop the leading space of a first token)."""
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
@@ -324,6 +338,10 @@ def _find_stop(text: str, stops: Seq[str], searched_from: int) -> tuple[int, str
         if i >= 0 and (best is None or i < best[0]):
             best = (i, stop)
     return best
+
+
+def _is_token_id(value: object, vocab_size: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
 
 
 def _derived_seed(engine_seed: int, number: int) -> int:

@@ -58,7 +58,9 @@ class ModelRunner:
         if self.kv_cache is None:
             raise RuntimeError("init_kv_cache() must be called before run()")
         items = output.scheduled
-        sampled = [i for i, (seq, n) in enumerate(items) if seq.num_computed_tokens + n == seq.num_tokens]
+        sampled = [
+            i for i, (seq, n) in enumerate(items) if seq.num_computed_tokens + n == seq.num_tokens
+        ]
         batch = self._prepare(
             [seq.token_ids for seq, _ in items],
             [seq.num_computed_tokens for seq, _ in items],
@@ -66,7 +68,9 @@ class ModelRunner:
             [seq.block_table for seq, _ in items],
             sampled,
         )
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta, self.kv_scales)
+        hidden = self.model(
+            batch.input_ids, batch.positions, self.kv_cache, batch.meta, self.kv_scales
+        )
         results: list[Sample | None] = [None] * len(items)
         if not sampled:
             return results
@@ -122,7 +126,7 @@ class ModelRunner:
         block_tables: Seq[Seq[int]],
         sampled: Seq[int],
     ) -> BatchInputs:
-        """Flatten a batch; sequence ``b`` computes ``token_ids[b][starts[b]:starts[b]+query_lens[b]]``."""
+        """Flatten a batch: sequence ``b`` computes ``query_lens[b]`` tokens from ``starts[b]``."""
         bs = self.block_size
         num_seqs = len(query_lens)
         seq_lens = [s + n for s, n in zip(starts, query_lens)]

@@ -54,11 +54,11 @@ class SamplingParams:
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {p!r}")
         if self.top_k is not None and not _is_int(self.top_k, minimum=1):
-            raise ValueError(f"top_k must be None (disabled) or a positive integer, got {self.top_k!r}")
+            raise ValueError(f"top_k must be None (off) or a positive integer, got {self.top_k!r}")
         if self.seed is not None and not (_is_int(self.seed, minimum=0) and self.seed <= _MAX_SEED):
             raise ValueError(f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
         if self.max_tokens is not None and not _is_int(self.max_tokens, minimum=1):
-            raise ValueError(f"max_tokens must be None or a positive integer, got {self.max_tokens!r}")
+            raise ValueError(f"max_tokens must be None or positive, got {self.max_tokens!r}")
         if not _is_int(self.min_tokens, minimum=0):
             raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -72,7 +72,9 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if not isinstance(self.skip_special_tokens, bool):
-            raise ValueError(f"skip_special_tokens must be True or False, got {self.skip_special_tokens!r}")
+            raise ValueError(
+                f"skip_special_tokens must be True or False, got {self.skip_special_tokens!r}"
+            )
         lp = self.logprobs
         if not (lp is None or isinstance(lp, bool) or _is_int(lp, minimum=0)):
             raise ValueError(f"logprobs must be None, a bool or a non-negative integer, got {lp!r}")

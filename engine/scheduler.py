@@ -58,7 +58,7 @@ class Scheduler:
         connector: KVConnector | None = None,
     ) -> None:
         if not config.is_resolved:
-            raise ValueError("the scheduler needs a resolved EngineConfig (see EngineConfig.resolve)")
+            raise ValueError("the scheduler needs a resolved EngineConfig (EngineConfig.resolve)")
         self.config = config
         self.block_manager = block_manager
         self.block_size = config.block_size
@@ -134,7 +134,8 @@ class Scheduler:
             start = seq.num_computed_tokens
             seq.num_computed_tokens += num_new
             if start < seq.num_prompt_tokens:
-                self.stats.num_prompt_tokens += min(seq.num_computed_tokens, seq.num_prompt_tokens) - start
+                done = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+                self.stats.num_prompt_tokens += done - start
             first, end = start // self.block_size, seq.num_computed_tokens // self.block_size
             if not self._hashing or end <= first:
                 continue

@@ -42,7 +42,9 @@ class EngineStats:
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        if not self.prefix_cache_queries:
+            return 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries
 
 
 class StatsCollector:
@@ -73,11 +75,14 @@ class NvmlTelemetry:
             import pynvml
 
             pynvml.nvmlInit()
+            self._nvml = pynvml
             index = device.index if device.index is not None else torch.cuda.current_device()
             # NVML numbers devices physically; the UUID also holds under CUDA_VISIBLE_DEVICES.
             uuid = f"GPU-{torch.cuda.get_device_properties(index).uuid}"
-            self._handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
-            self._nvml = pynvml
+            try:
+                self._handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+            except pynvml.NVMLError:
+                self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         except Exception:  # no NVML library, no driver access: telemetry is optional
             self._handle = None
 

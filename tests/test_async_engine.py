@@ -113,7 +113,8 @@ def test_invalid_requests_raise_in_the_consumer(fresh):
             await collect(fresh, [5] * 300)
         with pytest.raises(ValueError, match="already in use"):
             await asyncio.gather(
-                collect(fresh, "x", ENDLESS, request_id="dup"), collect(fresh, "y", request_id="dup")
+                collect(fresh, "x", ENDLESS, request_id="dup"),
+                collect(fresh, "y", request_id="dup"),
             )
 
     asyncio.run(main())

@@ -16,7 +16,8 @@ PROMPTS = [
 
 
 def make_llm(connector: KVConnector | None, **kw) -> LLM:
-    return LLM(max_model_len=256, num_gpu_blocks_override=kw.pop("blocks", 64), kv_connector=connector, **kw)
+    blocks = kw.pop("blocks", 64)
+    return LLM(max_model_len=256, num_gpu_blocks_override=blocks, kv_connector=connector, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,8 @@ def test_full_blocks_are_saved_with_their_chain(reference):
     assert sorted(conn.finished) == sorted(o.request_id for o in outs)
     for out in outs:
         tokens = out.prompt_token_ids + out.token_ids
-        chain = hash_blocks(root_hash(ns), tokens[: len(tokens) - 1], 16)  # the last token has no KV
+        # The last token has no KV: it was sampled, never fed back.
+        chain = hash_blocks(root_hash(ns), tokens[: len(tokens) - 1], 16)
         saved = [b for b in conn.saved if b.block_hash in set(chain)]
         assert [b.block_hash for b in saved] == chain
         for i, block in enumerate(saved):
@@ -99,7 +101,9 @@ def test_gpu_hit_first_then_connector_for_the_rest():
         out = llm.generate(PROMPTS[0], GREEDY)[0]
     request_id, hashes, num_computed = conn.queries[-1]
     assert num_computed == 2 and hashes == len(out.prompt_token_ids) // 16
-    assert conn.loads[-1][0] == out.request_id and len(conn.loads[-1][1]) == out.num_cached_tokens // 16 - 2
+    load_request, load_hashes, _ = conn.loads[-1]
+    assert load_request == out.request_id
+    assert len(load_hashes) == out.num_cached_tokens // 16 - 2
 
 
 def test_a_failed_load_is_recomputed_with_identical_output(reference):

@@ -96,7 +96,9 @@ def test_batch_matches_transformers_and_again_from_the_prefix_cache(checkpoint, 
 
 
 def test_chunked_prefill_matches_transformers(checkpoint, prompts, reference):
-    with LLM(checkpoint[0], max_model_len=128, num_gpu_blocks_override=64, max_num_batched_tokens=16) as llm:
+    with LLM(
+        checkpoint[0], max_model_len=128, num_gpu_blocks_override=64, max_num_batched_tokens=16
+    ) as llm:
         assert_matches(llm.generate(prompts, PARAMS), reference)
 
 
@@ -108,7 +110,9 @@ def test_preemption_matches_transformers(checkpoint, prompts, reference):
 
 @pytest.mark.parametrize("caching", [True, False])
 @pytest.mark.parametrize("chunked", [True, False])
-def test_greedy_is_the_same_with_caching_and_chunking_on_or_off(checkpoint, prompts, reference, caching, chunked):
+def test_greedy_is_the_same_with_caching_and_chunking_on_or_off(
+    checkpoint, prompts, reference, caching, chunked
+):
     budget = 32 if chunked else 128
     with LLM(
         checkpoint[0],
@@ -126,7 +130,9 @@ def test_greedy_is_the_same_with_caching_and_chunking_on_or_off(checkpoint, prom
 
 def test_fp8_kv_runs_and_stays_close(checkpoint, prompts, reference):
     """fp8 (e4m3, per-layer power-of-two scales) is lossy: measure, report, bound loosely."""
-    with LLM(checkpoint[0], max_model_len=128, num_gpu_blocks_override=64, kv_cache_dtype="fp8") as llm:
+    with LLM(
+        checkpoint[0], max_model_len=128, num_gpu_blocks_override=64, kv_cache_dtype="fp8"
+    ) as llm:
         assert llm.engine.model_runner.kv_cache.dtype == torch.float8_e4m3fn
         outs = llm.generate(prompts, PARAMS)
     report = []
@@ -141,4 +147,4 @@ def test_fp8_kv_runs_and_stays_close(checkpoint, prompts, reference):
     for row in report:
         print("  ", row)
     assert all(max_diff < 0.5 for _, _, max_diff in report)
-    assert report[0][1] is None or report[0][1] > 0  # the first token comes out right
+    assert all(diverge is None or diverge > 0 for _, diverge, _ in report)  # first tokens agree

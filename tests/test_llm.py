@@ -1,6 +1,8 @@
 """End to end on the tiny model: the public API, prefix caching, salts, limits, stats."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine import LLM, EngineConfig, RequestOutput, SamplingParams
@@ -103,7 +105,8 @@ def test_invalid_prompts_are_rejected_and_leave_nothing_queued(llm):
 
 def test_generation_stops_at_max_model_len():
     with LLM(max_model_len=24, num_gpu_blocks_override=8) as llm:
-        out = llm.generate(list(range(1, 21)), SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))[0]
+        params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+        out = llm.generate(list(range(1, 21)), params)[0]
         assert len(out.token_ids) == 4 and out.finish_reason == "length"
         with pytest.raises(ValueError, match="max_model_len"):
             llm.generate(list(range(1, 25)), GREEDY)
@@ -130,6 +133,17 @@ def test_abort_frees_blocks(llm):
     assert out.finish_reason == "abort" and len(out.token_ids) == 1
     assert engine.abort_request(request_id) is None
     assert engine.stats().num_used_blocks == 0 and not engine.has_unfinished_requests()
+
+
+def test_a_closed_engine_takes_no_requests():
+    llm = LLM(max_model_len=64, num_gpu_blocks_override=8)
+    engine = llm.engine
+    engine.add_request("left over", GREEDY)
+    llm.close()
+    assert not engine.has_unfinished_requests() and engine.stats().num_used_blocks == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate("more", GREEDY)
+    llm.close()
 
 
 def test_stats(llm):
@@ -191,4 +205,31 @@ def test_config_checks_against_the_model():
     with pytest.raises(ValueError, match="max_position_embeddings"):
         EngineConfig(max_model_len=8192).resolve(4096)
     with pytest.raises(ValueError, match="chunked prefill"):
-        EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=100, max_model_len=512).resolve(4096)
+        EngineConfig(
+            enable_chunked_prefill=False, max_num_batched_tokens=100, max_model_len=512
+        ).resolve(4096)
+
+
+def test_output_text_keeps_the_leading_space_of_sentencepiece_decoders():
+    tokenizers = pytest.importorskip("tokenizers")
+    from engine.llm_engine import LLMEngine
+    from engine.models import load_model
+    from engine.tokenizer import Tokenizer
+
+    backend = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({f"▁w{i}": i for i in range(264)}, unk_token="▁w0")
+    )
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
+    backend.decoder = tokenizers.decoders.Metaspace()  # drops the space of a first word
+    loaded = dataclasses.replace(load_model("tiny"), tokenizer=Tokenizer(backend))
+    engine = LLMEngine(
+        EngineConfig(max_model_len=64, num_gpu_blocks_override=8), loaded_model=loaded
+    )
+    request_id = engine.add_request("w1 w2 w3", GREEDY)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == request_id]
+    final = outs[-1]
+    full = backend.decode(final.prompt_token_ids + final.token_ids)
+    assert final.text == full[len("w1 w2 w3") :] and final.text.startswith(" w")
+    assert "".join(o.delta_text for o in outs) == final.text

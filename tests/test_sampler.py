@@ -61,7 +61,9 @@ def test_seeded_sampling_does_not_depend_on_the_batch():
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=42)
     alone = [Sampler()(x[1:2].clone(), [row(params, 42)])[0].token_id for _ in range(1)]
     gen = torch.Generator().manual_seed(42)
-    batch_rows = [row(SamplingParams(temperature=0.7), 1), SamplingRow(params, gen), row(SamplingParams(), 3)]
+    batch_rows = [
+        row(SamplingParams(temperature=0.7), 1), SamplingRow(params, gen), row(SamplingParams(), 3)
+    ]
     in_batch = Sampler()(x.clone(), batch_rows)[1].token_id
     assert alone == [in_batch]
     seq_a = draw(params, x[1:2], 20, seed=42)
@@ -79,7 +81,9 @@ def test_suppressed_tokens_are_never_chosen():
 
 def test_logprobs_are_raw_log_softmax_of_the_chosen_token():
     x = logits(2)
-    params = [SamplingParams(temperature=0.0, logprobs=True), SamplingParams(temperature=2.0, logprobs=3)]
+    params = [
+        SamplingParams(temperature=0.0, logprobs=True), SamplingParams(temperature=2.0, logprobs=3)
+    ]
     out = Sampler()(x.clone(), [row(p) for p in params])
     ref = torch.log_softmax(x, -1)
     for i, s in enumerate(out):
@@ -137,7 +141,10 @@ def test_stop_string_cuts_the_text_before_it(llm):
     text = full.text
     stop = text[5:8]
     assert stop and text.find(stop) == 5
-    out = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop, "\x00never"]))[0]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop, "\x00never"]
+    )
+    out = llm.generate(PROMPT, params)[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == text[:5]
     assert full.token_ids[: len(out.token_ids)] == out.token_ids
@@ -145,21 +152,16 @@ def test_stop_string_cuts_the_text_before_it(llm):
 
 
 def test_stop_token_ends_generation_and_is_kept_in_token_ids(llm):
-    full = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0]
+    greedy = dict(temperature=0.0, max_tokens=16, ignore_eos=True)
+    full = llm.generate(PROMPT, SamplingParams(**greedy))[0]
     stop_id = full.token_ids[4]
-    out = llm.generate(
-        PROMPT, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop_token_ids=[stop_id])
-    )[0]
+    out = llm.generate(PROMPT, SamplingParams(**greedy, stop_token_ids=[stop_id]))[0]
     first = full.token_ids.index(stop_id)
     assert out.token_ids == full.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
     # min_tokens suppresses the stop token until enough tokens exist.
-    late = llm.generate(
-        PROMPT,
-        SamplingParams(
-            temperature=0.0, max_tokens=16, ignore_eos=True, stop_token_ids=[stop_id], min_tokens=first + 2
-        ),
-    )[0]
+    params = SamplingParams(**greedy, stop_token_ids=[stop_id], min_tokens=first + 2)
+    late = llm.generate(PROMPT, params)[0]
     assert stop_id not in late.token_ids[: first + 1] and len(late.token_ids) > first + 1
 
 
@@ -182,5 +184,6 @@ def test_seeded_requests_do_not_depend_on_the_batch(llm):
     others = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
     batch = llm.generate(["zzz", PROMPT, "another prompt"], [others, params, others])
     assert batch[1].token_ids == alone
-    unseeded = llm.generate([PROMPT, PROMPT], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True))
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    unseeded = llm.generate([PROMPT, PROMPT], params)
     assert unseeded[0].token_ids != unseeded[1].token_ids  # each request has its own generator

@@ -1,0 +1,400 @@
+"""TTFT with tiers, restore bandwidth, and the cost of offloading.
+
+A random Llama written by ``transformers`` (hidden 1024, 8 layers, 16 heads / 8 KV heads,
+fp32: 512 KiB of KV per 16-token block) serves prompts made of a ``--prefix-tokens`` prefix
+and a 16-token suffix, one at a time, ``max_tokens=1``. Time to first token for:
+
+  recompute     no tiers, nothing cached: the whole prompt is computed.
+  engine hit    the prefix is in the engine's own block pool (prefix caching).
+  CPU-pool hit  tiers on, the engine's prefix cache off (as if its pool had evicted the
+                prefix): the prefix comes from the CPU pool.
+  disk hit      a fresh process on the same cache directory, no CPU pool and the engine's
+                prefix cache off: the prefix comes from disk (page cache warm, as right
+                after a restart on the same machine). The first request of that process
+                and the median of the next ones.
+
+Restore bandwidth: KV bytes restored per second of the manager's load time (its load
+latency measurements), against a plain read of the same bytes in the same process: for the
+CPU pool, ``copy_`` of each block between two preallocated host tensors; for disk,
+``pread`` of the same number of bytes, one record-sized read per block, from a file in the
+cache directory's file system that was just written (warm, like the store).
+
+Offload overhead: 8 distinct prompts (no reuse) generated together, tiers off and on
+(write-through, raw, CPU pool + disk, default queue), alternating, same process; output
+tokens per second of wall time, and decode tokens per second from the median inter-token
+latency.
+
+    .venv/bin/python benchmarks/ttft_tiers.py [--prefix-tokens 2048] [--quick]
+        [--out benchmarks/results/ttft_tiers.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from engine.llm import LLM
+from engine.models.tiny import write_tiny_tokenizer
+from engine.sampler import SamplingParams
+from tiered_kv.config import TierConfig
+from tiered_kv.tier_manager import build_llm
+
+REPO = Path(__file__).resolve().parents[1]
+SEED = 0
+SUFFIX_TOKENS = 16
+MODEL = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    bos_token_id=256,
+    eos_token_id=257,
+)
+TARGETS = {
+    "disk_hit_speedup": 10.0,  # recompute TTFT / disk-hit TTFT
+    "cpu_hit_speedup": 20.0,  # recompute TTFT / CPU-pool-hit TTFT
+    "restore_vs_plain_read": 0.70,  # restore bandwidth / plain read bandwidth, each tier
+    "offload_slowdown": 0.05,  # 1 - (tiers-on throughput / tiers-off throughput)
+}
+ONE = SamplingParams(temperature=0.0, max_tokens=1)
+GiB = 1 << 30
+
+
+def write_model(path: Path) -> None:
+    torch.manual_seed(SEED)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**MODEL)).eval()
+    model.save_pretrained(path)
+    write_tiny_tokenizer(path)  # the engine wants a tokenizer; prompts are token ids
+
+
+def random_tokens(count: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(300, MODEL["vocab_size"], (length,), generator=g).tolist() for _ in range(count)]
+
+
+def timed(llm: LLM, prompt: list[int]) -> tuple[float, int]:
+    start = time.perf_counter()
+    out = llm.generate(prompt, ONE)[0]
+    return time.perf_counter() - start, out.num_cached_tokens
+
+
+def engine_args(prefix_tokens: int, **extra) -> dict:
+    return dict(max_model_len=prefix_tokens + SUFFIX_TOKENS + 16, **extra)
+
+
+# ---------------------------------------------------------------- scenarios
+
+
+def recompute_and_engine_hit(model: Path, prompts: list[list[int]], prefix_tokens: int) -> dict:
+    with LLM(model, **engine_args(prefix_tokens)) as llm:
+        llm.generate([[300] * 8], ONE)  # warm-up, shares nothing with the prompts
+        cold, _ = timed(llm, prompts[0])
+        hits = [timed(llm, p) for p in prompts[1:]]
+    return {
+        "recompute_s": cold,
+        "engine_hit_s": statistics.median(t for t, _ in hits),
+        "engine_hit_cached_tokens": hits[0][1],
+    }
+
+
+def cpu_hit(model: Path, prompts: list[list[int]], prefix_tokens: int, cache: Path) -> dict:
+    tiers = TierConfig(kv_cache_dir=cache, cpu_bytes=1 * GiB, disk_bytes=4 * GiB)
+    with build_llm(model, tiers, **engine_args(prefix_tokens, enable_prefix_caching=False)) as llm:
+        manager = llm.engine.connector
+        llm.generate([[300] * 8], ONE)
+        cold, _ = timed(llm, prompts[0])  # computes the prefix and stores it below
+        assert manager.flush(120), "the disk writer did not finish"
+        hits = [timed(llm, p) for p in prompts[1:]]
+        stats = manager.stats()
+        kv = llm.engine.model_runner.kv_cache
+        block_nbytes = kv[:, :, 0].numel() * kv.element_size()
+        block_shape = kv[:, :, 0].shape
+    cpu = stats["cpu"]
+    blocks = cpu["hit_blocks"]
+    return {
+        "recompute_with_tiers_s": cold,
+        "cpu_hit_s": statistics.median(t for t, _ in hits),
+        "cpu_hit_cached_tokens": hits[0][1],
+        "cpu_restored_bytes": cpu["loaded_bytes"],
+        "cpu_load_s": cpu["load_seconds"],
+        "cpu_restore_bytes_per_s": cpu["load_bytes_per_s"],
+        "cpu_memcpy_bytes_per_s": memcpy_bandwidth(block_shape, kv.dtype, blocks // len(hits)),
+        "block_nbytes": block_nbytes,
+        "disk_entries": stats["disk"]["entries"],
+        "disk_bytes_used": stats["disk"]["bytes_used"],
+    }
+
+
+def memcpy_bandwidth(block_shape: torch.Size, dtype: torch.dtype, blocks: int, repeats: int = 5) -> float:
+    """Bytes per second of ``copy_`` of ``blocks`` blocks between preallocated host tensors."""
+    src = torch.randn((blocks, *block_shape)).to(dtype)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for i in range(blocks):
+            dst[i].copy_(src[i])
+        best = min(best, time.perf_counter() - start)
+    return src.numel() * src.element_size() / best
+
+
+def disk_hit(model: Path, prompts: list[list[int]], prefix_tokens: int, cache: Path) -> dict:
+    """Runs :func:`disk_child` in a fresh process on ``cache``."""
+    args = {"model": str(model), "prompts": prompts, "prefix_tokens": prefix_tokens, "cache": str(cache)}
+    proc = subprocess.run(
+        [sys.executable, __file__, "--disk-child", json.dumps(args)],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"disk child failed:\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def disk_child(args: dict) -> None:
+    torch.set_num_threads(1)
+    prompts, cache = args["prompts"], Path(args["cache"])
+    tiers = TierConfig(kv_cache_dir=cache, cpu_bytes=0, disk_bytes=4 * GiB)
+    model = Path(args["model"])
+    with build_llm(model, tiers, **engine_args(args["prefix_tokens"], enable_prefix_caching=False)) as llm:
+        manager = llm.engine.connector
+        llm.generate([[300] * 8], ONE)
+        first, cached = timed(llm, prompts[0])
+        first_stats = manager.stats()["disk"]
+        rest = [timed(llm, p)[0] for p in prompts[1:]]
+        stats = manager.stats()["disk"]
+    record_nbytes = stats["bytes_used"] // max(stats["entries"], 1)
+    result = {
+        "disk_first_hit_s": first,
+        "disk_hit_s": statistics.median(rest),
+        "disk_hit_cached_tokens": cached,
+        "disk_first_restore_bytes_per_s": first_stats["load_bytes_per_s"],
+        "disk_restored_bytes": stats["loaded_bytes"],
+        "disk_load_s": stats["load_seconds"],
+        "disk_restore_bytes_per_s": stats["load_bytes_per_s"],
+        "disk_pread_bytes_per_s": pread_bandwidth(cache.parent, record_nbytes, first_stats["hit_blocks"]),
+        "disk_corrupt": stats["corrupt"],
+    }
+    print(json.dumps(result))
+
+
+def pread_bandwidth(folder: Path, block_nbytes: int, blocks: int, repeats: int = 5) -> float:
+    """Bytes per second of ``pread`` of ``blocks`` blocks from a freshly written file."""
+    path = folder / "plain-read.bin"
+    data = os.urandom(block_nbytes)
+    with open(path, "wb") as f:
+        for _ in range(blocks):
+            f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            got = [os.pread(fd, block_nbytes, i * block_nbytes) for i in range(blocks)]
+            best = min(best, time.perf_counter() - start)
+            assert sum(map(len, got)) == blocks * block_nbytes
+    finally:
+        os.close(fd)
+        path.unlink()
+    return blocks * block_nbytes / best
+
+
+def offload_overhead(model: Path, cache: Path, prompt_tokens: int, max_tokens: int, rounds: int) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    args = engine_args(prompt_tokens + max_tokens)
+    runs: dict[str, list[dict]] = {"off": [], "on": []}
+    tiers = TierConfig(kv_cache_dir=cache, cpu_bytes=1 * GiB, disk_bytes=4 * GiB)
+    with LLM(model, **args) as off, build_llm(model, tiers, **args) as on:
+        for llm in (off, on):
+            llm.generate([[300] * 8], ONE)
+        seed = 1000
+        for _ in range(rounds):
+            for name, llm in (("off", off), ("on", on)):
+                seed += 1
+                prompts = random_tokens(8, prompt_tokens, seed)  # never seen before: no reuse
+                itl_before = len(llm.engine.stats().itl_s)
+                start = time.perf_counter()
+                outs = llm.generate(prompts, params)
+                wall = time.perf_counter() - start
+                itl = list(llm.engine.stats().itl_s)[itl_before:]
+                tokens = sum(len(o.token_ids) for o in outs)
+                runs[name].append({
+                    "wall_s": wall,
+                    "output_tok_s": tokens / wall,
+                    "decode_tok_s": len(prompts) / statistics.median(itl),
+                })
+        stored = on.engine.connector.stats()
+    med = {
+        name: {key: statistics.median(r[key] for r in rs) for key in ("output_tok_s", "decode_tok_s")}
+        for name, rs in runs.items()
+    }
+    return {
+        "prompts": 8,
+        "prompt_tokens": prompt_tokens,
+        "max_tokens": max_tokens,
+        "rounds": rounds,
+        "runs": runs,
+        "median": med,
+        "output_slowdown": 1 - med["on"]["output_tok_s"] / med["off"]["output_tok_s"],
+        "decode_slowdown": 1 - med["on"]["decode_tok_s"] / med["off"]["decode_tok_s"],
+        "blocks_stored_disk": stored["disk"]["stored_blocks"],
+        "blocks_dropped_disk": stored["disk"]["dropped"],
+    }
+
+
+# ---------------------------------------------------------------- report
+
+
+def machine() -> dict:
+    model = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "cuda": torch.cuda.is_available(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def verdicts(r: dict) -> list[tuple[str, float, str, bool]]:
+    t = TARGETS
+    cpu_ratio = r["cpu_restore_bytes_per_s"] / r["cpu_memcpy_bytes_per_s"]
+    disk_ratio = r["disk_restore_bytes_per_s"] / r["disk_pread_bytes_per_s"]
+    disk_speedup = r["recompute_s"] / r["disk_first_hit_s"]
+    cpu_speedup = r["recompute_s"] / r["cpu_hit_s"]
+    slowdown = r["offload"]["output_slowdown"]
+    return [
+        ("disk hit (fresh process) vs recompute, TTFT", disk_speedup, f">= {t['disk_hit_speedup']:.0f}x",
+         disk_speedup >= t["disk_hit_speedup"]),
+        ("CPU-pool hit vs recompute, TTFT", cpu_speedup, f">= {t['cpu_hit_speedup']:.0f}x",
+         cpu_speedup >= t["cpu_hit_speedup"]),
+        ("CPU-pool restore / memcpy", cpu_ratio, f">= {t['restore_vs_plain_read']:.2f}",
+         cpu_ratio >= t["restore_vs_plain_read"]),
+        ("disk restore / pread", disk_ratio, f">= {t['restore_vs_plain_read']:.2f}",
+         disk_ratio >= t["restore_vs_plain_read"]),
+        ("offload slowdown, output tok/s", slowdown, f"<= {t['offload_slowdown']:.2f}",
+         slowdown <= t["offload_slowdown"]),
+    ]
+
+
+def print_report(r: dict) -> None:
+    ms = lambda s: f"{1e3 * s:.1f}"  # noqa: E731
+    gbs = lambda b: f"{b / 1e9:.2f}"  # noqa: E731
+    rec = r["recompute_s"]
+    print(f"TTFT, {r['prefix_tokens']}-token prefix + {SUFFIX_TOKENS}-token suffix, max_tokens=1:")
+    print("| case | TTFT ms | speedup vs recompute | cached tokens |")
+    print("|---|---|---|---|")
+    rows = [
+        ("recompute (no tiers)", rec, 0),
+        ("recompute, tiers on (stores the prefix)", r["recompute_with_tiers_s"], 0),
+        ("engine-pool hit", r["engine_hit_s"], r["engine_hit_cached_tokens"]),
+        ("CPU-pool hit", r["cpu_hit_s"], r["cpu_hit_cached_tokens"]),
+        ("disk hit, first request of a fresh process", r["disk_first_hit_s"], r["disk_hit_cached_tokens"]),
+        ("disk hit, later requests (median)", r["disk_hit_s"], r["disk_hit_cached_tokens"]),
+    ]
+    for name, seconds, cached in rows:
+        print(f"| {name} | {ms(seconds)} | {rec / seconds:.1f}x | {cached} |")
+    print()
+    print("Restore bandwidth (KV bytes restored / the manager's load time):")
+    print("| tier | restore GB/s | plain read | plain read GB/s | ratio |")
+    print("|---|---|---|---|---|")
+    print(f"| CPU pool | {gbs(r['cpu_restore_bytes_per_s'])} | copy_ per block | "
+          f"{gbs(r['cpu_memcpy_bytes_per_s'])} | {r['cpu_restore_bytes_per_s'] / r['cpu_memcpy_bytes_per_s']:.2f} |")
+    print(f"| disk (all requests) | {gbs(r['disk_restore_bytes_per_s'])} | pread per block | "
+          f"{gbs(r['disk_pread_bytes_per_s'])} | {r['disk_restore_bytes_per_s'] / r['disk_pread_bytes_per_s']:.2f} |")
+    print(f"| disk (first request) | {gbs(r['disk_first_restore_bytes_per_s'])} | pread per block | "
+          f"{gbs(r['disk_pread_bytes_per_s'])} | "
+          f"{r['disk_first_restore_bytes_per_s'] / r['disk_pread_bytes_per_s']:.2f} |")
+    print()
+    o = r["offload"]
+    print(f"Offload overhead: {o['prompts']} distinct prompts x {o['prompt_tokens']} tokens, "
+          f"max_tokens={o['max_tokens']}, {o['rounds']} rounds alternating, medians:")
+    print("| tiers | output tok/s | decode tok/s |")
+    print("|---|---|---|")
+    for name in ("off", "on"):
+        m = o["median"][name]
+        print(f"| {name} | {m['output_tok_s']:.1f} | {m['decode_tok_s']:.1f} |")
+    print(f"slowdown: output {100 * o['output_slowdown']:.1f} %, decode {100 * o['decode_slowdown']:.1f} %; "
+          f"{o['blocks_stored_disk']} blocks stored on disk, {o['blocks_dropped_disk']} dropped")
+    print()
+    print("| target | measured | goal | result |")
+    print("|---|---|---|---|")
+    for name, value, goal, ok in verdicts(r):
+        print(f"| {name} | {value:.2f} | {goal} | {'PASS' if ok else 'MISS'} |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prefix-tokens", type=int, default=2048)
+    parser.add_argument("--quick", action="store_true", help="shorter prompts, fewer repeats")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/ttft_tiers.json")
+    parser.add_argument("--disk-child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.disk_child:
+        disk_child(json.loads(args.disk_child))
+        return
+    torch.set_num_threads(1)  # as the engine benchmark: one core for torch, one for the rest
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+    prefix_tokens = 512 if args.quick else args.prefix_tokens
+    repeats = 2 if args.quick else 3
+    prefix = random_tokens(1, prefix_tokens, SEED + 1)[0]
+    # One cold request, then repeats; every scenario gets its own suffixes.
+    suffixes = random_tokens(1 + 3 * repeats + 1, SUFFIX_TOKENS, SEED + 2)
+    prompts = [prefix + s for s in suffixes]
+    result: dict = {"prefix_tokens": prefix_tokens, "suffix_tokens": SUFFIX_TOKENS, "repeats": repeats}
+    with tempfile.TemporaryDirectory(prefix="ttft-tiers-") as tmp:
+        model, cache = Path(tmp) / "model", Path(tmp) / "kv"
+        write_model(model)
+        result.update(recompute_and_engine_hit(model, prompts[: 1 + repeats], prefix_tokens))
+        result.update(cpu_hit(model, [prompts[0], *prompts[1 + repeats : 1 + 2 * repeats]], prefix_tokens, cache))
+        result.update(disk_hit(model, prompts[1 + 2 * repeats :], prefix_tokens, cache))
+        result["offload"] = offload_overhead(
+            model, Path(tmp) / "kv-offload",
+            prompt_tokens=128 if args.quick else 256, max_tokens=32 if args.quick else 64,
+            rounds=2 if args.quick else 3,
+        )
+    print_report(result)
+    result["targets"] = [
+        {"target": name, "measured": value, "goal": goal, "pass": ok} for name, value, goal, ok in verdicts(result)
+    ]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    out = {
+        "command": "python benchmarks/ttft_tiers.py" + (" --quick" if args.quick else "")
+        + (f" --prefix-tokens {args.prefix_tokens}" if args.prefix_tokens != 2048 else ""),
+        "machine": machine(),
+        "threads": torch.get_num_threads(),
+        "model": MODEL,
+        "result": result,
+    }
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"\nwrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,362 @@
+"""The tier manager on the tiny model: restores are bit-exact, failures recompute, counters count."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client import generate_latest
+
+from engine import LLM, SamplingParams
+from engine.models.tiny import TINY_CONFIG
+from engine_testing import one_thread  # noqa: F401  (autouse fixture)
+from storage.lmdb_store import LmdbStore
+from tiered_kv import TierConfig, TierManager, build_llm
+
+BLOCK = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (length,), generator=g).tolist() for _ in range(count)]
+
+
+PROMPTS = random_prompts(3, 130, seed=7)  # 8 full blocks each; 9 blocks with the outputs
+FLUSH = random_prompts(1, 240, seed=8)[0]  # with its outputs, fills all 16 blocks of the engine
+
+
+def make_llm(tiers: TierConfig, blocks: int = 16, **engine) -> LLM:
+    """A tiny engine whose block pool holds about one request, so hits must come from below."""
+    return build_llm("tiny", tiers, max_model_len=256, num_gpu_blocks_override=blocks, **engine)
+
+
+def hit_tokens(prompt: list[int]) -> int:
+    return (len(prompt) - 1) // BLOCK * BLOCK
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    with LLM(max_model_len=256, enable_prefix_caching=False) as llm:
+        return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.fixture
+def disk(tmp_path: Path) -> Path:
+    return tmp_path / "kv"
+
+
+# ---------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(cpu_bytes=0), "no tier"),
+        (dict(cpu_bytes=-1), "cpu_bytes"),
+        (dict(codec="lz4"), "unknown codec"),
+        (dict(write_policy="write-around"), "write_policy"),
+        (dict(offload="decode"), "offload"),
+        (dict(max_queue_blocks=0), "max_queue_blocks"),
+        (dict(flush_timeout_s=float("nan")), "flush_timeout_s"),
+        (dict(kv_cache_dir="x", cpu_bytes=0, write_policy="write-back"), "needs a CPU pool"),
+        (dict(kv_cache_dir=""), "kv_cache_dir"),
+        (dict(sync=1), "sync"),
+    ],
+)
+def test_config_is_validated(fields, message):
+    with pytest.raises(ValueError, match=message):
+        TierConfig(**fields)
+
+
+def test_a_cpu_pool_smaller_than_a_block_is_refused():
+    with pytest.raises(ValueError, match="holds no KV block"):
+        make_llm(TierConfig(cpu_bytes=1000))
+
+
+# ---------------------------------------------------------------- restores
+
+
+def test_cpu_pool_restores_what_the_engine_evicted(reference):
+    with make_llm(TierConfig(cpu_bytes=4 << 20)) as llm:
+        manager: TierManager = llm.engine.connector
+        first = llm.generate(PROMPTS[0], GREEDY)[0]
+        llm.generate(FLUSH, GREEDY)  # takes every block of the engine's pool
+        again = llm.generate(PROMPTS[0], GREEDY)[0]
+        engine = llm.engine.stats()
+        stats = manager.stats()
+    assert first.token_ids == again.token_ids == reference[0]
+    assert first.num_cached_tokens == 0
+    assert again.num_cached_tokens == hit_tokens(PROMPTS[0]) > 0
+    assert engine.connector_hits == again.num_cached_tokens  # not from the engine's own cache
+    cpu = stats["cpu"]
+    assert cpu["hit_blocks"] == again.num_cached_tokens // BLOCK
+    assert cpu["hit_tokens"] == again.num_cached_tokens
+    assert cpu["stored_blocks"] == cpu["entries"] == 8 + len(FLUSH) // BLOCK
+    assert cpu["loaded_bytes"] > 0 and cpu["load_bytes_per_s"] > 0
+    assert set(stats) == {"cpu"}
+
+
+def test_disk_restores_in_a_new_engine_and_promotes_to_cpu(reference, disk):
+    tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=4 << 20, disk_bytes=64 << 20)
+    with make_llm(tiers) as llm:
+        assert [llm.generate(p, GREEDY)[0].token_ids for p in PROMPTS[:2]] == reference[:2]
+    with make_llm(tiers) as llm:  # a fresh CPU pool: only the disk has the blocks
+        manager = llm.engine.connector
+        restored = llm.generate(PROMPTS[0], GREEDY)[0]
+        after_disk = manager.stats()
+        llm.generate(FLUSH, GREEDY)  # evicts the first from the engine again
+        promoted = llm.generate(PROMPTS[0], GREEDY)[0]
+        stats = manager.stats()
+    assert restored.token_ids == promoted.token_ids == reference[0]
+    assert restored.num_cached_tokens == promoted.num_cached_tokens == hit_tokens(PROMPTS[0])
+    assert after_disk["disk"]["hit_blocks"] == hit_tokens(PROMPTS[0]) // BLOCK
+    assert after_disk["cpu"]["hit_blocks"] == 0
+    assert stats["cpu"]["hit_blocks"] == hit_tokens(PROMPTS[0]) // BLOCK  # promoted on the disk hit
+    assert stats["disk"]["corrupt"] == 0 and stats["disk"]["load_failures"] == 0
+
+
+def test_without_a_cpu_pool_blocks_go_straight_to_disk(reference, disk):
+    tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=0, disk_bytes=64 << 20)
+    with make_llm(tiers) as llm:
+        llm.generate(PROMPTS[0], GREEDY)
+        llm.generate(FLUSH, GREEDY)
+        again = llm.generate(PROMPTS[0], GREEDY)[0]
+        stats = llm.engine.connector.stats()
+    assert again.token_ids == reference[0] and again.num_cached_tokens == hit_tokens(PROMPTS[0])
+    assert set(stats) == {"disk"} and stats["disk"]["hit_blocks"] == again.num_cached_tokens // BLOCK
+
+
+def test_queued_blocks_are_found_before_they_are_written(reference, disk, monkeypatch):
+    """A block waiting for the disk writer counts as present and is served from the queue."""
+    release = threading.Event()
+    put_many = LmdbStore.put_many
+
+    def stalled_put_many(self, items):
+        release.wait(30)
+        return put_many(self, items)
+
+    monkeypatch.setattr(LmdbStore, "put_many", stalled_put_many)
+    tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=0, disk_bytes=64 << 20)
+    with make_llm(tiers) as llm:
+        manager = llm.engine.connector
+        llm.generate(PROMPTS[0], GREEDY)
+        llm.generate(FLUSH, GREEDY)
+        again = llm.generate(PROMPTS[0], GREEDY)[0]
+        stats = manager.stats()
+        release.set()
+        assert manager.flush(30)
+        written = manager.stats()["disk"]
+    assert again.token_ids == reference[0] and again.num_cached_tokens == hit_tokens(PROMPTS[0])
+    queued = 8 + len(FLUSH) // BLOCK
+    assert stats["disk"]["entries"] == 0 and stats["disk"]["queued_blocks"] == queued
+    assert stats["disk"]["hit_blocks"] == again.num_cached_tokens // BLOCK
+    assert written["entries"] == queued and written["queued_blocks"] == 0
+
+
+def test_offload_all_also_keeps_generated_blocks(disk):
+    long_output = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    stored = {}
+    for mode in ("prompt", "all"):
+        with make_llm(TierConfig(cpu_bytes=4 << 20, offload=mode)) as llm:
+            llm.generate(PROMPTS[0], long_output)
+            stored[mode] = llm.engine.connector.stats()["cpu"]["stored_blocks"]
+    assert stored["prompt"] == len(PROMPTS[0]) // BLOCK
+    assert stored["all"] == (len(PROMPTS[0]) + 40 - 1) // BLOCK  # the last token has no KV
+
+
+# ---------------------------------------------------------------- keys
+
+
+def test_cache_salt_separates_at_every_tier(reference, disk):
+    tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=4 << 20, disk_bytes=64 << 20)
+    with make_llm(tiers, blocks=64) as llm:
+        first = llm.generate(PROMPTS[0], GREEDY, cache_salt="tenant-a")[0]
+        other = llm.generate(PROMPTS[0], GREEDY, cache_salt="tenant-b")[0]  # GPU and CPU hold "a"
+        stats = llm.engine.connector.stats()
+    assert first.num_cached_tokens == other.num_cached_tokens == 0
+    assert stats["cpu"]["hit_blocks"] == stats["disk"]["hit_blocks"] == 0
+    with make_llm(tiers) as llm:
+        manager = llm.engine.connector
+        other = llm.generate(PROMPTS[0], GREEDY, cache_salt="tenant-c")[0]
+        unsalted = llm.generate(PROMPTS[0], GREEDY)[0]
+        assert manager.stats()["disk"]["hit_blocks"] == 0
+        same = llm.generate(PROMPTS[0], GREEDY, cache_salt="tenant-a")[0]
+        stats = manager.stats()
+    assert other.num_cached_tokens == unsalted.num_cached_tokens == 0
+    assert same.num_cached_tokens == hit_tokens(PROMPTS[0])
+    assert stats["disk"]["hit_blocks"] == same.num_cached_tokens // BLOCK
+    assert first.token_ids == other.token_ids == same.token_ids == unsalted.token_ids == reference[0]
+
+
+def test_another_block_size_never_hits(disk):
+    tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=0, disk_bytes=64 << 20)
+    with make_llm(tiers) as llm:
+        llm.generate(PROMPTS[0], GREEDY)
+    with make_llm(tiers, blocks=8, block_size=32) as llm:
+        out = llm.generate(PROMPTS[0], GREEDY)[0]
+        assert out.num_cached_tokens == 0
+        assert llm.engine.connector.stats()["disk"]["hit_blocks"] == 0
+
+
+# ---------------------------------------------------------------- write policies and pressure
+
+
+def test_write_pressure_drops_stores_and_never_stalls(reference, disk, monkeypatch):
+    release = threading.Event()
+    put_many = LmdbStore.put_many
+
+    def stalled_put_many(self, items):
+        release.wait(30)  # a disk that does not keep up
+        return put_many(self, items)
+
+    monkeypatch.setattr(LmdbStore, "put_many", stalled_put_many)
+    tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=0, disk_bytes=64 << 20, max_queue_blocks=2)
+    with make_llm(tiers, blocks=64) as llm:
+        manager = llm.engine.connector
+        outs = [llm.generate(p, GREEDY)[0] for p in PROMPTS]
+        stats = manager.stats()["disk"]
+        release.set()
+    assert [o.token_ids for o in outs] == reference
+    offered = sum(len(p) // BLOCK for p in PROMPTS)
+    assert stats["queued_blocks"] == 2 and stats["dropped"] == offered - 2
+    with LmdbStore(disk) as store:
+        assert store.stats().entries == 2
+
+
+def test_a_queue_smaller_than_a_block_stores_nothing(reference, disk):
+    tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=0, disk_bytes=64 << 20, max_queue_bytes=1024)
+    with make_llm(tiers) as llm:
+        outs = [llm.generate(p, GREEDY)[0] for p in PROMPTS]
+        stats = llm.engine.connector.stats()["disk"]
+    assert [o.token_ids for o in outs] == reference
+    assert stats["dropped"] == sum(len(p) // BLOCK for p in PROMPTS) and stats["stored_blocks"] == 0
+
+
+def test_write_back_writes_to_disk_only_on_cpu_eviction(reference, disk):
+    c = TINY_CONFIG
+    block_nbytes = c["num_hidden_layers"] * 2 * BLOCK * c["num_key_value_heads"] * c["head_dim"] * 4
+    tiers = TierConfig(
+        kv_cache_dir=disk, cpu_bytes=10 * block_nbytes, disk_bytes=64 << 20, write_policy="write-back"
+    )
+    with make_llm(tiers) as llm:
+        manager = llm.engine.connector
+        llm.generate(PROMPTS[0], GREEDY)
+        assert manager.flush(30)
+        assert manager.stats()["disk"]["entries"] == 0  # only in the CPU pool
+        llm.generate(PROMPTS[1], GREEDY)  # 8 more blocks: the pool of 10 evicts 6
+        assert manager.flush(30)
+        stats = manager.stats()
+        assert stats["cpu"]["evictions"] == 6 and stats["disk"]["entries"] == 6
+        llm.generate(FLUSH, GREEDY)  # 15 more: evicts the rest of both, and 5 of its own
+        assert manager.flush(30)
+        assert manager.stats()["disk"]["entries"] == 16 + 5
+        again = llm.generate(PROMPTS[0], GREEDY)[0]
+        stats = manager.stats()
+    assert again.token_ids == reference[0] and again.num_cached_tokens == hit_tokens(PROMPTS[0])
+    assert stats["disk"]["hit_blocks"] == 8 and stats["cpu"]["hit_blocks"] == 0
+    with LmdbStore(disk) as store:  # close() wrote back what only the pool held
+        assert store.stats().entries == 16 + len(FLUSH) // BLOCK
+
+
+# ---------------------------------------------------------------- damaged records
+
+
+def _tamper(record, how: str):
+    if how == "tokens":
+        return dataclasses.replace(record, token_ids=tuple(reversed(record.token_ids)))
+    if how == "parent":
+        return dataclasses.replace(record, parent_hash=bytes(32))
+    if how == "shape":
+        return dataclasses.replace(record, shape=(record.shape[0] // 2, *record.shape[1:]))
+    if how == "payload":
+        return dataclasses.replace(record, payload=bytes(record.payload)[:-4])
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize("how", ["tokens", "parent", "shape", "payload"])
+def test_a_record_that_does_not_belong_is_recomputed(reference, disk, how):
+    """Records with a valid checksum but the wrong tokens, parent, shape or payload length."""
+    tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=0, disk_bytes=64 << 20)
+    with make_llm(tiers) as llm:
+        llm.generate(PROMPTS[0], GREEDY)
+    with LmdbStore(disk) as store:
+        records = [store.get(k) for k in store.keys()]
+        victim = next(r for r in records if r.parent_hash is not None)
+        store.put(victim.key, _tamper(victim, how))
+    with make_llm(tiers) as llm:
+        out = llm.generate(PROMPTS[0], GREEDY)[0]
+        stats = llm.engine.connector.stats()["disk"]
+        failures = llm.engine.stats().connector_load_failures
+    assert out.token_ids == reference[0] and out.num_cached_tokens == 0
+    assert stats["corrupt"] == 1 and stats["load_failures"] == 1 and failures == 1
+
+
+# ---------------------------------------------------------------- lossy codecs
+
+
+def _divergence(ref, got) -> tuple[int, float]:
+    """First differing token position (len if none) and the largest |logprob| error over
+    the whole vocabulary at the steps before it."""
+    first = next((i for i, (a, b) in enumerate(zip(ref.token_ids, got.token_ids)) if a != b),
+                 len(ref.token_ids))
+    err = 0.0
+    for step in range(first + 1 if first < len(ref.token_ids) else first):
+        a, b = ref.top_logprobs[step], got.top_logprobs[step]
+        err = max(err, max(abs(a[t] - b[t]) for t in a))
+    return first, err
+
+
+@pytest.mark.parametrize("codec", ["kivi4", "kivi2"])
+def test_lossy_codec_divergence_is_measured(disk, codec):
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1000)
+    with LLM(max_model_len=256, enable_prefix_caching=False) as llm:
+        refs = llm.generate(PROMPTS, params)
+    tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=0, disk_bytes=64 << 20, codec=codec)
+    with make_llm(tiers, blocks=64) as llm:
+        llm.generate(PROMPTS, params)
+    with make_llm(tiers, blocks=64) as llm:
+        outs = [llm.generate(p, params)[0] for p in PROMPTS]
+        hits = llm.engine.connector.stats()["disk"]["hit_blocks"]
+    assert hits == sum(hit_tokens(p) for p in PROMPTS) // BLOCK
+    firsts, errors = zip(*(_divergence(r, o) for r, o in zip(refs, outs)))
+    print(f"\n{codec}: first differing token per prompt {list(firsts)} of 16; "
+          f"max |logprob error| before it {[round(e, 4) for e in errors]}")
+    assert all(math.isfinite(e) and e < 5.0 for e in errors)
+    # Lossy records live in their own namespace: a lossless configuration never sees them.
+    with make_llm(dataclasses.replace(tiers, codec="raw")) as llm:
+        assert llm.generate(PROMPTS[0], params)[0].num_cached_tokens == 0
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def test_metrics_are_per_manager_and_per_tier(disk):
+    tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=4 << 20, disk_bytes=64 << 20)
+    with make_llm(tiers) as llm, make_llm(TierConfig(cpu_bytes=4 << 20)) as other:
+        llm.generate(PROMPTS[0], GREEDY)
+        llm.generate(FLUSH, GREEDY)
+        llm.generate(PROMPTS[0], GREEDY)
+        text = generate_latest(llm.engine.connector.registry).decode()
+        idle = generate_latest(other.engine.connector.registry).decode()
+    for name in (
+        "tiered_kv_lookups_total", "tiered_kv_hit_blocks_total", "tiered_kv_hit_tokens_total",
+        "tiered_kv_loaded_bytes_total", "tiered_kv_stored_bytes_total", "tiered_kv_evictions_total",
+        "tiered_kv_dropped_stores_total", "tiered_kv_corrupt_records_total", "tiered_kv_used_bytes",
+        "tiered_kv_entries", "tiered_kv_load_seconds_bucket", "tiered_kv_store_seconds_bucket",
+    ):
+        assert f'{name}{{tier="cpu"}}' in text or f'{name}{{le=' in text, name
+    assert 'tiered_kv_hit_blocks_total{tier="cpu"} 8.0' in text
+    assert 'tiered_kv_queued_blocks{tier="disk"}' in text
+    assert 'tiered_kv_hit_blocks_total{tier="cpu"} 0.0' in idle and 'tier="disk"' not in idle
+
+
+def test_a_manager_serves_one_engine():
+    manager = TierManager(TierConfig(cpu_bytes=4 << 20))
+    with LLM(max_model_len=256, num_gpu_blocks_override=16, kv_connector=manager):
+        with pytest.raises(RuntimeError, match="one engine"):
+            LLM(max_model_len=256, num_gpu_blocks_override=16, kv_connector=manager)
+    manager.close()  # idempotent after the engine closed it

@@ -1,0 +1,100 @@
+"""The tier manager's configuration: one frozen dataclass, validated on construction."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+
+from storage.codecs import get_codec
+
+GiB = 1 << 30
+MiB = 1 << 20
+WRITE_POLICIES = ("write-through", "write-back")
+OFFLOAD_MODES = ("prompt", "all")
+
+
+@dataclasses.dataclass(frozen=True)
+class TierConfig:
+    """Which tiers exist under the engine's block pool and how blocks move between them.
+
+    ``kv_cache_dir``: the disk tier's directory (an LMDB store); ``None``: no disk tier.
+    ``cpu_bytes``: the host-memory pool's budget; ``0``: no CPU tier.
+    ``disk_bytes``: the disk tier's budget (encoded record bytes).
+    ``codec``: how blocks are encoded on disk (``raw``, ``zstd``, ``kivi2``, ``kivi4``,
+    ``kivi4+zstd``...; see ``docs/codecs.md``). Lossy codecs are kept apart from lossless
+    records: see ``docs/tiers.md``.
+    ``write_policy``: ``write-through`` stores every offered block in the CPU pool and queues
+    it for disk at once; ``write-back`` writes a block to disk only when the CPU pool evicts
+    it (and the pool's remaining blocks at :meth:`~tiered_kv.TierManager.close`).
+    ``offload``: ``prompt`` keeps blocks made only of prompt tokens; ``all`` also keeps
+    blocks that contain generated tokens.
+    ``max_queue_bytes`` / ``max_queue_blocks``: bound the blocks waiting for the disk
+    writer; a block that would exceed either is not stored on disk (counted as dropped).
+    ``flush_timeout_s``: how long :meth:`~tiered_kv.TierManager.close` may take to write
+    what is queued.
+    ``sync``: fsync every LMDB commit (``False``: only flush and close fsync).
+    """
+
+    kv_cache_dir: str | os.PathLike[str] | None = None
+    cpu_bytes: int = 1 * GiB
+    disk_bytes: int = 8 * GiB
+    codec: str = "raw"
+    write_policy: str = "write-through"
+    offload: str = "prompt"
+    max_queue_bytes: int = 256 * MiB
+    max_queue_blocks: int = 4096
+    flush_timeout_s: float = 30.0
+    sync: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dir is not None and not isinstance(self.kv_cache_dir, (str, os.PathLike)):
+            raise ValueError(f"kv_cache_dir must be a path or None, got {self.kv_cache_dir!r}")
+        if self.kv_cache_dir is not None and not os.fspath(self.kv_cache_dir):
+            raise ValueError("kv_cache_dir must not be empty (None means no disk tier)")
+        _int("cpu_bytes", self.cpu_bytes, minimum=0)
+        _int("disk_bytes", self.disk_bytes, minimum=1)
+        _int("max_queue_bytes", self.max_queue_bytes, minimum=1)
+        _int("max_queue_blocks", self.max_queue_blocks, minimum=1)
+        get_codec(self.codec)  # raises ValueError naming the valid specs
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(
+                f"write_policy must be one of {', '.join(WRITE_POLICIES)}, got {self.write_policy!r}"
+            )
+        if self.offload not in OFFLOAD_MODES:
+            raise ValueError(f"offload must be one of {', '.join(OFFLOAD_MODES)}, got {self.offload!r}")
+        timeout = self.flush_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+            math.isfinite(timeout) and timeout >= 0
+        ):
+            raise ValueError(f"flush_timeout_s must be a finite number >= 0, got {timeout!r}")
+        if not isinstance(self.sync, bool):
+            raise ValueError(f"sync must be True or False, got {self.sync!r}")
+        if not self.has_cpu and not self.has_disk:
+            raise ValueError("no tier configured: set cpu_bytes > 0, kv_cache_dir, or both")
+        if self.write_policy == "write-back" and self.has_disk and not self.has_cpu:
+            raise ValueError(
+                "write_policy='write-back' writes blocks to disk when the CPU pool evicts them; "
+                "it needs a CPU pool (cpu_bytes > 0)"
+            )
+
+    @property
+    def has_cpu(self) -> bool:
+        return self.cpu_bytes > 0
+
+    @property
+    def has_disk(self) -> bool:
+        return self.kv_cache_dir is not None
+
+    @property
+    def cache_path(self) -> Path | None:
+        return None if self.kv_cache_dir is None else Path(self.kv_cache_dir)
+
+    @property
+    def lossless(self) -> bool:
+        return get_codec(self.codec).lossless
+
+
+def _int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")

@@ -1,0 +1,435 @@
+"""The tier manager: the engine's KV connector, backed by the CPU pool and the disk tier.
+
+::
+
+    engine block pool ──save_blocks──▶ CPU pool ──(write-through: at once)──▶ disk writer ─▶ LMDB
+         ▲                               │     ╰─(write-back: on CPU eviction)─╯
+         ╰──────────load_blocks──────────┴──────── get → verify → decode ◀──────────────┘
+                                         ▲                                  │
+                                         ╰──────── promote (disk hits) ◀────╯
+
+Threads. The engine calls every connector method from its one thread. The manager adds one
+thread, the disk writer (:mod:`tiered_kv.disk_writer`), and the LMDB store runs its own
+committer. The engine thread never waits for either: stores it cannot queue are dropped
+and counted. Loads run on the engine thread and take only the stores' short locks.
+
+Keys. A block's key is ``BlockKey(namespace, block_hash)`` with the engine's chained hash
+(which covers the request's ``cache_salt``). The namespace is the engine's, so another
+model, KV dtype or block size never hits; with a lossy codec it is a digest of the
+engine's namespace and the codec, so lossy records never serve a lossless configuration
+(and the reverse). See ``docs/tiers.md``.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from engine.connector import KVConnector, SavedBlock
+from engine.hashing import block_hash as chain_hash
+from engine.llm import LLM
+from storage.base import BlockKey, StoreStats
+from storage.codecs import CodecError, decode_block, get_codec
+from storage.cpu_pool import CpuBlockPool, HostBlock
+from storage.lmdb_store import LmdbStore
+from storage.record import Record
+from tiered_kv.config import TierConfig
+from tiered_kv.disk_writer import DiskWriter, WriteItem
+from tiered_kv.metrics import QueueStats, TierMetrics
+
+logger = logging.getLogger(__name__)
+
+DISK_READ_CHUNK = 32  # blocks per LMDB read transaction while loading
+_LOSSY_NAMESPACE = b"tiered-kv/lossy-codec"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lookup:
+    """A request's hash chain as of its last lookup: gives the parent of each loaded block."""
+
+    hashes: tuple[bytes, ...]
+    first: int  # index of the first block the lookup was asked about
+
+    def parent_of(self, block_hash: bytes) -> bytes | None | bool:
+        """The parent hash (``None`` for a first block), or ``False`` if unknown."""
+        index = self.first
+        if index >= len(self.hashes) or self.hashes[index] != block_hash:
+            try:
+                index = self.hashes.index(block_hash)
+            except ValueError:
+                return False
+        return self.hashes[index - 1] if index else None
+
+
+class _BadRecord(Exception):
+    """A record that must not be served (decode error, wrong shape, broken hash chain)."""
+
+
+class TierManager(KVConnector):
+    """Implements :class:`engine.connector.KVConnector` with the tiers ``config`` describes.
+
+    Pass it to the engine (``LLM(model, kv_connector=TierManager(config))``, or use
+    :func:`build_llm`). The disk store is opened here, so a directory problem (not a store,
+    already open for writing by another process) raises :class:`storage.base.StoreError`
+    at once; the CPU pool is reserved when the engine registers its KV cache.
+    One manager serves one engine.
+    """
+
+    def __init__(self, config: TierConfig | None = None) -> None:
+        self.config = config = config or TierConfig()
+        self._codec = get_codec(config.codec)
+        tiers = (("cpu",) if config.has_cpu else ()) + (("disk",) if config.has_disk else ())
+        self.metrics = TierMetrics(tiers, self._store_stats, self._queue_stats)
+        self._cpu: CpuBlockPool | None = None
+        self._disk: LmdbStore | None = None
+        self._writer: DiskWriter | None = None
+        self._final_stats: dict[str, StoreStats] | None = None
+        if config.has_disk:
+            self._disk = LmdbStore(
+                config.cache_path,
+                config.disk_bytes,
+                sync=config.sync,
+                max_pending_bytes=config.max_queue_bytes,
+            )
+            self._writer = DiskWriter(
+                self._disk,
+                self._codec,
+                self.metrics,
+                max_bytes=config.max_queue_bytes,
+                max_blocks=config.max_queue_blocks,
+            )
+        self._kv_cache: torch.Tensor | None = None  # [L, 2, num_blocks, T, H, D]
+        self._namespace = b""
+        self._block_size = 0
+        self._block_shape: tuple[int, ...] = ()  # [L, 2, T, H, D]
+        self._block_nbytes = 0
+        self._lookups: dict[str, _Lookup] = {}
+        self._close_lock = threading.Lock()
+        self._closed = False
+        atexit.register(self.close)
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def registry(self):
+        """The ``prometheus_client.CollectorRegistry`` holding this manager's metrics."""
+        return self.metrics.registry
+
+    @property
+    def namespace(self) -> bytes:
+        """The namespace the tiers' keys use (set by :meth:`register_kv_cache`)."""
+        return self._namespace
+
+    def stats(self) -> dict[str, dict[str, int | float]]:
+        """Per tier (``cpu``, ``disk``): counters, occupancy and load bandwidth."""
+        return self.metrics.snapshot()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every block queued so far is committed to disk (fsynced); ``False`` if
+        ``timeout`` seconds passed first. Without a disk tier there is nothing to wait for."""
+        if self._writer is None or self._closed:
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._writer.drain(timeout):
+            return False
+        remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        return self._disk.flush(remaining)
+
+    def close(self) -> None:
+        """Write what is queued (and, with write-back, what only the CPU pool holds) to disk
+        within ``flush_timeout_s``, then close the stores. Idempotent."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        atexit.unregister(self.close)
+        deadline = time.monotonic() + self.config.flush_timeout_s
+        try:
+            if self._writer is not None:
+                if self.config.write_policy == "write-back" and self._cpu is not None:
+                    self._write_back_all(deadline)
+                self._writer.close(max(deadline - time.monotonic(), 0.0))
+        finally:
+            self._final_stats = self._store_stats()
+            if self._disk is not None:
+                self._disk.close()
+            if self._cpu is not None:
+                self._cpu.close()
+            self._kv_cache = None
+
+    # ------------------------------------------------------------------ connector
+
+    def register_kv_cache(self, kv_cache: torch.Tensor, namespace: bytes, block_size: int) -> None:
+        if self._kv_cache is not None:
+            raise RuntimeError("a TierManager serves one engine; create one per engine")
+        if self._closed:
+            raise RuntimeError("the TierManager is closed")
+        num_layers, two, _, tokens, heads, head_dim = kv_cache.shape
+        if two != 2 or tokens != block_size:
+            raise ValueError(f"unexpected KV cache shape {list(kv_cache.shape)} for block size {block_size}")
+        self._kv_cache = kv_cache
+        self._block_size = block_size
+        self._block_shape = (num_layers, 2, block_size, heads, head_dim)
+        self._block_nbytes = kv_cache[:, :, 0].numel() * kv_cache.element_size()
+        self._namespace = self.storage_namespace(namespace, self.config.codec)
+        if self.config.has_cpu:
+            if self.config.cpu_bytes < self._block_nbytes:
+                raise ValueError(
+                    f"cpu_bytes={self.config.cpu_bytes} holds no KV block ({self._block_nbytes} "
+                    "bytes each); raise it or set 0 for no CPU tier"
+                )
+            write_back = self.config.write_policy == "write-back" and self._writer is not None
+            self._cpu = CpuBlockPool(
+                self.config.cpu_bytes,
+                block_nbytes=self._block_nbytes,
+                on_evict=self._on_cpu_evict if write_back else None,
+            )
+
+    @staticmethod
+    def storage_namespace(engine_namespace: bytes, codec: str) -> bytes:
+        """The namespace of the tiers' keys: the engine's, or for a lossy codec a digest of
+        the engine's and the codec's quantizer (so ``kivi4`` and ``kivi4+zstd`` share)."""
+        spec = get_codec(codec)
+        if spec.lossless:
+            return engine_namespace
+        quantizer = spec.name.split("+")[0].encode("ascii")
+        return hashlib.sha256(_LOSSY_NAMESPACE + b"\0" + engine_namespace + quantizer).digest()
+
+    def get_num_matched_blocks(
+        self, request_id: str, block_hashes: Sequence[bytes], num_computed_blocks: int
+    ) -> int:
+        if self._kv_cache is None or self._closed:
+            return 0
+        self._lookups[request_id] = _Lookup(tuple(block_hashes), num_computed_blocks)
+        keys = [BlockKey(self._namespace, h) for h in block_hashes[num_computed_blocks:]]
+        if not keys:
+            return 0
+        in_cpu = self._cpu.contains_many(keys) if self._cpu is not None else [False] * len(keys)
+        matched = cpu_lookups = disk_lookups = 0
+        for key, cpu_hit in zip(keys, in_cpu):
+            cpu_lookups += 1
+            if cpu_hit:
+                matched += 1
+                continue
+            if self._disk is None:
+                break
+            disk_lookups += 1
+            if not (self._writer.contains(key) or self._disk.contains(key)):
+                break
+            matched += 1
+        if self._cpu is not None:
+            self.metrics.add("cpu", lookups=cpu_lookups)
+        if self._disk is not None:
+            self.metrics.add("disk", lookups=disk_lookups)
+        return matched
+
+    def load_blocks(
+        self, request_id: str, block_hashes: Sequence[bytes], block_ids: Sequence[int]
+    ) -> bool:
+        kv_cache = self._kv_cache
+        if kv_cache is None or self._closed or len(block_hashes) != len(block_ids):
+            return False
+        if not block_hashes:
+            return True
+        lookup = self._lookups.get(request_id)
+        first_parent = lookup.parent_of(block_hashes[0]) if lookup is not None else False
+        start = time.perf_counter()
+        rest: list[tuple[int, BlockKey, int]] = []  # (index, key, block id) not in the CPU pool
+        for i, (h, block_id) in enumerate(zip(block_hashes, block_ids)):
+            key = BlockKey(self._namespace, h)
+            if self._cpu is None or not self._cpu.read_into(key, kv_cache[:, :, block_id]):
+                rest.append((i, key, block_id))
+        cpu_blocks = len(block_hashes) - len(rest)
+        cpu_seconds = time.perf_counter() - start
+        if rest and self._disk is None:
+            self.metrics.add("cpu", load_failures=1)  # evicted since the lookup
+            return False
+        if rest:
+            start = time.perf_counter()
+            parents = [block_hashes[i - 1] if i else first_parent for i, _, _ in rest]
+            if not self._load_from_disk(rest, parents):
+                return False
+            self.metrics.observe_load(
+                "disk", time.perf_counter() - start, len(rest), self._block_size,
+                len(rest) * self._block_nbytes,
+            )
+        if cpu_blocks:
+            self.metrics.observe_load(
+                "cpu", cpu_seconds, cpu_blocks, self._block_size, cpu_blocks * self._block_nbytes
+            )
+        return True
+
+    def save_blocks(self, blocks: Sequence[SavedBlock]) -> None:
+        kv_cache = self._kv_cache
+        if kv_cache is None or self._closed:
+            return
+        if self.config.offload == "prompt":
+            blocks = [b for b in blocks if b.is_prompt]
+        if not blocks:
+            return
+        write_through = self.config.write_policy == "write-through"
+        start = time.perf_counter()
+        cpu_stored = 0
+        for block in blocks:
+            key = BlockKey(self._namespace, block.block_hash)
+            src = kv_cache[:, :, block.block_id]  # [L, 2, T, H, D], a view into the engine's pool
+            if write_through and self._writer is not None:
+                src = self._queue_for_disk(key, block, src)
+            if self._cpu is not None and not self._cpu.contains(key):
+                if self._cpu.put(key, HostBlock(src, block.parent_hash, block.token_ids)):
+                    cpu_stored += 1
+        if self._cpu is not None:
+            self.metrics.observe_store(
+                "cpu", time.perf_counter() - start, cpu_stored, cpu_stored * self._block_nbytes
+            )
+
+    def on_blocks_evicted(self, block_hashes: Sequence[bytes]) -> None:
+        """Nothing to do: a block is copied down when it becomes full, not when evicted."""
+
+    def request_finished(self, request_id: str) -> None:
+        self._lookups.pop(request_id, None)
+
+    # ------------------------------------------------------------------ internals
+
+    def _queue_for_disk(self, key: BlockKey, block: SavedBlock, src: torch.Tensor) -> torch.Tensor:
+        """Queue a host copy of ``src`` for the disk unless the disk has it; returns the
+        tensor to copy into the CPU pool from (the host copy when one was made)."""
+        if self._writer.contains(key) or self._disk.contains(key):
+            return src
+        if not self._writer.has_room(self._block_nbytes):
+            self.metrics.add("disk", dropped=1)
+            return src
+        host = _host_copy(src)
+        if not self._writer.offer(WriteItem(key, block.parent_hash, tuple(block.token_ids), host)):
+            self.metrics.add("disk", dropped=1)
+        return host
+
+    def _on_cpu_evict(self, key: BlockKey, evicted: HostBlock) -> None:
+        """Write-back: a block leaving the CPU pool goes to disk unless it is there already."""
+        if self._writer.contains(key) or self._disk.contains(key):
+            return
+        item = WriteItem(key, evicted.parent_hash, tuple(evicted.token_ids), evicted.kv)
+        if not self._writer.offer(item):
+            self.metrics.add("disk", dropped=1)
+
+    def _write_back_all(self, deadline: float) -> None:
+        """At shutdown, queue every block only the CPU pool holds (oldest first)."""
+        for key in self._cpu.keys():
+            if self._writer.contains(key) or self._disk.contains(key):
+                continue
+            held = self._cpu.get(key)
+            if held is None:
+                continue
+            item = WriteItem(key, held.parent_hash, tuple(held.token_ids), held.kv)
+            if not self._writer.offer(item, wait_until=deadline):
+                self.metrics.add("disk", dropped=1)
+
+    def _load_from_disk(
+        self, wanted: list[tuple[int, BlockKey, int]], parents: list[bytes | None | bool]
+    ) -> bool:
+        """Load blocks from the disk writer's queue or the store into the engine's blocks;
+        promote them into the CPU pool. ``False`` at the first block that cannot be served."""
+        kv_cache = self._kv_cache
+        for chunk_start in range(0, len(wanted), DISK_READ_CHUNK):
+            chunk = wanted[chunk_start : chunk_start + DISK_READ_CHUNK]
+            chunk_parents = parents[chunk_start : chunk_start + DISK_READ_CHUNK]
+            queued = [self._writer.get(key) for _, key, _ in chunk]
+            to_read = [key for (_, key, _), item in zip(chunk, queued) if item is None]
+            records = iter(self._disk.get_many(to_read) if to_read else ())
+            for (_, key, block_id), parent, item in zip(chunk, chunk_parents, queued):
+                if item is not None:
+                    kv, tokens, parent_hash = item.kv, item.token_ids, item.parent_hash
+                else:
+                    record = next(records)
+                    if record is None:  # gone since the lookup, or corrupt (the store counts it)
+                        self.metrics.add("disk", load_failures=1)
+                        return False
+                    try:
+                        kv = self._decode(record, parent)
+                    except _BadRecord as e:
+                        logger.warning("disk tier: not serving %s: %s", key.short(), e)
+                        self.metrics.add("disk", corrupt=1, load_failures=1)
+                        return False
+                    tokens, parent_hash = record.token_ids, record.parent_hash
+                kv_cache[:, :, block_id].copy_(kv)
+                if self._cpu is not None:
+                    self._cpu.put(key, HostBlock(kv, parent_hash, tokens))
+        return True
+
+    def _decode(self, record: Record, parent: bytes | None | bool) -> torch.Tensor:
+        """The block in ``record`` after checking it belongs where it was found.
+
+        The key was checked by the store. Here: the record's parent is the request's previous
+        block, and its token ids hash with that parent to its key (so they are the request's
+        tokens); for a request's first block the parent is the salted root, which the
+        connector does not know, so only ``parent is None`` is checked.
+        """
+        if record.dtype != self._kv_cache.dtype or tuple(record.shape) != self._block_shape:
+            raise _BadRecord(
+                f"record holds {record.dtype}{list(record.shape)}, the engine's blocks are "
+                f"{self._kv_cache.dtype}{list(self._block_shape)}"
+            )
+        if len(record.token_ids) != self._block_size:
+            raise _BadRecord(f"record has {len(record.token_ids)} token ids, blocks hold {self._block_size}")
+        if parent is not False and record.parent_hash != parent:
+            raise _BadRecord("record's parent is not the request's previous block")
+        if record.parent_hash is not None and (
+            chain_hash(record.parent_hash, record.token_ids) != record.key.block_hash
+        ):
+            raise _BadRecord("record's token ids do not hash to its key")
+        try:
+            kv = decode_block(record)
+        except CodecError as e:
+            raise _BadRecord(str(e)) from None
+        if kv.dtype != self._kv_cache.dtype or tuple(kv.shape) != self._block_shape:
+            raise _BadRecord(f"decoded to {kv.dtype}{list(kv.shape)}")
+        return kv
+
+    def _store_stats(self) -> dict[str, StoreStats]:
+        if self._final_stats is not None:
+            return self._final_stats
+        stats: dict[str, StoreStats] = {}
+        if self.config.has_cpu:
+            stats["cpu"] = (
+                self._cpu.stats()
+                if self._cpu is not None
+                else StoreStats(tier="cpu", capacity_bytes=self.config.cpu_bytes)
+            )
+        if self._disk is not None:
+            stats["disk"] = self._disk.stats()
+        return stats
+
+    def _queue_stats(self) -> QueueStats | None:
+        return self._writer.stats() if self._writer is not None else None
+
+
+def _host_copy(kv: torch.Tensor) -> torch.Tensor:
+    """A contiguous host copy of one block (pinned when it comes from a GPU)."""
+    out = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=kv.is_cuda)  # [L, 2, T, H, D]
+    out.copy_(kv)
+    return out
+
+
+def build_llm(
+    model: str | os.PathLike[str] = "tiny",
+    tier_config: TierConfig | None = None,
+    **engine_config: Any,
+) -> LLM:
+    """An :class:`engine.LLM` whose KV connector is a new :class:`TierManager`.
+
+    The manager is ``llm.engine.connector``; closing the LLM closes it (and flushes it).
+    """
+    manager = TierManager(tier_config)
+    try:
+        return LLM(model, kv_connector=manager, **engine_config)
+    except BaseException:
+        manager.close()
+        raise
