@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -119,20 +120,22 @@ def attention_torch(
 ) -> torch.Tensor:
     """Causal attention of each new token over its sequence's cached context. [N, Hq, D]."""
     out = torch.empty_like(q)
-    num_kv_heads = layer_cache.shape[3]
-    group = q.shape[1] // num_kv_heads
+    gqa = q.shape[1] != layer_cache.shape[3]
     start = 0
     for b, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
         k, v = gather_context(layer_cache, meta.block_tables[b], seq_len, scales, torch.float32)
-        qb = q[start : start + q_len].float().transpose(0, 1)  # [Hq, q_len, D]
-        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, seq_len, D]
-        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
-        scores = torch.matmul(qb, k.transpose(1, 2)) * scale  # [Hq, q_len, seq_len]
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
-        k_pos = torch.arange(seq_len, device=q.device)[None, :]
-        scores.masked_fill_(k_pos > q_pos, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[start : start + q_len] = torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
+        # 4-D [1, heads, len, D] inputs take torch's fused CPU kernel; GQA needs no K/V copy.
+        qb = q[start : start + q_len].float().transpose(0, 1).unsqueeze(0)
+        kb, vb = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        mask = None
+        if 1 < q_len < seq_len:  # new tokens over a cached prefix: causal with an offset
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos  # [q_len, seq_len]
+        o = F.scaled_dot_product_attention(
+            qb, kb, vb, attn_mask=mask, is_causal=1 < q_len == seq_len, scale=scale,
+            enable_gqa=gqa,
+        )  # [1, Hq, q_len, D]
+        out[start : start + q_len] = o[0].transpose(0, 1).to(q.dtype)
         start += q_len
     return out
 
