@@ -140,16 +140,17 @@ def cpu_hit(model: Path, prompts: list[list[int]], prefix_tokens: int, cache: Pa
 
 
 def memcpy_bandwidth(block_shape: torch.Size, dtype: torch.dtype, blocks: int, repeats: int = 5) -> float:
-    """Bytes per second of ``copy_`` of ``blocks`` blocks between preallocated host tensors."""
+    """Bytes per second (median of ``repeats``) of ``copy_`` of ``blocks`` blocks between
+    preallocated host tensors."""
     src = torch.randn((blocks, *block_shape)).to(dtype)
     dst = torch.empty_like(src)
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         start = time.perf_counter()
         for i in range(blocks):
             dst[i].copy_(src[i])
-        best = min(best, time.perf_counter() - start)
-    return src.numel() * src.element_size() / best
+        times.append(time.perf_counter() - start)
+    return src.numel() * src.element_size() / statistics.median(times)
 
 
 def disk_hit(model: Path, prompts: list[list[int]], prefix_tokens: int, cache: Path) -> dict:
@@ -193,7 +194,8 @@ def disk_child(args: dict) -> None:
 
 
 def pread_bandwidth(folder: Path, block_nbytes: int, blocks: int, repeats: int = 5) -> float:
-    """Bytes per second of ``pread`` of ``blocks`` blocks from a freshly written file."""
+    """Bytes per second (median of ``repeats``) of ``pread`` of ``blocks`` blocks from a
+    freshly written file."""
     path = folder / "plain-read.bin"
     data = os.urandom(block_nbytes)
     with open(path, "wb") as f:
@@ -203,16 +205,17 @@ def pread_bandwidth(folder: Path, block_nbytes: int, blocks: int, repeats: int =
         os.fsync(f.fileno())
     fd = os.open(path, os.O_RDONLY)
     try:
-        best = float("inf")
+        times = []
         for _ in range(repeats):
             start = time.perf_counter()
             got = [os.pread(fd, block_nbytes, i * block_nbytes) for i in range(blocks)]
-            best = min(best, time.perf_counter() - start)
+            times.append(time.perf_counter() - start)
             assert sum(map(len, got)) == blocks * block_nbytes
+            del got
     finally:
         os.close(fd)
         path.unlink()
-    return blocks * block_nbytes / best
+    return blocks * block_nbytes / statistics.median(times)
 
 
 def offload_overhead(model: Path, cache: Path, prompt_tokens: int, max_tokens: int, rounds: int) -> dict:

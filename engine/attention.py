@@ -119,6 +119,8 @@ def attention_torch(
     scales: KVScales = KVScales(),
 ) -> torch.Tensor:
     """Causal attention of each new token over its sequence's cached context. [N, Hq, D]."""
+    if meta.is_decode_only and meta.num_seqs > 1:
+        return _decode_torch(q, layer_cache, meta, scale, scales)
     out = torch.empty_like(q)
     gqa = q.shape[1] != layer_cache.shape[3]
     start = 0
@@ -138,6 +140,29 @@ def attention_torch(
         out[start : start + q_len] = o[0].transpose(0, 1).to(q.dtype)
         start += q_len
     return out
+
+
+def _decode_torch(
+    q: torch.Tensor,  # [B, Hq, D]: one new token per sequence
+    layer_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    scales: KVScales,
+) -> torch.Tensor:
+    """A decode step in one gather and one fused call: contexts padded to the longest."""
+    block_size = layer_cache.shape[2]
+    table = meta.block_tables[:, : -(-meta.max_seq_len // block_size)].long()  # [B, nb]
+    kv = layer_cache[:, table].flatten(2, 3)  # [2, B, S, Hkv, D], S = nb * block_size
+    k, v = kv[0].transpose(1, 2).float(), kv[1].transpose(1, 2).float()  # [B, Hkv, S, D]
+    if layer_cache.dtype in FP8_DTYPES:
+        k, v = k * scales.k, v * scales.v
+    positions = torch.arange(k.shape[2], device=q.device)
+    mask = (positions[None, :] < meta.seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
+    o = F.scaled_dot_product_attention(
+        q.float().unsqueeze(2), k, v, attn_mask=mask, scale=scale,
+        enable_gqa=q.shape[1] != layer_cache.shape[3],
+    )  # [B, Hq, 1, D]
+    return o.squeeze(2).to(q.dtype)
 
 
 def paged_attention(
