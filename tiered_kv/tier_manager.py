@@ -48,10 +48,11 @@ from tiered_kv.metrics import QueueStats, TierMetrics
 
 logger = logging.getLogger(__name__)
 
-# Blocks per LMDB read transaction while loading. Small: each block's buffer is decoded and
-# freed before the next chunk is read, so the allocator hands the same memory back instead
-# of faulting in fresh pages (measured: 4 blocks of 512 KiB ~1.3x faster than 32).
-DISK_READ_CHUNK = 4
+# Blocks per LMDB read transaction while loading. Small: each block's buffer is copied into
+# the engine while it is still in cache and freed before the next read, so the allocator
+# hands the same memory back instead of faulting in fresh pages (measured with 512 KiB
+# blocks: 2 per read ~8.5 GB/s, 32 per read ~2.5 GB/s).
+DISK_READ_CHUNK = 2
 _LOSSY_NAMESPACE = b"tiered-kv/lossy-codec"
 
 
@@ -212,7 +213,9 @@ class TierManager(KVConnector):
     ) -> int:
         if self._kv_cache is None or self._closed:
             return 0
-        self._lookups[request_id] = _Lookup(tuple(block_hashes), num_computed_blocks)
+        lookup = _Lookup(tuple(block_hashes), num_computed_blocks)
+        repeated = self._lookups.get(request_id) == lookup  # the engine retries unscheduled requests
+        self._lookups[request_id] = lookup
         keys = [BlockKey(self._namespace, h) for h in block_hashes[num_computed_blocks:]]
         if not keys:
             return 0
@@ -229,9 +232,9 @@ class TierManager(KVConnector):
             if not (self._writer.contains(key) or self._disk.contains(key)):
                 break
             matched += 1
-        if self._cpu is not None:
+        if not repeated and self._cpu is not None:
             self.metrics.add("cpu", lookups=cpu_lookups)
-        if self._disk is not None:
+        if not repeated and self._disk is not None:
             self.metrics.add("disk", lookups=disk_lookups)
         return matched
 
@@ -340,15 +343,18 @@ class TierManager(KVConnector):
         self, wanted: list[tuple[int, BlockKey, int]], parents: list[bytes | None | bool]
     ) -> bool:
         """Load blocks from the disk writer's queue or the store into the engine's blocks;
-        promote them into the CPU pool. ``False`` at the first block that cannot be served."""
+        promote them into the CPU pool. ``False`` at the first block that cannot be served.
+
+        Sequential on purpose: a chunk is copied into the engine while its buffers are still
+        in this core's cache (reading ahead on another thread measured slower).
+        """
         kv_cache = self._kv_cache
-        for chunk_start in range(0, len(wanted), DISK_READ_CHUNK):
-            chunk = wanted[chunk_start : chunk_start + DISK_READ_CHUNK]
-            chunk_parents = parents[chunk_start : chunk_start + DISK_READ_CHUNK]
+        for start in range(0, len(wanted), DISK_READ_CHUNK):
+            chunk = wanted[start : start + DISK_READ_CHUNK]
             queued = [self._writer.get(key) for _, key, _ in chunk]
             to_read = [key for (_, key, _), item in zip(chunk, queued) if item is None]
             records = iter(self._disk.get_many(to_read) if to_read else ())
-            for (_, key, block_id), parent, item in zip(chunk, chunk_parents, queued):
+            for (_, key, block_id), parent, item in zip(chunk, parents[start:], queued):
                 out = kv_cache[:, :, block_id]  # [L, 2, T, H, D]
                 if item is not None:
                     out.copy_(item.kv)
