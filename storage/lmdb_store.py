@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import dataclasses
 import enum
 import errno
@@ -196,6 +197,15 @@ class StoreInfo:
     last_page: int
     page_size: int
     reader_pids: tuple[int, ...]  # other processes holding a slot in the reader table
+
+
+class RecordMeta(NamedTuple):
+    """A committed record's metadata, as the ``meta`` db holds it (no record bytes read)."""
+
+    key: BlockKey
+    last_access_ns: int  # 0 when unknown (metadata rebuilt after a crash)
+    nbytes: int
+    created_ns: int
 
 
 class _Op(enum.Enum):
@@ -1117,6 +1127,132 @@ class LmdbStore(BlockStore[Record]):
         if gone:
             self.flush()
         return VerifyResult(checked, ok, len(bad), len(gone), nbytes)
+
+    def namespaces(self) -> list[bytes]:
+        """The namespaces of committed records, in one read transaction (one seek each)."""
+        self._check_open()
+        found: list[bytes] = []
+        with self._env.begin(db=self._dbs[_DB_RECORDS]) as txn:
+            cursor = txn.cursor()
+            more = cursor.first()
+            while more:
+                kb = cursor.key()
+                if len(kb) != KEY_SIZE:
+                    more = cursor.next()
+                    continue
+                namespace = kb[: KEY_SIZE // 2]
+                found.append(namespace)
+                after = int.from_bytes(namespace, "big") + 1
+                if after >> (8 * len(namespace)):
+                    break
+                more = cursor.set_range(after.to_bytes(len(namespace), "big"))
+        return found
+
+    def metadata(self, namespace: bytes | None = None) -> Iterator[RecordMeta]:
+        """Committed records' metadata in key order, each chunk from its own read transaction."""
+        self._check_open()
+        prefix = namespace or b""
+        last: bytes | None = None
+        while True:
+            chunk: list[RecordMeta] = []
+            with self._env.begin(db=self._dbs[_DB_META]) as txn:
+                cursor = txn.cursor()
+                more = cursor.set_range(last if last is not None else prefix)
+                if more and last is not None and cursor.key() == last:
+                    more = cursor.next()
+                while more and len(chunk) < _KEYS_CHUNK:
+                    kb, value = cursor.item()
+                    if not kb.startswith(prefix):
+                        more = False
+                        break
+                    last = kb
+                    if len(kb) == KEY_SIZE and len(value) == _META.size:
+                        chunk.append(RecordMeta(BlockKey.from_bytes(kb), *_META.unpack(value)))
+                    more = cursor.next()
+            yield from chunk
+            if not more:
+                return
+
+    def raw_records(self, namespace: bytes | None = None) -> Iterator[tuple[BlockKey, bytes]]:
+        """Committed records exactly as stored (not verified), one short read transaction each.
+
+        For export and inspection: pending operations of this process are not seen.
+        """
+        self._check_open()
+        for chunk in self._committed_key_chunks(namespace):
+            for kb in chunk:
+                with self._env.begin(db=self._dbs[_DB_RECORDS], buffers=True) as txn:
+                    buf = txn.get(kb)
+                    data = bytes(buf) if buf is not None else None
+                if data is not None:
+                    yield BlockKey.from_bytes(kb), data
+
+    def copy_compacted(self, dest: str | os.PathLike[str]) -> None:
+        """Write a compacted copy of the store (descriptor and data) into the new directory
+        ``dest``, from one read snapshot; this store stays usable, and a writer may go on."""
+        self._check_open()
+        self.flush()
+        dest = Path(dest)
+        try:
+            dest.mkdir(mode=0o700)
+        except OSError as e:
+            raise StoreError(f"cannot create {dest}: {e}") from None
+        try:
+            self.descriptor.save(dest)
+            self._env.copy(str(dest), compact=True)
+            _fsync_dir(dest)
+        except (OSError, lmdb.Error) as e:
+            for name in (DESCRIPTOR_NAME, "data.mdb"):  # what this call created, nothing else
+                (dest / name).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                dest.rmdir()
+            raise StoreError(f"cannot copy {self.path} to {dest}: {e}") from None
+
+    def compact_and_close(self) -> None:
+        """Replace the data file by a compacted copy, then close the store.
+
+        Needs the writer lock (a store opened for writing) and no other process with the
+        environment open: a reader would keep using the old file.
+        """
+        self._check_writable()
+        others = self.info().reader_pids
+        if others:
+            raise StoreError(
+                f"{self.path} is open in other processes (pids {', '.join(map(str, others))}); "
+                "compacting in place needs it idle"
+            )
+        tmp = self.path / ".compact.tmp"
+        if tmp.exists():
+            for leftover in tmp.iterdir():
+                leftover.unlink()
+            tmp.rmdir()
+        self.flush()
+        with self._lock:
+            self._closing = True
+            self._work.notify()
+        if self._writer is not None:
+            self._writer.join()
+            atexit.unregister(self.close)
+        try:
+            tmp.mkdir(mode=0o700)
+            self._env.copy(str(tmp), compact=True)
+            fd = os.open(tmp / "data.mdb", os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self._env.close()
+            self._env = None
+            os.replace(tmp / "data.mdb", self.path / "data.mdb")
+            _fsync_dir(self.path)
+            tmp.rmdir()
+        except (OSError, lmdb.Error) as e:
+            raise StoreError(f"cannot compact {self.path}: {e}") from None
+        finally:
+            with self._lock:
+                self._closed = True
+                self._progress.notify_all()
+            self._release()
 
     def info(self) -> StoreInfo:
         """The descriptor and the environment's own figures."""

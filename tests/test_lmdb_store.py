@@ -573,6 +573,49 @@ def test_record_under_the_wrong_key_is_corrupt(path: Path) -> None:
         assert [e.reason.split(":")[0] for e in store.quarantined()] == ["key"]
 
 
+# ---------------------------------------------------------------- admin helpers
+
+
+def test_namespaces_metadata_and_raw_records(path: Path) -> None:
+    with LmdbStore(path, 16 << 20) as store:
+        for i in range(3):
+            put(store, i)
+        put(store, 7, ns=OTHER_NS)
+        store.flush()
+        assert sorted(store.namespaces()) == sorted([NS, OTHER_NS])
+        meta = {m.key: m for m in store.metadata(NS)}
+        assert set(meta) == {key(i) for i in range(3)}
+        assert meta[key(1)].created_ns == 1_001 and meta[key(1)].last_access_ns > 0
+        assert meta[key(1)].nbytes == len(encode_record(record(1)))
+        raw = dict(store.raw_records())
+    assert raw[key(7, OTHER_NS)] == encode_record(record(7, ns=OTHER_NS)) and len(raw) == 4
+    with LmdbStore(path, readonly=True) as reader:
+        assert sorted(reader.namespaces()) == sorted([NS, OTHER_NS])
+        assert len(list(reader.metadata())) == 4
+
+
+def test_compacted_copy_and_compaction_in_place(path: Path, tmp_path: Path) -> None:
+    with LmdbStore(path, 16 << 20) as store:
+        for i in range(40):
+            put(store, i, size=20_000)
+        store.flush()
+        store.delete_many([key(i) for i in range(30)])
+        store.flush()
+        store.copy_compacted(tmp_path / "copy")
+        with pytest.raises(StoreError):
+            store.copy_compacted(tmp_path / "copy")
+    before = (path / "data.mdb").stat().st_size
+    with LmdbStore(tmp_path / "copy", readonly=True) as copy:
+        assert sorted(k for k, _ in copy.raw_records()) == sorted(key(i) for i in range(30, 40))
+    store = LmdbStore(path, None)
+    store.compact_and_close()
+    assert (path / "data.mdb").stat().st_size < before
+    assert not (path / ".compact.tmp").exists()
+    with LmdbStore(path, None) as store:
+        assert all(same(store.get(key(i)), record(i, 20_000)) for i in range(30, 40))
+        put(store, 99)
+
+
 # ---------------------------------------------------------------- crashes
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -225,6 +226,31 @@ def test_write_pressure_drops_stores_and_never_stalls(reference, disk, monkeypat
     assert stats["queued_blocks"] == 2 and stats["dropped"] == offered - 2
     with LmdbStore(disk) as store:
         assert store.stats().entries == 2
+
+
+def test_close_gives_up_on_the_queue_after_flush_timeout(reference, disk, monkeypatch):
+    release = threading.Event()
+    put_many = LmdbStore.put_many
+
+    def stalled_put_many(self, items):
+        release.wait(30)
+        return put_many(self, items)
+
+    monkeypatch.setattr(LmdbStore, "put_many", stalled_put_many)
+    tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=0, disk_bytes=64 << 20, flush_timeout_s=0.1)
+    llm = make_llm(tiers, blocks=64)
+    manager = llm.engine.connector
+    assert [llm.generate(p, GREEDY)[0].token_ids for p in PROMPTS] == reference
+    assert not manager.flush(0.05)
+    threading.Timer(0.5, release.set).start()  # the batch being written finishes late
+    start = time.monotonic()
+    llm.close()
+    assert time.monotonic() - start < 5
+    stats = manager.stats()["disk"]
+    offered = sum(len(p) // BLOCK for p in PROMPTS)
+    assert 0 < stats["dropped"] < offered and stats["entries"] + stats["dropped"] == offered
+    with LmdbStore(disk) as store:
+        assert store.stats().entries == stats["entries"]
 
 
 def test_a_queue_smaller_than_a_block_stores_nothing(reference, disk):

@@ -90,10 +90,6 @@ class TierConfig:
     def cache_path(self) -> Path | None:
         return None if self.kv_cache_dir is None else Path(self.kv_cache_dir)
 
-    @property
-    def lossless(self) -> bool:
-        return get_codec(self.codec).lossless
-
 
 def _int(name: str, value: object, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:

@@ -2,11 +2,11 @@
 
 ::
 
-    engine block pool ──save_blocks──▶ CPU pool ──(write-through: at once)──▶ disk writer ─▶ LMDB
-         ▲                               │     ╰─(write-back: on CPU eviction)─╯
-         ╰──────────load_blocks──────────┴──────── get → verify → decode ◀──────────────┘
-                                         ▲                                  │
-                                         ╰──────── promote (disk hits) ◀────╯
+    save_blocks ─▶ CPU pool ────────── write-back: on eviction ──┐
+         │                                                       ▼
+         └── write-through, or no CPU pool: host copy ──▶ disk queue ─▶ writer ─▶ LmdbStore
+    load_blocks ◀─ CPU pool (read_into)
+                ◀─ disk queue, or LmdbStore (get, verify, decode) ─▶ promote into the CPU pool
 
 Threads. The engine calls every connector method from its one thread. The manager adds one
 thread, the disk writer (:mod:`tiered_kv.disk_writer`), and the LMDB store runs its own
@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from prometheus_client import CollectorRegistry
 
 from engine.connector import KVConnector, SavedBlock
 from engine.hashing import block_hash as chain_hash
@@ -63,15 +64,18 @@ class _Lookup:
     hashes: tuple[bytes, ...]
     first: int  # index of the first block the lookup was asked about
 
-    def parent_of(self, block_hash: bytes) -> bytes | None | bool:
-        """The parent hash (``None`` for a first block), or ``False`` if unknown."""
-        index = self.first
-        if index >= len(self.hashes) or self.hashes[index] != block_hash:
+    def parents(self, block_hashes: Sequence[bytes]) -> list[bytes | None] | None:
+        """The parent hash of each of ``block_hashes`` (a run of this chain; ``None`` for
+        the chain's first block), or ``None`` if the run is not part of this chain."""
+        start = self.first
+        if self.hashes[start : start + 1] != (block_hashes[0],):
             try:
-                index = self.hashes.index(block_hash)
+                start = self.hashes.index(block_hashes[0])
             except ValueError:
-                return False
-        return self.hashes[index - 1] if index else None
+                return None
+        if self.hashes[start : start + len(block_hashes)] != tuple(block_hashes):
+            return None
+        return [self.hashes[start - 1] if start else None, *block_hashes[:-1]]
 
 
 class _BadRecord(Exception):
@@ -124,8 +128,8 @@ class TierManager(KVConnector):
     # ------------------------------------------------------------------ public
 
     @property
-    def registry(self):
-        """The ``prometheus_client.CollectorRegistry`` holding this manager's metrics."""
+    def registry(self) -> CollectorRegistry:
+        """The Prometheus registry holding this manager's metrics (serve it on /metrics)."""
         return self.metrics.registry
 
     @property
@@ -246,23 +250,31 @@ class TierManager(KVConnector):
             return False
         if not block_hashes:
             return True
-        lookup = self._lookups.get(request_id)
-        first_parent = lookup.parent_of(block_hashes[0]) if lookup is not None else False
+        non_blocking = kv_cache.is_cuda  # one synchronize below instead of one per block
         start = time.perf_counter()
         rest: list[tuple[int, BlockKey, int]] = []  # (index, key, block id) not in the CPU pool
         for i, (h, block_id) in enumerate(zip(block_hashes, block_ids)):
             key = BlockKey(self._namespace, h)
-            if self._cpu is None or not self._cpu.read_into(key, kv_cache[:, :, block_id]):
+            out = kv_cache[:, :, block_id]  # [L, 2, T, H, D]
+            if self._cpu is None or not self._cpu.read_into(key, out, non_blocking=non_blocking):
                 rest.append((i, key, block_id))
         cpu_blocks = len(block_hashes) - len(rest)
+        if non_blocking and cpu_blocks:
+            # Before anything else is put into the pool, whose slots these copies read.
+            torch.cuda.current_stream(kv_cache.device).synchronize()
         cpu_seconds = time.perf_counter() - start
         if rest and self._disk is None:
             self.metrics.add("cpu", load_failures=1)  # evicted since the lookup
             return False
         if rest:
             start = time.perf_counter()
-            parents = [block_hashes[i - 1] if i else first_parent for i, _, _ in rest]
-            if not self._load_from_disk(rest, parents):
+            lookup = self._lookups.get(request_id)
+            parents = lookup.parents(block_hashes) if lookup is not None else None
+            if parents is None:  # cannot check the records' chain: recompute instead
+                self.metrics.add("disk", load_failures=1)
+                return False
+            wanted = [(key, block_id, parents[i]) for i, key, block_id in rest]
+            if not self._load_from_disk(wanted):
                 return False
             self.metrics.observe_load(
                 "disk", time.perf_counter() - start, len(rest), self._block_size,
@@ -339,11 +351,10 @@ class TierManager(KVConnector):
             if not self._writer.offer(item, wait_until=deadline):
                 self.metrics.add("disk", dropped=1)
 
-    def _load_from_disk(
-        self, wanted: list[tuple[int, BlockKey, int]], parents: list[bytes | None | bool]
-    ) -> bool:
-        """Load blocks from the disk writer's queue or the store into the engine's blocks;
-        promote them into the CPU pool. ``False`` at the first block that cannot be served.
+    def _load_from_disk(self, wanted: list[tuple[BlockKey, int, bytes | None]]) -> bool:
+        """Load ``(key, block id, parent hash)`` blocks from the disk writer's queue or the
+        store into the engine's blocks and promote them into the CPU pool; ``False`` at the
+        first block that cannot be served.
 
         Sequential on purpose: a chunk is copied into the engine while its buffers are still
         in this core's cache (reading ahead on another thread measured slower).
@@ -351,50 +362,50 @@ class TierManager(KVConnector):
         kv_cache = self._kv_cache
         for start in range(0, len(wanted), DISK_READ_CHUNK):
             chunk = wanted[start : start + DISK_READ_CHUNK]
-            queued = [self._writer.get(key) for _, key, _ in chunk]
-            to_read = [key for (_, key, _), item in zip(chunk, queued) if item is None]
+            queued = [self._writer.get(key) for key, _, _ in chunk]
+            to_read = [key for (key, _, _), item in zip(chunk, queued) if item is None]
             records = iter(self._disk.get_many(to_read) if to_read else ())
-            for (_, key, block_id), parent, item in zip(chunk, parents[start:], queued):
+            for (key, block_id, parent), item in zip(chunk, queued):
                 out = kv_cache[:, :, block_id]  # [L, 2, T, H, D]
                 if item is not None:
                     out.copy_(item.kv)
-                    tokens, parent_hash = item.token_ids, item.parent_hash
+                    host, tokens, parent_hash = item.kv, item.token_ids, item.parent_hash
                 else:
                     record = next(records)
                     if record is None:  # gone since the lookup, or corrupt (the store counts it)
                         self.metrics.add("disk", load_failures=1)
                         return False
                     try:
-                        self._decode_into(record, parent, out)
+                        host = self._decode_into(record, parent, out)
                     except _BadRecord as e:
                         logger.warning("disk tier: not serving %s: %s", key.short(), e)
                         self.metrics.add("disk", corrupt=1, load_failures=1)
                         return False
                     tokens, parent_hash = record.token_ids, record.parent_hash
-                if self._cpu is not None:
-                    self._cpu.put(key, HostBlock(out, parent_hash, tokens))
+                if self._cpu is not None and not self._cpu.contains(key):
+                    if self._cpu.put(key, HostBlock(host, parent_hash, tokens)):  # promote
+                        self.metrics.add("cpu", stored_blocks=1, stored_bytes=self._block_nbytes)
         return True
 
-    def _decode_into(self, record: Record, parent: bytes | None | bool, out: torch.Tensor) -> None:
-        """Write the block in ``record`` into ``out`` after checking it belongs there.
+    def _decode_into(self, record: Record, parent: bytes | None, out: torch.Tensor) -> torch.Tensor:
+        """Write the block in ``record`` into ``out`` after checking it belongs there;
+        returns a host tensor holding it (``out`` itself when that is in host memory).
 
         The key was checked by the store. Here: the record's parent is the request's previous
         block, and its token ids hash with that parent to its key (so they are the request's
-        tokens); for a request's first block the parent is the salted root, which the
-        connector does not know, so only ``parent is None`` is checked.
+        tokens); a request's first block has the salted root as its parent, which the
+        connector does not know, so for it only ``parent is None`` is checked.
         """
-        if record.dtype != self._kv_cache.dtype or tuple(record.shape) != self._block_shape:
+        if record.dtype != out.dtype or tuple(record.shape) != self._block_shape:
             raise _BadRecord(
                 f"record holds {record.dtype}{list(record.shape)}, the engine's blocks are "
-                f"{self._kv_cache.dtype}{list(self._block_shape)}"
+                f"{out.dtype}{list(self._block_shape)}"
             )
         if len(record.token_ids) != self._block_size:
             raise _BadRecord(f"record has {len(record.token_ids)} token ids, blocks hold {self._block_size}")
-        if parent is not False and record.parent_hash != parent:
+        if record.parent_hash != parent:
             raise _BadRecord("record's parent is not the request's previous block")
-        if record.parent_hash is not None and (
-            chain_hash(record.parent_hash, record.token_ids) != record.key.block_hash
-        ):
+        if parent is not None and chain_hash(parent, record.token_ids) != record.key.block_hash:
             raise _BadRecord("record's token ids do not hash to its key")
         if record.codec == "raw" and out.device.type == "cpu":
             # The raw payload is the block's bytes in memory order: copy it straight into
@@ -404,14 +415,15 @@ class TierManager(KVConnector):
             if src.size != dst.size:
                 raise _BadRecord(f"raw payload of {src.size} bytes for a {dst.size}-byte block")
             dst[...] = src.reshape(dst.shape)
-            return
+            return out
         try:
             kv = decode_block(record)
         except CodecError as e:
             raise _BadRecord(str(e)) from None
-        if kv.dtype != self._kv_cache.dtype or tuple(kv.shape) != self._block_shape:
+        if kv.dtype != out.dtype or tuple(kv.shape) != self._block_shape:
             raise _BadRecord(f"decoded to {kv.dtype}{list(kv.shape)}")
         out.copy_(kv)
+        return kv
 
     def _store_stats(self) -> dict[str, StoreStats]:
         if self._final_stats is not None:

@@ -1,4 +1,4 @@
-"""Human sizes and ages, as users type them on the command line and read them in tables."""
+"""Human sizes, durations and ages, as users type them on the command line and read them in tables."""
 from __future__ import annotations
 
 import re
@@ -18,6 +18,22 @@ def parse_size(text: str) -> int:
     if size <= 0:
         raise ValueError(f"size must be positive: {text!r}")
     return size
+
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*([wdhms])", re.I)
+_SECONDS = {"w": 7 * 86400, "d": 86400, "h": 3600, "m": 60, "s": 1}
+
+
+def parse_duration(text: str) -> float:
+    """``"7d"`` → 604800.0 seconds; parts add up: ``"1d12h"``, ``"90m"``, ``"2w"``, ``"30s"``."""
+    compact = re.sub(r"\s+", "", text)
+    parts = _DURATION_PART.findall(compact)
+    if not compact or "".join(n + u for n, u in parts) != compact:
+        raise ValueError(f"not a duration: {text!r} (examples: 7d, 12h, 1d12h, 30m)")
+    seconds = sum(float(n) * _SECONDS[u.lower()] for n, u in parts)
+    if seconds <= 0:
+        raise ValueError(f"duration must be positive: {text!r}")
+    return seconds
 
 
 def format_size(nbytes: int) -> str:

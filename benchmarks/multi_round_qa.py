@@ -1,0 +1,283 @@
+"""Multi-round QA against the HTTP server: TTFT with the KV tiers on vs GPU prefix caching only.
+
+Simulated users chat with ``tiered-kv serve`` over HTTP (streaming chat completions). They
+share one system prompt; each round a user sends its whole history plus a new question,
+so prompts grow. Two servers run in turn on the same random model and the same small
+``--num-gpu-blocks-override``, so the engine's pool cannot keep every user's history:
+
+- ``tiers``: CPU pool and disk tier on (a fresh cache directory);
+- ``gpu-only``: ``--kv-offloading-size 0 --kv-disk-size 0`` (vLLM-style prefix caching).
+
+TTFT is the time from sending a request to its first chunk with content. Target: mean TTFT
+at least 3x lower with the tiers. Writes JSON (``--out``) and a plot of TTFT per round.
+
+    .venv/bin/python benchmarks/multi_round_qa.py            # --quick: fewer users and rounds
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+import transformers
+
+from engine.models.tiny import write_tiny_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+SEED = 0
+TARGET_SPEEDUP = 3.0
+MODEL = dict(  # prefill of ~1k tokens takes ~1 s on one CPU core
+    vocab_size=512,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    bos_token_id=256,
+    eos_token_id=257,
+)
+WORDS = (
+    "cache block tier disk memory prefix token model request latency server restart hash "
+    "record codec batch queue engine layer head attention window history answer question"
+).split()
+
+
+def write_model(path: Path) -> None:
+    torch.manual_seed(SEED)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**MODEL)).eval()
+    model.save_pretrained(path)
+    write_tiny_tokenizer(path)  # byte-level, with a chat template
+
+
+def text(rng: random.Random, chars: int) -> str:
+    words: list[str] = []
+    while sum(len(w) + 1 for w in words) < chars:
+        words.append(rng.choice(WORDS))
+    return " ".join(words)[:chars]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: Path, port: int, blocks: int, tiers: bool, cache: Path, log: Path, max_seqs: int) -> subprocess.Popen:
+    args = [
+        sys.executable, "-c", "from tiered_kv.cli import main; main()", "serve",
+        "--model", str(model), "--port", str(port), "--max-model-len", "2048",
+        "--num-gpu-blocks-override", str(blocks), "--max-num-seqs", str(max_seqs),
+        "--log-level", "warning",
+    ]
+    if tiers:
+        args += ["--kv-cache-dir", str(cache), "--kv-offloading-size", "2", "--kv-disk-size", "4"]
+    else:
+        args += ["--kv-offloading-size", "0", "--kv-disk-size", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(args, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
+
+
+async def wait_healthy(client: httpx.AsyncClient, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if (await client.get("/health")).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        await asyncio.sleep(0.5)
+    raise RuntimeError("server did not become healthy")
+
+
+async def chat_turn(client: httpx.AsyncClient, messages: list[dict], max_tokens: int) -> tuple[float, str, int]:
+    """(TTFT seconds, answer, cached prompt tokens) of one streamed turn."""
+    body = {
+        "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    ttft = None
+    pieces: list[str] = []
+    cached = 0
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
+            for choice in chunk["choices"]:
+                content = choice["delta"].get("content")
+                if content:
+                    if ttft is None:
+                        ttft = time.perf_counter() - start
+                    pieces.append(content)
+    return ttft, "".join(pieces), cached
+
+
+async def user(client, system: str, questions: list[str], max_tokens: int, slots: asyncio.Semaphore, results: list) -> None:
+    messages = [{"role": "system", "content": system}]
+    for round_, question in enumerate(questions):
+        messages.append({"role": "user", "content": question})
+        async with slots:  # as many requests in flight as the engine runs: TTFT without queueing
+            ttft, answer, cached = await chat_turn(client, messages, max_tokens)
+        messages.append({"role": "assistant", "content": answer})
+        results.append({"round": round_, "ttft_s": ttft, "cached_tokens": cached})
+
+
+async def run_mode(name: str, model: Path, args, workload, work: Path) -> dict:
+    port = free_port()
+    log = work / f"{name}.log"
+    proc = start_server(model, port, args.gpu_blocks, name == "tiers", work / "kv_cache", log, args.max_num_seqs)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
+            await wait_healthy(client, proc, log)
+            await chat_turn(client, [{"role": "user", "content": "warm up"}], 2)
+            results: list[dict] = []
+            slots = asyncio.Semaphore(args.max_num_seqs)
+            start = time.perf_counter()
+            await asyncio.gather(
+                *(user(client, workload["system"], qs, args.max_tokens, slots, results) for qs in workload["questions"])
+            )
+            wall = time.perf_counter() - start
+            report = (await client.get("/admin/tiers")).json()
+    finally:
+        proc.terminate()
+        proc.wait(120)
+    return summarize(name, results, wall, report)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def summarize(name: str, results: list[dict], wall: float, report: dict) -> dict:
+    ttfts = [r["ttft_s"] for r in results]
+    rounds = sorted({r["round"] for r in results})
+    engine = report["engine"]
+    queried = max(engine["prefix_cache_queries"], 1)
+    hit_rate = {"gpu": engine["prefix_cache_hits"] / queried}
+    for tier, row in report["tiers"].items():
+        hit_rate[tier] = row["hit_tokens"] / queried
+    return {
+        "mode": name,
+        "requests": len(results),
+        "wall_s": wall,
+        "ttft_mean_s": statistics.fmean(ttfts),
+        "ttft_p50_s": percentile(ttfts, 0.5),
+        "ttft_p90_s": percentile(ttfts, 0.9),
+        "ttft_by_round_s": [statistics.fmean(r["ttft_s"] for r in results if r["round"] == k) for k in rounds],
+        "cached_tokens_total": sum(r["cached_tokens"] for r in results),
+        "prompt_tokens_queried": engine["prefix_cache_queries"],
+        "prompt_tokens_computed": engine["num_prompt_tokens"],
+        "hit_rate": hit_rate,
+        "preemptions": engine["num_preemptions"],
+        "tiers": report["tiers"],
+    }
+
+
+def plot(results: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return False
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
+    for mode in results["modes"]:
+        rounds = range(1, len(mode["ttft_by_round_s"]) + 1)
+        ax.plot(rounds, [t * 1000 for t in mode["ttft_by_round_s"]], marker="o", label=mode["mode"])
+    ax.set_xlabel("round")
+    ax.set_ylabel("mean TTFT (ms)")
+    ax.set_title(f"Multi-round QA: {results['users']} users, GPU pool of {results['gpu_blocks']} blocks")
+    ax.set_xticks(list(rounds))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return True
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="4 users x 3 rounds instead of 6 x 5")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/multi_round_qa.json")
+    parser.add_argument("--plot", type=Path, default=REPO / "docs/multi_round_qa_ttft.png")
+    args = parser.parse_args(argv)
+    args.users, args.rounds = (4, 3) if args.quick else (6, 5)
+    args.system_chars, args.question_chars, args.max_tokens = 256, 200, 32
+    # 3,072 tokens: the two running sequences fit, about two users' histories stay cached
+    args.gpu_blocks, args.max_num_seqs = 192, 2
+
+    rng = random.Random(SEED)
+    workload = {
+        "system": text(rng, args.system_chars),
+        "questions": [[text(rng, args.question_chars) for _ in range(args.rounds)] for _ in range(args.users)],
+    }
+    with tempfile.TemporaryDirectory(prefix="multi_round_qa-") as tmp:
+        work = Path(tmp)
+        model = work / "model"
+        write_model(model)
+        modes = [asyncio.run(run_mode(name, model, args, workload, work)) for name in ("tiers", "gpu-only")]
+    tiers, gpu = modes
+    speedup = gpu["ttft_mean_s"] / tiers["ttft_mean_s"]
+    results = {
+        "benchmark": "multi_round_qa",
+        "seed": SEED,
+        "users": args.users,
+        "rounds": args.rounds,
+        "system_prompt_chars": args.system_chars,
+        "question_chars": args.question_chars,
+        "max_tokens": args.max_tokens,
+        "gpu_blocks": args.gpu_blocks,
+        "max_num_seqs": args.max_num_seqs,
+        "model": MODEL,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+        "modes": modes,
+        "mean_ttft_speedup": speedup,
+        "target_speedup": TARGET_SPEEDUP,
+        "pass": speedup >= TARGET_SPEEDUP,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    plotted = plot(results, args.plot)
+
+    print(f"\nMulti-round QA: {args.users} users x {args.rounds} rounds, GPU pool {args.gpu_blocks} blocks")
+    print(f"{'mode':<10} {'mean':>9} {'p50':>9} {'p90':>9} {'wall':>8}  hit rate (tokens): gpu / cpu / disk")
+    for m in modes:
+        rates = " / ".join(f"{m['hit_rate'].get(t, 0.0):.0%}" for t in ("gpu", "cpu", "disk"))
+        print(
+            f"{m['mode']:<10} {m['ttft_mean_s'] * 1000:>7.0f}ms {m['ttft_p50_s'] * 1000:>7.0f}ms "
+            f"{m['ttft_p90_s'] * 1000:>7.0f}ms {m['wall_s']:>7.1f}s  {rates}"
+        )
+    for m in modes:
+        print(f"{m['mode']:<10} TTFT by round (ms): " + ", ".join(f"{t * 1000:.0f}" for t in m["ttft_by_round_s"]))
+    verdict = "PASS" if results["pass"] else "MISS"
+    print(f"mean TTFT {speedup:.1f}x lower with tiers (target >= {TARGET_SPEEDUP:.0f}x): {verdict}")
+    print(f"wrote {args.out}" + (f" and {args.plot}" if plotted else ""))
+
+
+if __name__ == "__main__":
+    main()

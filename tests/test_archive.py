@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from storage.base import BlockKey
+from tiered_kv.archive import ArchiveError, ArchiveWriter, check_archive, read_archive
+
+ITEMS = [
+    (BlockKey(hashlib.sha256(b"ns").digest(), hashlib.sha256(bytes([i])).digest()), bytes([i]) * (100 + i))
+    for i in range(20)
+]
+
+
+def write(path: Path, items=ITEMS, compress: bool = False) -> Path:
+    with open(path, "wb") as f:
+        writer = ArchiveWriter(f, compress=compress)
+        for key, data in items:
+            writer.add(key, data)
+        writer.finish()
+    return path
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_round_trip(tmp_path: Path, compress: bool):
+    path = write(tmp_path / "a", compress=compress)
+    assert list(read_archive(path)) == ITEMS
+    assert check_archive(path) == (20, sum(len(d) for _, d in ITEMS))
+
+
+def test_empty_archive(tmp_path: Path):
+    assert check_archive(write(tmp_path / "a", [])) == (0, 0)
+
+
+def test_progress_counts_file_bytes(tmp_path: Path):
+    path = write(tmp_path / "a", compress=True)
+    seen = []
+    check_archive(path, seen.append)
+    assert sum(seen) == path.stat().st_size
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_every_truncation_is_detected(tmp_path: Path, compress: bool):
+    data = write(tmp_path / "a", ITEMS[:3], compress).read_bytes()
+    cut = tmp_path / "cut"
+    for n in range(len(data)):
+        cut.write_bytes(data[:n])
+        with pytest.raises(ArchiveError):
+            check_archive(cut)
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda d: b"NOTARCHV" + d[8:], "bad magic"),
+        (lambda d: d[:8] + b"\x02\x00" + d[10:], "archive version 2"),
+        (lambda d: d[:10] + b"\x04\x00" + d[12:], "unknown archive flags"),
+        (lambda d: d[:500] + bytes([d[500] ^ 1]) + d[501:], "checksum mismatch"),
+        (lambda d: d + b"\x00", "bytes after the end"),
+    ],
+)
+def test_damage_is_detected(tmp_path: Path, damage, message):
+    path = write(tmp_path / "a")
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(ArchiveError, match=message):
+        check_archive(path)
+
+
+def test_refuses_an_empty_record(tmp_path: Path):
+    with open(tmp_path / "a", "wb") as f, pytest.raises(ValueError):
+        ArchiveWriter(f).add(ITEMS[0][0], b"")

@@ -1,0 +1,202 @@
+"""The container deployment: docker-compose.yml, the Dockerfile, Prometheus and Grafana files.
+
+No Docker is needed: the files are parsed and checked against each other and against the
+metrics the server really exports (built from a real tier manager's registry).
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+SERVICES = ("tiered-kv", "valkey", "prometheus", "grafana")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def flag(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+def server_port(compose: dict) -> int:
+    return int(flag(compose["services"]["tiered-kv"]["command"], "--port"))
+
+
+def test_services_images_and_build(compose: dict):
+    services = compose["services"]
+    assert set(SERVICES) <= set(services)
+    assert services["tiered-kv"]["build"]["dockerfile"] == "Dockerfile"
+    assert (ROOT / services["tiered-kv"]["build"].get("context", ".") / "Dockerfile").is_file()
+    assert services["valkey"]["image"].startswith("valkey/valkey:")
+    assert services["prometheus"]["image"].startswith("prom/prometheus:")
+    assert services["grafana"]["image"].startswith("grafana/grafana:")
+
+
+def test_server_command(compose: dict):
+    command = compose["services"]["tiered-kv"]["command"]
+    assert flag(command, "--host") == "0.0.0.0"
+    assert flag(command, "--model") == "${MODEL:-tiny}"
+    assert flag(command, "--kv-cache-dir") == "/var/lib/tiered-kv/kv_cache"
+
+
+def test_serve_accepts_every_flag_of_the_command(compose: dict):
+    from tiered_kv.cli import serve
+
+    accepted = {"--" + name.replace("_", "-") for name in inspect.signature(serve).parameters}
+    used = {arg for arg in compose["services"]["tiered-kv"]["command"] if arg.startswith("--")}
+    assert used <= accepted
+
+
+def test_ports(compose: dict):
+    services = compose["services"]
+    expected = {"tiered-kv": server_port(compose), "valkey": 6379, "prometheus": 9090, "grafana": 3000}
+    for name, port in expected.items():
+        container_ports = {int(str(p).split(":")[-1]) for p in services[name]["ports"]}
+        assert port in container_ports, name
+
+
+def test_named_volumes_are_declared_and_used(compose: dict):
+    declared = set(compose["volumes"])
+    used = set()
+    for service in compose["services"].values():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if not source.startswith((".", "/")):
+                used.add(source)
+    assert used == declared
+    cache_mounts = [v for v in compose["services"]["tiered-kv"]["volumes"]
+                    if v.split(":")[1] == "/var/lib/tiered-kv/kv_cache"]
+    assert len(cache_mounts) == 1 and cache_mounts[0].split(":")[0] in declared
+    for service in ("valkey", "prometheus", "grafana"):
+        assert any(not v.startswith(".") for v in compose["services"][service]["volumes"]), service
+
+
+def test_bind_mounted_files_exist(compose: dict):
+    for service in compose["services"].values():
+        for volume in service.get("volumes", []):
+            if volume.startswith("./"):
+                assert (ROOT / volume.split(":")[0]).exists(), volume
+
+
+def test_every_service_has_a_healthcheck(compose: dict):
+    for name, service in compose["services"].items():
+        test = service.get("healthcheck", {}).get("test")
+        assert test and test[0] in ("CMD", "CMD-SHELL"), name
+    server = " ".join(compose["services"]["tiered-kv"]["healthcheck"]["test"])
+    assert f":{server_port(compose)}/health" in server
+    assert compose["services"]["valkey"]["healthcheck"]["test"][1:] == ["valkey-cli", "ping"]
+
+
+def test_dependencies_wait_for_health(compose: dict):
+    services = compose["services"]
+    for name, service in services.items():
+        for dependency, condition in service.get("depends_on", {}).items():
+            assert dependency in services
+            if condition["condition"] == "service_healthy":
+                assert "healthcheck" in services[dependency]
+    assert services["grafana"]["depends_on"]["prometheus"]["condition"] == "service_healthy"
+
+
+def test_gpu_reservation(compose: dict):
+    devices = compose["services"]["tiered-kv"]["deploy"]["resources"]["reservations"]["devices"]
+    assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
+
+
+def test_dockerfile():
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^FROM nvidia/cuda:12\.\S+-runtime-ubuntu", text, re.M)
+    assert "pip install -c constraints.txt ." in text
+    assert re.search(r"^EXPOSE 8000$", text, re.M)
+    assert re.search(r"^HEALTHCHECK .*\n?.*/health", text, re.M)
+    assert 'ENTRYPOINT ["tiered-kv", "serve"]' in text
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert ".venv" in ignored and ".git" in ignored
+    for needed in ("pyproject.toml", "constraints.txt", "engine", "storage", "tiered_kv"):
+        assert needed not in ignored
+
+
+def test_prometheus_scrapes_the_server(compose: dict):
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    targets = [
+        target
+        for job in config["scrape_configs"]
+        if job.get("metrics_path", "/metrics") == "/metrics"
+        for static in job["static_configs"]
+        for target in static["targets"]
+    ]
+    assert f"tiered-kv:{server_port(compose)}" in targets
+    mount = "./deploy/prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro"
+    assert mount in compose["services"]["prometheus"]["volumes"]
+
+
+def test_grafana_provisioning(compose: dict):
+    provisioning = DEPLOY / "grafana" / "provisioning"
+    datasources = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())
+    (source,) = datasources["datasources"]
+    assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
+    providers = yaml.safe_load((provisioning / "dashboards" / "tiered-kv.yml").read_text())
+    (provider,) = providers["providers"]
+    mounts = dict(v.split(":")[:2] for v in compose["services"]["grafana"]["volumes"] if v.startswith("./"))
+    assert mounts["./deploy/grafana/dashboards"] == provider["options"]["path"]
+    assert mounts["./deploy/grafana/provisioning"] == "/etc/grafana/provisioning"
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "tiered-kv.json").read_text())
+    for panel in dashboard["panels"]:
+        for target in [panel, *panel["targets"]]:
+            assert target["datasource"]["uid"] == source["uid"], panel["title"]
+
+
+@pytest.fixture(scope="module")
+def exported_names(tmp_path_factory) -> set[str]:
+    """Every sample name ``/metrics`` can show: tier, engine and server metrics."""
+    from engine.stats import EngineStats
+    from tiered_kv.config import TierConfig
+    from tiered_kv.server_metrics import ServerMetrics
+    from tiered_kv.tier_manager import TierManager
+
+    config = TierConfig(kv_cache_dir=tmp_path_factory.mktemp("kv") / "kv", cpu_bytes=1 << 20,
+                        disk_bytes=16 << 20)
+    manager = TierManager(config)
+    zero = EngineStats(**{
+        name: () if name in ("ttft_s", "itl_s") else None if name == "gpu_memory" else 0
+        for name in EngineStats.__dataclass_fields__
+    } | {"num_blocks": 8})
+    server = ServerMetrics(manager.registry, lambda: zero, lambda: 0)
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
+                "gauge": ("",), "summary": ("_sum", "_count", "")}
+    try:
+        names = {family.name + suffix for family in manager.registry.collect()
+                 for suffix in suffixes[family.type]}
+    finally:
+        server.close()
+        manager.close()
+    return names
+
+
+def dashboard_exprs() -> list[tuple[str, str]]:
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "tiered-kv.json").read_text())
+    return [(panel["title"], t["expr"]) for panel in dashboard["panels"] for t in panel["targets"]]
+
+
+def test_dashboard_uses_only_exported_metrics(exported_names: set[str]):
+    assert "tiered_kv_time_to_first_token_seconds_bucket" in exported_names
+    assert "tiered_kv_hit_blocks_total" in exported_names
+    for title, expr in dashboard_exprs():
+        for name in re.findall(r"\btiered_kv_[a-z0-9_]+", expr):
+            assert name in exported_names, f"panel {title!r} uses {name}, which is not exported"
+
+
+def test_dashboard_has_the_promised_panels():
+    exprs = " ".join(expr for _, expr in dashboard_exprs())
+    titles = " ".join(title for title, _ in dashboard_exprs()).lower()
+    assert "histogram_quantile" in exprs and "tiered_kv_time_to_first_token_seconds_bucket" in exprs
+    for words in ("time to first token", "hit rate", "occupancy", "bytes moved", "dropped"):
+        assert words in titles

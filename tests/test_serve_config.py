@@ -1,0 +1,134 @@
+"""ServeConfig: precedence (flags > environment > YAML > defaults), parsing, validation, CLI errors."""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+from typer.testing import CliRunner
+
+from tiered_kv.cli import app
+from tiered_kv.config import GiB
+from tiered_kv.serve_config import ServeConfig
+
+
+def test_defaults_persist_kv_out_of_the_box():
+    c = ServeConfig.load(environ={})
+    assert (c.model, c.port, c.model_name, c.api_key) == ("tiny", 8000, "tiny", None)
+    tiers = c.tier_config()
+    assert tiers.kv_cache_dir == "./kv_cache" and tiers.cpu_bytes == GiB and tiers.disk_bytes == 8 * GiB
+    assert c.max_inflight == c.max_num_seqs + c.max_queue_len
+
+
+def test_flags_beat_environment_beat_yaml(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text("port: 7000\nmax-model-len: 512\nserved_model_name: from-yaml\nkv_offloading_size: 0.5\n")
+    env = {"TIERED_KV_PORT": "7100", "TIERED_KV_MAX_MODEL_LEN": "1024"}
+    c = ServeConfig.load({"port": 7200, "seed": None}, config_file=path, environ=env)
+    assert c.port == 7200  # flag
+    assert c.max_model_len == 1024  # environment over YAML
+    assert c.served_model_name == "from-yaml" and c.model_name == "from-yaml"
+    assert c.kv_offloading_size == 0.5 and c.tier_config().cpu_bytes == GiB // 2
+    assert c.seed == 0  # a flag left as None is not given
+
+
+def test_environment_values_are_typed():
+    env = {
+        "TIERED_KV_ENABLE_PREFIX_CACHING": "false",
+        "TIERED_KV_NUM_GPU_BLOCKS_OVERRIDE": "128",
+        "TIERED_KV_GPU_MEMORY_UTILIZATION": "0.5",
+        "TIERED_KV_API_KEY": "k",
+        "TIERED_KV_MAX_NUM_BATCHED_TOKENS": "none",
+    }
+    c = ServeConfig.load(environ=env)
+    assert c.enable_prefix_caching is False and c.num_gpu_blocks_override == 128
+    assert c.gpu_memory_utilization == 0.5 and c.api_key == "k" and c.max_num_batched_tokens is None
+    with pytest.raises(ValueError, match="TIERED_KV_PORT"):
+        ServeConfig.load(environ={"TIERED_KV_PORT": "eighty"})
+    with pytest.raises(ValueError, match="TIERED_KV_ENABLE_PREFIX_CACHING"):
+        ServeConfig.load(environ={"TIERED_KV_ENABLE_PREFIX_CACHING": "maybe"})
+
+
+def test_config_file_from_environment_and_its_errors(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text("kv-codec: zstd\n")
+    assert ServeConfig.load(environ={"TIERED_KV_CONFIG": str(good)}).kv_codec == "zstd"
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("colour: blue\n")
+    with pytest.raises(ValueError, match="unknown key 'colour'"):
+        ServeConfig.load(config_file=unknown, environ={})
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("port: [\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        ServeConfig.load(config_file=broken, environ={})
+    with pytest.raises(ValueError, match="expected a mapping"):
+        (tmp_path / "list.yaml").write_text("- 1\n")
+        ServeConfig.load(config_file=tmp_path / "list.yaml", environ={})
+    with pytest.raises(ValueError, match="missing.yaml"):
+        ServeConfig.load(config_file=tmp_path / "missing.yaml", environ={})
+
+
+@pytest.mark.parametrize(
+    ("fields", "flag"),
+    [
+        ({"port": 0}, "--port"),
+        ({"port": 70000}, "--port"),
+        ({"max_queue_len": -1}, "--max-queue-len"),
+        ({"log_level": "loud"}, "--log-level"),
+        ({"block_size": 12}, "--block-size"),
+        ({"max_num_seqs": 0}, "--max-num-seqs"),
+        ({"gpu_memory_utilization": 1.5}, "--gpu-memory-utilization"),
+        ({"kv_cache_dtype": "int3"}, "--kv-cache-dtype"),
+        ({"dtype": "float8"}, "--dtype"),
+        ({"kv_offloading_size": -1.0}, "--kv-offloading-size"),
+        ({"kv_disk_size": float("nan")}, "--kv-disk-size"),
+        ({"kv_write_policy": "sometimes"}, "--kv-write-policy"),
+        ({"kv_offload": "none"}, "--kv-offload"),
+        ({"kv_write_policy": "write-back", "kv_offloading_size": 0}, "write-back"),
+        ({"kv_codec": "gzip"}, "codec"),
+        ({"api_key": ""}, "--api-key"),
+    ],
+)
+def test_invalid_values_name_the_flag(fields, flag):
+    with pytest.raises(ValueError, match=flag):
+        ServeConfig(**fields)
+
+
+def test_tiers_turn_off_with_size_zero():
+    assert ServeConfig(kv_offloading_size=0, kv_disk_size=0).tier_config() is None
+    cpu_only = ServeConfig(kv_disk_size=0).tier_config()
+    assert cpu_only.kv_cache_dir is None and cpu_only.has_cpu
+    disk_only = ServeConfig(kv_offloading_size=0, kv_cache_dir="/tmp/x").tier_config()
+    assert not disk_only.has_cpu and disk_only.kv_cache_dir == "/tmp/x"
+
+
+def test_engine_kwargs_cover_the_engine_flags():
+    c = ServeConfig(max_model_len=300, num_gpu_blocks_override=9, enable_prefix_caching=False)
+    config = c.engine_config()
+    assert (config.max_model_len, config.num_gpu_blocks_override, config.enable_prefix_caching) == (300, 9, False)
+    assert dataclasses.replace(c, port=1).port == 1  # frozen, replace works
+
+
+def test_cli_flags_match_the_config_fields():
+    command = next(c for c in app.registered_commands if c.callback.__name__ == "serve")
+    params = set(inspect.signature(command.callback).parameters) - {"config"}
+    assert params == {f.name for f in dataclasses.fields(ServeConfig)}
+
+
+def test_cli_rejects_bad_values_with_exit_code_2(tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(app, ["serve", "--port", "0"], env={})
+    assert result.exit_code == 2
+    assert "--port" in result.output and "Traceback" not in result.output
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("nonsense: 1\n")
+    result = runner.invoke(app, ["serve", "--config", str(bad)])
+    assert result.exit_code == 2 and "unknown key" in result.output
+
+
+def test_cli_help_explains_every_flag():
+    result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for field in dataclasses.fields(ServeConfig):
+        assert "--" + field.name.replace("_", "-") in result.output
+    assert "--no-enable-prefix-caching" in result.output and "--config" in result.output

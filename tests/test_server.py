@@ -1,0 +1,376 @@
+"""The OpenAI-compatible server in-process: routes, streaming format, errors, auth, admin."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import httpx
+import pytest
+
+from engine import AsyncLLM
+from engine_testing import one_thread  # noqa: F401  (autouse fixture)
+from tiered_kv import TierConfig, TierManager
+from tiered_kv.serve_config import ServeConfig
+from tiered_kv.server import create_app
+
+BLOCK = 16
+MAX_MODEL_LEN = 256
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 3  # ~136 tokens: 8 full blocks
+GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    manager = TierManager(
+        TierConfig(kv_cache_dir=tmp_path_factory.mktemp("kv") / "cache", cpu_bytes=4 << 20, disk_bytes=64 << 20)
+    )
+    llm = AsyncLLM(
+        "tiny", kv_connector=manager, max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=64,
+        block_size=BLOCK,
+    )
+    yield llm
+    llm.shutdown()
+
+
+def config(**overrides) -> ServeConfig:
+    return ServeConfig(max_model_len=MAX_MODEL_LEN, block_size=BLOCK, **overrides)
+
+
+@contextlib.asynccontextmanager
+async def client(llm, **overrides):
+    app = create_app(config(**overrides), llm)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as c:
+            c.app = app
+            yield c
+
+
+def run(llm, test, **overrides):
+    async def main():
+        async with client(llm, **overrides) as c:
+            return await test(c)
+
+    return asyncio.run(main())
+
+
+def sse_events(text: str) -> list:
+    assert text.endswith("data: [DONE]\n\n")
+    events = text.split("\n\n")
+    assert events[-1] == ""
+    payloads = [e.removeprefix("data: ") for e in events[:-1]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert payloads[-1] == "[DONE]"
+    return [json.loads(p) for p in payloads[:-1]]
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None, code: str | None = None):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+
+
+# ---------------------------------------------------------------- completions and chat
+
+
+def test_completion_and_cached_tokens_on_a_repeated_prompt(llm):
+    async def test(c):
+        first = await c.post("/v1/completions", json={"model": "tiny", "prompt": LONG_PROMPT, **GREEDY})
+        second = await c.post("/v1/completions", json={"model": "tiny", "prompt": LONG_PROMPT, **GREEDY})
+        return first, second
+
+    first, second = run(llm, test)
+    assert first.status_code == 200, first.text
+    body = first.json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert body["model"] == "tiny"
+    (choice,) = body["choices"]
+    assert choice["index"] == 0 and choice["finish_reason"] == "length" and choice["text"]
+    usage = body["usage"]
+    assert usage["completion_tokens"] == 8
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 8
+    again = second.json()
+    assert again["choices"][0]["text"] == choice["text"]  # greedy
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= usage["prompt_tokens"] - 2 * BLOCK and cached % BLOCK == 0
+
+
+def test_token_id_prompts_and_a_batch_of_one(llm):
+    async def test(c):
+        ids = await c.post("/v1/completions", json={"prompt": [256, 72, 105], **GREEDY})
+        nested = await c.post("/v1/completions", json={"prompt": [[256, 72, 105]], **GREEDY})
+        batch = await c.post("/v1/completions", json={"prompt": ["a", "b"], **GREEDY})
+        return ids, nested, batch
+
+    ids, nested, batch = run(llm, test)
+    assert ids.status_code == nested.status_code == 200
+    assert ids.json()["usage"]["prompt_tokens"] == 3
+    assert ids.json()["choices"][0]["text"] == nested.json()["choices"][0]["text"]
+    assert_error(batch, 400, param="prompt")
+
+
+def test_chat_completion(llm):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+
+    async def test(c):
+        plain = await c.post("/v1/chat/completions", json={"messages": messages, **GREEDY})
+        parts = [{"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]}]
+        by_parts = await c.post("/v1/chat/completions", json={"messages": [messages[0], *parts], **GREEDY})
+        new_name = await c.post(
+            "/v1/chat/completions",
+            json={"messages": messages, "max_completion_tokens": 3, "temperature": 0, "ignore_eos": True},
+        )
+        return plain, by_parts, new_name
+
+    plain, by_parts, new_name = run(llm, test)
+    body = plain.json()
+    assert plain.status_code == 200 and body["object"] == "chat.completion"
+    assert body["id"].startswith("chatcmpl-")
+    message = body["choices"][0]["message"]
+    assert message["role"] == "assistant" and isinstance(message["content"], str)
+    assert by_parts.json()["choices"][0]["message"] == message
+    assert new_name.json()["usage"]["completion_tokens"] == 3
+
+
+def test_chat_stream_format_and_usage(llm):
+    messages = [{"role": "user", "content": "Stream please"}]
+
+    async def test(c):
+        streamed = await c.post(
+            "/v1/chat/completions",
+            json={"messages": messages, "stream": True, "stream_options": {"include_usage": True}, **GREEDY},
+        )
+        whole = await c.post("/v1/chat/completions", json={"messages": messages, **GREEDY})
+        return streamed, whole
+
+    streamed, whole = run(llm, test)
+    assert streamed.status_code == 200
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    chunks = sse_events(streamed.text)
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    *content, final, usage = chunks
+    assert final["choices"][0]["finish_reason"] == "length" and final["choices"][0]["delta"] == {}
+    assert all(c["choices"][0]["finish_reason"] is None for c in content)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in content)
+    assert text == whole.json()["choices"][0]["message"]["content"]
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 8
+
+
+def test_completion_stream_without_usage(llm):
+    async def test(c):
+        streamed = await c.post("/v1/completions", json={"prompt": "Once upon", "stream": True, **GREEDY})
+        whole = await c.post("/v1/completions", json={"prompt": "Once upon", **GREEDY})
+        return streamed, whole
+
+    streamed, whole = run(llm, test)
+    chunks = sse_events(streamed.text)
+    assert all(c["object"] == "text_completion" and "usage" not in c for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole.json()["choices"][0]["text"]
+
+
+def test_logprobs(llm):
+    async def test(c):
+        completion = await c.post("/v1/completions", json={"prompt": "Hi", "logprobs": 2, **GREEDY})
+        chat = await c.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 2, **GREEDY},
+        )
+        return completion, chat
+
+    completion, chat = run(llm, test)
+    lp = completion.json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 8
+    assert all(x <= 0 for x in lp["token_logprobs"])
+    assert all(len(top) <= 2 for top in lp["top_logprobs"])
+    content = chat.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 8 and all(len(t["top_logprobs"]) == 2 for t in content)
+    # greedy: the chosen token is the most likely one
+    assert all(t["logprob"] == pytest.approx(max(x["logprob"] for x in t["top_logprobs"])) for t in content)
+
+
+def test_seed_stop_and_cache_salt(llm):
+    async def test(c):
+        body = {"prompt": LONG_PROMPT, "temperature": 1.0, "seed": 7, "max_tokens": 8, "ignore_eos": True}
+        a = await c.post("/v1/completions", json=body)
+        b = await c.post("/v1/completions", json=body)
+        salted = await c.post("/v1/completions", json={**body, "cache_salt": "tenant-x"})
+        text = a.json()["choices"][0]["text"]
+        stop = await c.post("/v1/completions", json={**body, "stop": text[2:4]})
+        return a, b, salted, stop
+
+    a, b, salted, stop = run(llm, test)
+    assert a.json()["choices"][0]["text"] == b.json()["choices"][0]["text"]
+    assert salted.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    choice = stop.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and len(choice["text"]) <= 2
+
+
+def test_models_health_and_metrics(llm):
+    async def test(c):
+        await c.post("/v1/completions", json={"prompt": LONG_PROMPT, **GREEDY})
+        return await c.get("/v1/models"), await c.get("/health"), await c.get("/metrics")
+
+    models, health, metrics = run(llm, test, served_model_name="my-model")
+    assert models.json()["data"][0]["id"] == "my-model"
+    assert models.json()["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    assert health.status_code == 200
+    text = metrics.text
+    for name in (
+        'tiered_kv_stored_blocks_total{tier="cpu"}',  # tiers
+        'tiered_kv_lookups_total{tier="disk"}',
+        "tiered_kv_time_to_first_token_seconds_bucket",  # server
+        "tiered_kv_inter_token_latency_seconds_count",
+        'tiered_kv_requests_total{route="/v1/completions",status="200"}',
+        'tiered_kv_request_finished_total{finish_reason="length"}',
+        "tiered_kv_num_requests_running",  # engine
+        "tiered_kv_num_requests_waiting",
+        "tiered_kv_kv_cache_usage_ratio",
+        "tiered_kv_prefix_cache_hits_total",
+    ):
+        assert name in text, name
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_invalid_requests_get_400_in_openai_shape(llm):
+    async def test(c):
+        post = c.post
+        return [
+            await post("/v1/completions", content=b'{"prompt": "x",', headers={"content-type": "application/json"}),
+            await post("/v1/completions", json={"prompt": "x", "n": 2}),
+            await post("/v1/completions", json={"prompt": "x", "temperature": "hot"}),
+            await post("/v1/completions", json={"prompt": "x", "echo": True}),
+            await post("/v1/completions", json={"max_tokens": 3}),
+            await post("/v1/completions", json={"prompt": "x" * (MAX_MODEL_LEN + 10)}),
+            await post("/v1/chat/completions", json={"messages": []}),
+            await post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]}),
+            await post("/v1/completions", json={"prompt": [10**9]}),
+            await post("/v1/completions", json={"prompt": "x", "presence_penalty": 1.0}),
+            await post("/v1/completions", json={"prompt": "x", "stream": True, "max_tokens": 0}),
+        ]
+
+    malformed, n, temperature, echo, missing, too_long, empty, role, bad_id, penalty, zero = run(llm, test)
+    assert_error(malformed, 400)
+    assert "JSON" in malformed.json()["error"]["message"]
+    assert_error(n, 400, param="n")
+    assert_error(temperature, 400, param="temperature")
+    assert_error(echo, 400, param="echo")
+    assert_error(missing, 400, param="prompt")
+    assert_error(too_long, 400, param="prompt", code="context_length_exceeded")
+    assert_error(empty, 400, param="messages")
+    assert_error(role, 400, param="messages")
+    assert_error(bad_id, 400)
+    assert_error(penalty, 400, param="presence_penalty")
+    assert_error(zero, 400, param="max_tokens")
+
+
+def test_unknown_model_is_404(llm):
+    async def test(c):
+        return await c.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"})
+
+    assert_error(run(llm, test), 404, param="model", code="model_not_found")
+
+
+def test_full_queue_gets_429_with_retry_after(llm):
+    async def test(c):
+        state = c.app.state.tiered_kv
+        long = asyncio.create_task(
+            c.post("/v1/completions", json={"prompt": "x", "max_tokens": 200, "ignore_eos": True})
+        )
+        while state.inflight < 1:
+            await asyncio.sleep(0.005)
+        rejected = await c.post("/v1/completions", json={"prompt": "y", "max_tokens": 1})
+        long.cancel()  # the client goes away: the request is aborted and its place freed
+        with contextlib.suppress(asyncio.CancelledError):
+            await long
+        while llm.stats().num_running:
+            await asyncio.sleep(0.005)
+        after = await c.post("/v1/completions", json={"prompt": "y", "max_tokens": 1})
+        return rejected, state.inflight, after
+
+    rejected, inflight, after = run(llm, test, max_num_seqs=1, max_queue_len=0)
+    assert_error(rejected, 429, code="queue_full")
+    assert int(rejected.headers["retry-after"]) >= 1
+    assert inflight == 0
+    assert after.status_code == 200
+    assert llm.stats().num_used_blocks == 0
+
+
+# ---------------------------------------------------------------- auth
+
+
+def test_api_key_guards_every_route_but_health(llm):
+    async def test(c):
+        results = []
+        for route in c.app.routes:
+            methods = sorted(route.methods - {"HEAD"}) if getattr(route, "methods", None) else ["GET"]
+            for method in methods:
+                none = await c.request(method, route.path)
+                wrong = await c.request(method, route.path, headers={"Authorization": "Bearer nope"})
+                right = await c.request(method, route.path, headers={"Authorization": "Bearer s3cret"})
+                results.append((route.path, method, none, wrong, right))
+        return results
+
+    results = run(llm, test, api_key="s3cret")
+    paths = {path for path, *_ in results}
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics", "/health",
+            "/admin/tiers", "/admin/flush", "/admin/evict", "/admin/clear"} <= paths
+    for path, method, none, wrong, right in results:
+        if path == "/health":
+            assert none.status_code == wrong.status_code == right.status_code == 200
+            continue
+        assert_error(none, 401, code="invalid_api_key")
+        assert_error(wrong, 401, code="invalid_api_key")
+        assert right.status_code != 401, (method, path)
+
+
+def test_valid_key_reaches_the_model(llm):
+    async def test(c):
+        headers = {"Authorization": "Bearer s3cret"}
+        return await c.post("/v1/completions", json={"prompt": "x", **GREEDY}, headers=headers)
+
+    assert run(llm, test, api_key="s3cret").status_code == 200
+
+
+# ---------------------------------------------------------------- admin
+
+
+def test_admin_routes(llm):
+    prompt = "An admin test prompt that fills a few blocks of KV. " * 3
+
+    async def test(c):
+        await c.post("/v1/completions", json={"prompt": prompt, **GREEDY})
+        flushed = await c.post("/admin/flush")
+        before = await c.get("/admin/tiers")
+        evicted = await c.post("/admin/evict", json={"tier": "cpu"})
+        after_evict = await c.get("/admin/tiers")
+        bad = await c.post("/admin/clear", json={"namespace": "zz"})
+        other = await c.post("/admin/clear", json={"namespace": "ab" * 32})
+        cleared = await c.post("/admin/clear")
+        after_clear = await c.get("/admin/tiers")
+        return flushed, before, evicted, after_evict, bad, other, cleared, after_clear
+
+    flushed, before, evicted, after_evict, bad, other, cleared, after_clear = run(llm, test)
+    assert flushed.json() == {"flushed": True}
+    report = before.json()
+    assert set(report["tiers"]) == {"cpu", "disk"}
+    assert report["engine"]["num_running"] == 0 and report["engine"]["num_blocks"] == 64
+    cpu, disk = report["tiers"]["cpu"]["entries"], report["tiers"]["disk"]["entries"]
+    assert cpu > 0 and disk > 0
+    assert evicted.json() == {"namespace": report["namespace"], "evicted": {"cpu": cpu}}
+    assert after_evict.json()["tiers"]["cpu"]["entries"] == 0
+    assert after_evict.json()["tiers"]["disk"]["entries"] == disk
+    assert_error(bad, 400, param="namespace")
+    assert other.json()["evicted"] == {"cpu": 0, "disk": 0}
+    assert cleared.json()["evicted"] == {"cpu": 0, "disk": disk}
+    assert after_clear.json()["tiers"]["disk"]["entries"] == 0

@@ -1,0 +1,162 @@
+"""``tiered-kv serve`` as a process, driven by the official ``openai`` client: completions,
+chat, streaming, a client that disconnects mid-stream, SIGTERM, and a restart that serves
+an earlier prompt's KV from the disk tier."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+API_KEY = "test-key"
+# ~330 tokens with the byte-level tiny tokenizer: 20 full blocks of 16
+LONG_PROMPT = "A long document about persistent KV caches, repeated to fill many blocks. " * 4
+GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, cache_dir: Path, log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [
+            sys.executable, "-c", "from tiered_kv.cli import main; main()", "serve",
+            "--port", str(self.port), "--api-key", API_KEY, "--kv-cache-dir", str(cache_dir),
+            "--max-model-len", "512", "--num-gpu-blocks-override", "96",
+            "--kv-offloading-size", "0.01", "--kv-disk-size", "0.25", "--log-level", "warning",
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.log = log
+        self.proc = subprocess.Popen(args, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
+        self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0)
+        self._wait_healthy()
+
+    def _wait_healthy(self, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()}")
+            try:
+                if self.http.get("/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"server not healthy after {timeout} s:\n{self.log.read_text()}")
+
+    def tiers(self) -> dict:
+        return self.http.get("/admin/tiers").json()
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        self.http.close()
+        self.client.close()
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def servers(tmp_path):
+    started: list[Server] = []
+
+    def start() -> Server:
+        server = Server(tmp_path / "kv_cache", tmp_path / "server.log")
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.kill()
+
+
+def wait_for(predicate, timeout: float = 15.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_openai_client_sigterm_and_restart_from_disk(servers):
+    server = servers()
+    client = server.client
+
+    first = client.completions.create(model="tiny", prompt=LONG_PROMPT, **GREEDY)
+    text = first.choices[0].text
+    assert first.choices[0].finish_reason == "length" and first.usage.completion_tokens == 12
+    prompt_tokens = first.usage.prompt_tokens
+    assert prompt_tokens > 8 * 16
+
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hello"}], **GREEDY
+    )
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 12
+
+    pieces, usage = [], None
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hello"}], stream=True,
+        stream_options={"include_usage": True}, **GREEDY,
+    )
+    for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert "".join(pieces) == chat.choices[0].message.content
+    assert usage.completion_tokens == 12 and usage.prompt_tokens_details.cached_tokens == 0  # < 1 block
+
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model="tiny", prompt=LONG_PROMPT, stream=True, **GREEDY)
+    )
+    assert streamed == text
+
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x", max_tokens=1)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+    # A client that disconnects mid-stream: the request is aborted and its blocks freed.
+    body = {"model": "tiny", "prompt": "Endless", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with server.http.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    idle = wait_for(
+        lambda: (t := server.tiers())["engine"]["num_running"] == 0 and t["server"]["inflight"] == 0 and t,
+        what="the aborted request to leave the engine",
+    )
+    assert idle["engine"]["num_used_blocks"] == 0
+    assert idle["engine"]["num_generated_tokens"] < 6 * 12 + 400
+    metrics = server.http.get("/metrics").text
+    assert 'tiered_kv_request_finished_total{finish_reason="abort"} 1.0' in metrics
+
+    assert server.terminate() == 0
+
+    restarted = servers()
+    before = restarted.tiers()
+    assert before["tiers"]["disk"]["entries"] >= prompt_tokens // 16 - 1  # flushed at shutdown
+    again = restarted.client.completions.create(model="tiny", prompt=LONG_PROMPT, **GREEDY)
+    assert again.choices[0].text == text
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= (prompt_tokens // 16 - 1) * 16
+    assert restarted.tiers()["tiers"]["disk"]["hit_blocks"] > 0
+    assert restarted.terminate() == 0

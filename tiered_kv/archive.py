@@ -1,0 +1,170 @@
+"""A portable archive of KV records: what ``tiered-kv storage export`` writes and ``import`` reads.
+
+Layout (little-endian)::
+
+    0   8   magic b"TKVARCHV"
+    8   2   archive version (1)
+    10  2   flags (bit 0: everything after the header is one zstd stream)
+    12  ...  body, zstd-compressed when flag 0 is set:
+            per record:  u32 length N (> 0) ‖ 64-byte key ‖ N bytes: the record as stored
+            end:         u32 0 ‖ u64 record count ‖ u64 xxh3-64 of every byte before it
+
+The hash covers the header and the uncompressed body up to and including the count, so a
+truncated or damaged archive is detected as a whole. Records are kept byte for byte as the
+store holds them, with their own checksums. Reading and writing are streamed: memory use
+is one record, whatever the archive's size.
+"""
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import BinaryIO, NamedTuple
+
+import xxhash
+import zstandard
+
+from storage.base import KEY_SIZE, BlockKey
+
+MAGIC = b"TKVARCHV"
+VERSION = 1
+FLAG_ZSTD = 1
+MAX_RECORD_BYTES = 1 << 30  # larger lengths are damage, not records
+_HEADER = struct.Struct("<8sHH")
+_LENGTH = struct.Struct("<I")
+_TRAILER = struct.Struct("<QQ")
+
+
+class ArchiveError(ValueError):
+    """The file is not an archive, or it is truncated or damaged."""
+
+
+class ArchiveSummary(NamedTuple):
+    records: int
+    record_bytes: int
+
+
+class ArchiveWriter:
+    """Writes records to ``file`` (opened for binary writing); :meth:`finish` writes the end."""
+
+    def __init__(self, file: BinaryIO, *, compress: bool = False, level: int = 3) -> None:
+        header = _HEADER.pack(MAGIC, VERSION, FLAG_ZSTD if compress else 0)
+        file.write(header)
+        self._hash = xxhash.xxh3_64(header)
+        self._compressor = None
+        self._out: BinaryIO = file
+        if compress:
+            self._compressor = zstandard.ZstdCompressor(level=level).stream_writer(
+                file, closefd=False
+            )
+            self._out = self._compressor
+        self.records = 0
+        self.record_bytes = 0
+
+    def _write(self, data: bytes) -> None:
+        self._hash.update(data)
+        self._out.write(data)
+
+    def add(self, key: BlockKey, record: bytes) -> None:
+        if not 0 < len(record) <= MAX_RECORD_BYTES:
+            raise ValueError(f"a record of {len(record)} bytes cannot be archived")
+        self._write(_LENGTH.pack(len(record)) + key.to_bytes())
+        self._write(record)
+        self.records += 1
+        self.record_bytes += len(record)
+
+    def finish(self) -> ArchiveSummary:
+        self._write(_LENGTH.pack(0) + struct.pack("<Q", self.records))
+        self._out.write(struct.pack("<Q", self._hash.intdigest()))
+        if self._compressor is not None:
+            self._compressor.close()
+        return ArchiveSummary(self.records, self.record_bytes)
+
+
+class _Counting:
+    """A read-only file wrapper that reports how many bytes were read from it."""
+
+    def __init__(self, file: BinaryIO, progress: Callable[[int], None] | None) -> None:
+        self._file = file
+        self._progress = progress
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._file.read(size)
+        if self._progress is not None and data:
+            self._progress(len(data))
+        return data
+
+
+def read_archive(
+    path: str | Path, progress: Callable[[int], None] | None = None
+) -> Iterator[tuple[BlockKey, bytes]]:
+    """Yield ``(key, record bytes)`` pairs; :class:`ArchiveError` when the archive is bad.
+
+    The end (count and hash) is checked after the last record, so a consumer that must not
+    act on a damaged archive reads it once to the end (:func:`check_archive`) first.
+    ``progress(n)`` is called with the number of file bytes read.
+    """
+    try:
+        with open(path, "rb") as raw:
+            counted = _Counting(raw, progress)
+            header = _read_exact(counted, _HEADER.size, "header")
+            magic, version, flags = _HEADER.unpack(header)
+            if magic != MAGIC:
+                raise ArchiveError("not a tiered-kv archive (bad magic)")
+            if version != VERSION:
+                raise ArchiveError(f"archive version {version}, this build reads {VERSION}")
+            if flags & ~FLAG_ZSTD:
+                raise ArchiveError(f"unknown archive flags {flags:#x}")
+            digest = xxhash.xxh3_64(header)
+            body = counted
+            if flags & FLAG_ZSTD:
+                body = zstandard.ZstdDecompressor().stream_reader(counted, read_across_frames=True)
+            count = 0
+            while True:
+                (length,) = _LENGTH.unpack(_read_exact(body, _LENGTH.size, "record length"))
+                digest.update(_LENGTH.pack(length))
+                if length == 0:
+                    break
+                if length > MAX_RECORD_BYTES:
+                    raise ArchiveError(f"damaged (record {count} claims {length} bytes)")
+                kb = _read_exact(body, KEY_SIZE, "record key")
+                data = _read_exact(body, length, "record")
+                digest.update(kb)
+                digest.update(data)
+                count += 1
+                yield BlockKey.from_bytes(kb), data
+            declared, stored = _TRAILER.unpack(_read_exact(body, _TRAILER.size, "trailer"))
+            digest.update(struct.pack("<Q", declared))
+            if declared != count:
+                raise ArchiveError(f"damaged (ends after {count} records, says {declared})")
+            if stored != digest.intdigest():
+                raise ArchiveError("damaged (checksum mismatch)")
+            if body.read(1):
+                raise ArchiveError("damaged (bytes after the end)")
+    except zstandard.ZstdError as e:
+        raise ArchiveError(f"damaged (zstd: {e})") from None
+    except OSError as e:
+        raise ArchiveError(f"cannot read it: {e}") from None
+
+
+def check_archive(
+    path: str | Path, progress: Callable[[int], None] | None = None
+) -> ArchiveSummary:
+    """Read the whole archive and check its framing, count and hash."""
+    records = nbytes = 0
+    for _, data in read_archive(path, progress):
+        records += 1
+        nbytes += len(data)
+    return ArchiveSummary(records, nbytes)
+
+
+def _read_exact(stream, size: int, what: str) -> bytes:
+    parts = []
+    remaining = size
+    while remaining:
+        chunk = stream.read(remaining)
+        if not chunk:
+            raise ArchiveError(f"truncated (in a {what})")
+        parts.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(parts)
