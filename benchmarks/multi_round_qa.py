@@ -1,9 +1,10 @@
 """Multi-round QA against the HTTP server: TTFT with the KV tiers on vs GPU prefix caching only.
 
 Simulated users chat with ``tiered-kv serve`` over HTTP (streaming chat completions). They
-share one system prompt; each round a user sends its whole history plus a new question,
-so prompts grow. Two servers run in turn on the same random model and the same small
-``--num-gpu-blocks-override``, so the engine's pool cannot keep every user's history:
+share one system prompt; each user's first message brings a document of its own (the
+context the questions are about), and each round a user sends its whole history plus a new
+question, so prompts grow. Two servers run in turn on the same random model and the same
+small ``--num-gpu-blocks-override``, so the engine's pool cannot keep every user's history:
 
 - ``tiers``: CPU pool and disk tier on (a fresh cache directory);
 - ``gpu-only``: ``--kv-offloading-size 0 --kv-disk-size 0`` (vLLM-style prefix caching).
@@ -132,10 +133,14 @@ async def chat_turn(client: httpx.AsyncClient, messages: list[dict], max_tokens:
     return ttft, "".join(pieces), cached
 
 
-async def user(client, system: str, questions: list[str], max_tokens: int, slots: asyncio.Semaphore, results: list) -> None:
+async def user(
+    client, system: str, document: str, questions: list[str], max_tokens: int,
+    slots: asyncio.Semaphore, results: list,
+) -> None:
     messages = [{"role": "system", "content": system}]
     for round_, question in enumerate(questions):
-        messages.append({"role": "user", "content": question})
+        content = f"{document}\n\n{question}" if round_ == 0 else question
+        messages.append({"role": "user", "content": content})
         async with slots:  # as many requests in flight as the engine runs: TTFT without queueing
             ttft, answer, cached = await chat_turn(client, messages, max_tokens)
         messages.append({"role": "assistant", "content": answer})
@@ -154,7 +159,10 @@ async def run_mode(name: str, model: Path, args, workload, work: Path) -> dict:
             slots = asyncio.Semaphore(args.max_num_seqs)
             start = time.perf_counter()
             await asyncio.gather(
-                *(user(client, workload["system"], qs, args.max_tokens, slots, results) for qs in workload["questions"])
+                *(
+                    user(client, workload["system"], doc, qs, args.max_tokens, slots, results)
+                    for doc, qs in zip(workload["documents"], workload["questions"])
+                )
             )
             wall = time.perf_counter() - start
             report = (await client.get("/admin/tiers")).json()
@@ -227,13 +235,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", type=Path, default=REPO / "docs/multi_round_qa_ttft.png")
     args = parser.parse_args(argv)
     args.users, args.rounds = (4, 3) if args.quick else (6, 5)
-    args.system_chars, args.question_chars, args.max_tokens = 256, 200, 32
-    # 3,072 tokens: the two running sequences fit, about two users' histories stay cached
-    args.gpu_blocks, args.max_num_seqs = 192, 2
+    args.system_chars, args.document_chars, args.question_chars, args.max_tokens = 256, 1000, 80, 32
+    # 3,584 tokens: the two running sequences fit, about two users' histories stay cached
+    args.gpu_blocks, args.max_num_seqs = 224, 2
 
     rng = random.Random(SEED)
     workload = {
         "system": text(rng, args.system_chars),
+        "documents": [text(rng, args.document_chars) for _ in range(args.users)],
         "questions": [[text(rng, args.question_chars) for _ in range(args.rounds)] for _ in range(args.users)],
     }
     with tempfile.TemporaryDirectory(prefix="multi_round_qa-") as tmp:
@@ -249,6 +258,7 @@ def main(argv: list[str] | None = None) -> None:
         "users": args.users,
         "rounds": args.rounds,
         "system_prompt_chars": args.system_chars,
+        "document_chars": args.document_chars,
         "question_chars": args.question_chars,
         "max_tokens": args.max_tokens,
         "gpu_blocks": args.gpu_blocks,

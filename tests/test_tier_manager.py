@@ -129,6 +129,7 @@ def test_without_a_cpu_pool_blocks_go_straight_to_disk(reference, disk):
         stats = llm.engine.connector.stats()
     assert again.token_ids == reference[0] and again.num_cached_tokens == hit_tokens(PROMPTS[0])
     assert set(stats) == {"disk"} and stats["disk"]["hit_blocks"] == again.num_cached_tokens // BLOCK
+    assert set(llm.engine.connector.stores()) == {"disk"}
 
 
 def test_queued_blocks_are_found_before_they_are_written(reference, disk, monkeypatch):

@@ -436,7 +436,7 @@ def tree(
                 listed.append(row)
             rows.append({"namespace": ns.hex(), "blocks": blocks, "roots": len(roots),
                          "unreadable": bad, "nodes": listed})
-        out.print_json(json.dumps(rows))
+        typer.echo(json.dumps(rows))  # compact: a tree can list millions of blocks
         return
     if not result:
         out.print(f"{path}: no records.")

@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry
 from engine.connector import KVConnector, SavedBlock
 from engine.hashing import block_hash as chain_hash
 from engine.llm import LLM
-from storage.base import BlockKey, StoreStats
+from storage.base import BlockKey, BlockStore, StoreStats
 from storage.codecs import CodecError, decode_block, get_codec
 from storage.cpu_pool import CpuBlockPool, HostBlock
 from storage.lmdb_store import LmdbStore
@@ -136,6 +136,16 @@ class TierManager(KVConnector):
     def namespace(self) -> bytes:
         """The namespace the tiers' keys use (set by :meth:`register_kv_cache`)."""
         return self._namespace
+
+    def stores(self) -> dict[str, BlockStore]:
+        """The open stores by tier (``cpu`` once the engine registered its cache, ``disk``),
+        for admin views; they must not be used after :meth:`close`."""
+        stores: dict[str, BlockStore] = {}
+        if self._cpu is not None:
+            stores["cpu"] = self._cpu
+        if self._disk is not None:
+            stores["disk"] = self._disk
+        return stores
 
     def stats(self) -> dict[str, dict[str, int | float]]:
         """Per tier (``cpu``, ``disk``): counters, occupancy and load bandwidth."""
