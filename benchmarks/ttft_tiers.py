@@ -14,10 +14,14 @@ and a 16-token suffix, one at a time, ``max_tokens=1``. Time to first token for:
                 and the median of the next ones.
 
 Restore bandwidth: KV bytes restored per second of the manager's load time (its load
-latency measurements), against a plain read of the same bytes in the same process: for the
-CPU pool, ``copy_`` of each block between two preallocated host tensors; for disk,
-``pread`` of the same number of bytes, one record-sized read per block, from a file in the
-cache directory's file system that was just written (warm, like the store).
+latency measurements), against plain reads of the same bytes in the same process, with CPU
+caches cold (as for a restore, whose source was written long before): for the CPU pool,
+``copy_`` of each block from a preallocated host slab into a contiguous tensor (the target)
+and into a tensor with the engine's KV-cache layout; for disk, reads of the same number of
+record-sized blocks from a file just written next to the cache directory (in the page
+cache, like the store): ``pread`` (a new buffer per block, as the store's reads; the
+target, as in ``benchmarks/storage_io.py``) and ``preadv`` into preallocated buffers (no
+allocation at all: the fastest plain read, also judged).
 
 Offload overhead: 8 distinct prompts (no reuse) generated together, tiers off and on
 (write-through, raw, CPU pool + disk, default queue), alternating, same process; output

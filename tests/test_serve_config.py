@@ -132,3 +132,11 @@ def test_cli_help_explains_every_flag():
     for field in dataclasses.fields(ServeConfig):
         assert "--" + field.name.replace("_", "-") in result.output
     assert "--no-enable-prefix-caching" in result.output and "--config" in result.output
+
+
+def test_cli_reports_a_missing_model_without_a_traceback(tmp_path):
+    result = CliRunner().invoke(
+        app, ["serve", "--model", str(tmp_path / "missing"), "--kv-disk-size", "0"], env={}
+    )
+    assert result.exit_code == 2
+    assert "no such model folder" in result.output and "Traceback" not in result.output

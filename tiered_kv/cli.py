@@ -141,7 +141,7 @@ def serve(
     except StoreError as e:
         typer.echo(f"error: the KV cache directory cannot be used: {e}", err=True)
         raise typer.Exit(1) from None
-    except ValueError as e:  # the engine refused the model or its settings
+    except (ValueError, OSError) as e:  # no such model, or the engine refused its settings
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
 

@@ -70,6 +70,7 @@ logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 GRACEFUL_SHUTDOWN_S = 30  # open streams get this long to finish after SIGTERM
 OPEN_ROUTES = frozenset({"/health"})  # reachable without the API key
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 T = TypeVar("T")
 
 
@@ -89,7 +90,7 @@ class _State:
     metrics: ServerMetrics | None = None
 
 
-def build_llm(config: ServeConfig) -> AsyncLLM:
+def build_async_llm(config: ServeConfig) -> AsyncLLM:
     """The engine ``config`` describes, with a :class:`TierManager` unless both tier sizes are 0.
 
     Raises ``storage.base.StoreError`` when the cache directory cannot be used.
@@ -110,7 +111,7 @@ def create_app(config: ServeConfig, llm: AsyncLLM | None = None) -> FastAPI:
     running for its owner to shut down."""
     owns_llm = llm is None
     if llm is None:
-        llm = build_llm(config)
+        llm = build_async_llm(config)
     manager = llm.engine.connector if isinstance(llm.engine.connector, TierManager) else None
     registry = manager.registry if manager is not None else CollectorRegistry()
     state = _State(config, llm, manager, registry, owns_llm)
@@ -251,11 +252,13 @@ def run(config: ServeConfig) -> None:
         config.port,
         ", ".join(state.manager.metrics.tiers) if state.manager is not None else "none",
     )
-    # uvicorn shuts down gracefully on SIGTERM and then raises the signal again for the
-    # handler it found; a no-op handler makes that a clean exit (code 0), which is what
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT and then raises the signal again for
+    # the handler it found; no-op handlers make that a clean exit (code 0), which is what
     # process managers expect from an orderly stop.
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None) if main_thread else None
+    previous = {}
+    if main_thread:
+        previous = {sig: signal.signal(sig, lambda signum, frame: None) for sig in _STOP_SIGNALS}
     try:
         uvicorn.run(
             app,
@@ -265,8 +268,8 @@ def run(config: ServeConfig) -> None:
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         _shutdown(state)  # a no-op after a normal lifespan shutdown
 
 
