@@ -87,7 +87,8 @@ def write_model(path: Path) -> None:
 
 def random_tokens(count: int, length: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(300, MODEL["vocab_size"], (length,), generator=g).tolist() for _ in range(count)]
+    vocab = MODEL["vocab_size"]
+    return [torch.randint(300, vocab, (length,), generator=g).tolist() for _ in range(count)]
 
 
 def timed(llm: LLM, prompt: list[int]) -> tuple[float, int]:
@@ -149,7 +150,9 @@ def evict_cpu_caches() -> None:
     torch.ones(64 << 20, dtype=torch.float32).sum()
 
 
-def memcpy_bandwidth(block_shape: torch.Size, dtype: torch.dtype, blocks: int, repeats: int = 5) -> dict:
+def memcpy_bandwidth(
+    block_shape: torch.Size, dtype: torch.dtype, blocks: int, repeats: int = 5
+) -> dict:
     """Bytes per second (median of ``repeats``, caches cold) of ``copy_`` of ``blocks``
     blocks from a preallocated host slab into a preallocated contiguous tensor, and into a
     tensor with the engine's KV-cache layout (where a restore has to put them)."""
@@ -171,7 +174,9 @@ def memcpy_bandwidth(block_shape: torch.Size, dtype: torch.dtype, blocks: int, r
 
 def disk_hit(model: Path, prompts: list[list[int]], prefix_tokens: int, cache: Path) -> dict:
     """Runs :func:`disk_child` in a fresh process on ``cache``."""
-    args = {"model": str(model), "prompts": prompts, "prefix_tokens": prefix_tokens, "cache": str(cache)}
+    args = {
+        "model": str(model), "prompts": prompts, "prefix_tokens": prefix_tokens, "cache": str(cache)
+    }
     proc = subprocess.run(
         [sys.executable, __file__, "--disk-child", json.dumps(args)],
         cwd=REPO, capture_output=True, text=True, timeout=900,
@@ -187,7 +192,8 @@ def disk_child(args: dict) -> None:
     prompts, cache = args["prompts"], Path(args["cache"])
     tiers = TierConfig(kv_cache_dir=cache, cpu_bytes=0, disk_bytes=4 * GiB)
     model = Path(args["model"])
-    with build_llm(model, tiers, **engine_args(args["prefix_tokens"], enable_prefix_caching=False)) as llm:
+    engine = engine_args(args["prefix_tokens"], enable_prefix_caching=False)
+    with build_llm(model, tiers, **engine) as llm:
         manager = llm.engine.connector
         llm.generate([[300] * 8], ONE)
         first, cached = timed(llm, prompts[0])
@@ -204,7 +210,9 @@ def disk_child(args: dict) -> None:
         "disk_restored_bytes": stats["loaded_bytes"],
         "disk_load_s": stats["load_seconds"],
         "disk_restore_bytes_per_s": stats["load_bytes_per_s"],
-        "disk_plain_bytes_per_s": pread_bandwidth(cache.parent, record_nbytes, first_stats["hit_blocks"]),
+        "disk_plain_bytes_per_s": pread_bandwidth(
+            cache.parent, record_nbytes, first_stats["hit_blocks"]
+        ),
         "disk_corrupt": stats["corrupt"],
     }
     print(json.dumps(result))
@@ -246,7 +254,9 @@ def pread_bandwidth(folder: Path, block_nbytes: int, blocks: int, repeats: int =
     return {name: blocks * block_nbytes / statistics.median(t) for name, t in times.items()}
 
 
-def offload_overhead(model: Path, cache: Path, prompt_tokens: int, max_tokens: int, rounds: int) -> dict:
+def offload_overhead(
+    model: Path, cache: Path, prompt_tokens: int, max_tokens: int, rounds: int
+) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     args = engine_args(prompt_tokens + max_tokens)
     runs: dict[str, list[dict]] = {"off": [], "on": []}
@@ -270,8 +280,9 @@ def offload_overhead(model: Path, cache: Path, prompt_tokens: int, max_tokens: i
                     "decode_tok_s": len(prompts) / statistics.median(itl),
                 })
         stored = on.engine.connector.stats()
+    keys = ("output_tok_s", "decode_tok_s")
     med = {
-        name: {key: statistics.median(r[key] for r in rs) for key in ("output_tok_s", "decode_tok_s")}
+        name: {key: statistics.median(r[key] for r in rs) for key in keys}
         for name, rs in runs.items()
     }
     return {
@@ -320,8 +331,8 @@ def verdicts(r: dict) -> list[tuple[str, float, str, bool]]:
     ratio_goal = f">= {t['restore_vs_plain_read']:.2f}"
     slow_goal = f"<= {t['offload_slowdown']:.2f}"
     return [
-        ("disk hit (fresh process) vs recompute, TTFT", disk_speedup, f">= {t['disk_hit_speedup']:.0f}x",
-         disk_speedup >= t["disk_hit_speedup"]),
+        ("disk hit (fresh process) vs recompute, TTFT", disk_speedup,
+         f">= {t['disk_hit_speedup']:.0f}x", disk_speedup >= t["disk_hit_speedup"]),
         ("CPU-pool hit vs recompute, TTFT", cpu_speedup, f">= {t['cpu_hit_speedup']:.0f}x",
          cpu_speedup >= t["cpu_hit_speedup"]),
         ("CPU-pool restore / copy_ into a contiguous tensor", cpu_ratio, ratio_goal,
@@ -331,8 +342,8 @@ def verdicts(r: dict) -> list[tuple[str, float, str, bool]]:
          disk_strict >= t["restore_vs_plain_read"]),
         ("offload slowdown, decode tok/s", r["offload"]["decode_slowdown"], slow_goal,
          r["offload"]["decode_slowdown"] <= t["offload_slowdown"]),
-        ("offload slowdown, output tok/s (prefill included)", r["offload"]["output_slowdown"], slow_goal,
-         r["offload"]["output_slowdown"] <= t["offload_slowdown"]),
+        ("offload slowdown, output tok/s (prefill included)", r["offload"]["output_slowdown"],
+         slow_goal, r["offload"]["output_slowdown"] <= t["offload_slowdown"]),
     ]
 
 
@@ -350,9 +361,10 @@ def print_report(r: dict) -> None:
         ("recompute, tiers on (stores the prefix)", r["recompute_with_tiers_s"], None, 0),
         ("engine-pool hit", r["engine_hit_s"], None, r["engine_hit_cached_tokens"]),
         ("CPU-pool hit", r["cpu_hit_s"], r["cpu_load_s"] / repeats, r["cpu_hit_cached_tokens"]),
-        ("disk hit, first request of a fresh process", r["disk_first_hit_s"], r["disk_first_load_s"],
+        ("disk hit, first request of a fresh process", r["disk_first_hit_s"],
+         r["disk_first_load_s"], r["disk_hit_cached_tokens"]),
+        ("disk hit, later requests (median)", r["disk_hit_s"], later_disk_load,
          r["disk_hit_cached_tokens"]),
-        ("disk hit, later requests (median)", r["disk_hit_s"], later_disk_load, r["disk_hit_cached_tokens"]),
     ]
     for name, seconds, load, cached in rows:
         load_ms = "" if load is None else ms(load)
@@ -363,12 +375,14 @@ def print_report(r: dict) -> None:
     print("| tier | restore GB/s | plain read | plain read GB/s | ratio |")
     print("|---|---|---|---|---|")
     cpu, disk = r["cpu_plain_bytes_per_s"], r["disk_plain_bytes_per_s"]
+    cpu_bw, disk_bw = r["cpu_restore_bytes_per_s"], r["disk_restore_bytes_per_s"]
     rows = [
-        ("CPU pool", r["cpu_restore_bytes_per_s"], "copy_ per block, contiguous", cpu["contiguous"]),
-        ("CPU pool", r["cpu_restore_bytes_per_s"], "copy_ per block, engine layout", cpu["engine_layout"]),
-        ("disk, all requests", r["disk_restore_bytes_per_s"], "pread per block", disk["pread"]),
-        ("disk, all requests", r["disk_restore_bytes_per_s"], "preadv into preallocated", disk["preadv_into"]),
-        ("disk, first request", r["disk_first_restore_bytes_per_s"], "pread per block", disk["pread"]),
+        ("CPU pool", cpu_bw, "copy_ per block, contiguous", cpu["contiguous"]),
+        ("CPU pool", cpu_bw, "copy_ per block, engine layout", cpu["engine_layout"]),
+        ("disk, all requests", disk_bw, "pread per block", disk["pread"]),
+        ("disk, all requests", disk_bw, "preadv into preallocated", disk["preadv_into"]),
+        ("disk, first request", r["disk_first_restore_bytes_per_s"], "pread per block",
+         disk["pread"]),
     ]
     for tier, restore, plain, plain_bw in rows:
         print(f"| {tier} | {gbs(restore)} | {plain} | {gbs(plain_bw)} | {restore / plain_bw:.2f} |")
@@ -381,7 +395,8 @@ def print_report(r: dict) -> None:
     for name in ("off", "on"):
         m = o["median"][name]
         print(f"| {name} | {m['output_tok_s']:.1f} | {m['decode_tok_s']:.1f} |")
-    print(f"slowdown: output {100 * o['output_slowdown']:.1f} %, decode {100 * o['decode_slowdown']:.1f} %; "
+    print(f"slowdown: output {100 * o['output_slowdown']:.1f} %, "
+          f"decode {100 * o['decode_slowdown']:.1f} %; "
           f"{o['blocks_stored_disk']} blocks stored on disk, {o['blocks_dropped_disk']} dropped")
     print()
     print("| target | measured | goal | result |")
@@ -410,12 +425,15 @@ def main(argv: list[str] | None = None) -> None:
     # One cold request, then repeats; every scenario gets its own suffixes.
     suffixes = random_tokens(1 + 3 * repeats + 1, SUFFIX_TOKENS, SEED + 2)
     prompts = [prefix + s for s in suffixes]
-    result: dict = {"prefix_tokens": prefix_tokens, "suffix_tokens": SUFFIX_TOKENS, "repeats": repeats}
+    result: dict = {
+        "prefix_tokens": prefix_tokens, "suffix_tokens": SUFFIX_TOKENS, "repeats": repeats
+    }
     with tempfile.TemporaryDirectory(prefix="ttft-tiers-") as tmp:
         model, cache = Path(tmp) / "model", Path(tmp) / "kv"
         write_model(model)
         result.update(recompute_and_engine_hit(model, prompts[: 1 + repeats], prefix_tokens))
-        result.update(cpu_hit(model, [prompts[0], *prompts[1 + repeats : 1 + 2 * repeats]], prefix_tokens, cache))
+        cpu_prompts = [prompts[0], *prompts[1 + repeats : 1 + 2 * repeats]]
+        result.update(cpu_hit(model, cpu_prompts, prefix_tokens, cache))
         result.update(disk_hit(model, prompts[1 + 2 * repeats :], prefix_tokens, cache))
         result["offload"] = offload_overhead(
             model, Path(tmp) / "kv-offload",
@@ -424,7 +442,8 @@ def main(argv: list[str] | None = None) -> None:
         )
     print_report(result)
     result["targets"] = [
-        {"target": name, "measured": value, "goal": goal, "pass": ok} for name, value, goal, ok in verdicts(result)
+        {"target": name, "measured": value, "goal": goal, "pass": ok}
+        for name, value, goal, ok in verdicts(result)
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     out = {

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import lmdb
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 from engine.hashing import hash_blocks, root_hash

@@ -1,4 +1,5 @@
-"""The tier manager on the tiny model: restores are bit-exact, failures recompute, counters count."""
+"""The tier manager on the tiny model: restores are bit-exact, failures recompute, and the
+counters count."""
 from __future__ import annotations
 
 import dataclasses
@@ -128,7 +129,8 @@ def test_without_a_cpu_pool_blocks_go_straight_to_disk(reference, disk):
         again = llm.generate(PROMPTS[0], GREEDY)[0]
         stats = llm.engine.connector.stats()
     assert again.token_ids == reference[0] and again.num_cached_tokens == hit_tokens(PROMPTS[0])
-    assert set(stats) == {"disk"} and stats["disk"]["hit_blocks"] == again.num_cached_tokens // BLOCK
+    assert set(stats) == {"disk"}
+    assert stats["disk"]["hit_blocks"] == again.num_cached_tokens // BLOCK
     assert set(llm.engine.connector.stores()) == {"disk"}
 
 
@@ -191,7 +193,8 @@ def test_cache_salt_separates_at_every_tier(reference, disk):
     assert other.num_cached_tokens == unsalted.num_cached_tokens == 0
     assert same.num_cached_tokens == hit_tokens(PROMPTS[0])
     assert stats["disk"]["hit_blocks"] == same.num_cached_tokens // BLOCK
-    assert first.token_ids == other.token_ids == same.token_ids == unsalted.token_ids == reference[0]
+    outputs = [first.token_ids, other.token_ids, same.token_ids, unsalted.token_ids]
+    assert outputs == [reference[0]] * 4
 
 
 def test_another_block_size_never_hits(disk):
@@ -267,7 +270,8 @@ def test_write_back_writes_to_disk_only_on_cpu_eviction(reference, disk):
     c = TINY_CONFIG
     block_nbytes = c["num_hidden_layers"] * 2 * BLOCK * c["num_key_value_heads"] * c["head_dim"] * 4
     tiers = TierConfig(
-        kv_cache_dir=disk, cpu_bytes=10 * block_nbytes, disk_bytes=64 << 20, write_policy="write-back"
+        kv_cache_dir=disk, cpu_bytes=10 * block_nbytes, disk_bytes=64 << 20,
+        write_policy="write-back",
     )
     with make_llm(tiers) as llm:
         manager = llm.engine.connector

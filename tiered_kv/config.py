@@ -59,10 +59,13 @@ class TierConfig:
         get_codec(self.codec)  # raises ValueError naming the valid specs
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(
-                f"write_policy must be one of {', '.join(WRITE_POLICIES)}, got {self.write_policy!r}"
+                f"write_policy must be one of {', '.join(WRITE_POLICIES)}, "
+                f"got {self.write_policy!r}"
             )
         if self.offload not in OFFLOAD_MODES:
-            raise ValueError(f"offload must be one of {', '.join(OFFLOAD_MODES)}, got {self.offload!r}")
+            raise ValueError(
+                f"offload must be one of {', '.join(OFFLOAD_MODES)}, got {self.offload!r}"
+            )
         timeout = self.flush_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
             math.isfinite(timeout) and timeout >= 0

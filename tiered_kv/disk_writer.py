@@ -9,9 +9,9 @@ block offered to the disk tier is never invisible.
 
 ::
 
-    offer ─▶ [ queue: key → item ]  ─ writer thread ─▶ encode_block ─▶ LmdbStore.put_many
-               findable via get()                       (codec)          (commits later,
-               until put_many returns                                    on its own thread)
+    offer ─▶ [ queue: key → item ] ─ writer thread ─▶ encode_block ─▶ LmdbStore.put_many
+               findable via get()                      (codec)         (commits later,
+               until put_many returns                                  on its own thread)
 """
 from __future__ import annotations
 

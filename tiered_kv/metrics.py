@@ -31,7 +31,7 @@ LATENCY_BUCKETS = (
 class TierCounters:
     """What the manager did with one tier. Counters only grow."""
 
-    lookups: int = 0  # blocks looked up in the tier (a block is asked of the next tier only if missing)
+    lookups: int = 0  # blocks looked up (a block is asked of the next tier only if missing)
     hit_blocks: int = 0  # blocks loaded from the tier into the engine
     hit_tokens: int = 0
     loaded_bytes: int = 0  # KV bytes written into engine blocks from the tier
@@ -91,7 +91,9 @@ class TierMetrics:
             for name, delta in deltas.items():
                 setattr(counters, name, getattr(counters, name) + delta)
 
-    def observe_load(self, tier: str, seconds: float, blocks: int, block_size: int, nbytes: int) -> None:
+    def observe_load(
+        self, tier: str, seconds: float, blocks: int, block_size: int, nbytes: int
+    ) -> None:
         self._load_seconds.labels(tier=tier).observe(seconds)
         with self._lock:
             c = self._counters[tier]
@@ -138,9 +140,9 @@ _COUNTERS = (
     ("hit_tokens", "tiered_kv_hit_tokens", "Prompt tokens loaded from the tier into the engine."),
     ("loaded_bytes", "tiered_kv_loaded_bytes", "KV bytes restored from the tier into the engine."),
     ("stored_blocks", "tiered_kv_stored_blocks", "Blocks written into the tier."),
-    ("stored_bytes", "tiered_kv_stored_bytes", "Bytes written into the tier (disk: encoded records)."),
+    ("stored_bytes", "tiered_kv_stored_bytes", "Bytes written into the tier (disk: records)."),
     ("evictions", "tiered_kv_evictions", "Blocks the tier evicted to stay within its budget."),
-    ("dropped", "tiered_kv_dropped_stores", "Blocks not stored (write queue full, no room, shutdown)."),
+    ("dropped", "tiered_kv_dropped_stores", "Blocks not stored (queue full, no room, shutdown)."),
     ("corrupt", "tiered_kv_corrupt_records", "Records that failed verification; never served."),
     ("load_failures", "tiered_kv_load_failures", "Loads that failed in the tier (recomputed)."),
 )

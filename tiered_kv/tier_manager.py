@@ -2,11 +2,11 @@
 
 ::
 
-    save_blocks ─▶ CPU pool ────────── write-back: on eviction ──┐
-         │                                                       ▼
-         └── write-through, or no CPU pool: host copy ──▶ disk queue ─▶ writer ─▶ LmdbStore
+    save_blocks ─▶ CPU pool ───── write-back: on eviction ─────┐
+         │                                                     ▼
+         └─ write-through, or no CPU pool: host copy ─▶ disk queue ─▶ writer ─▶ LmdbStore
     load_blocks ◀─ CPU pool (read_into)
-                ◀─ disk queue, or LmdbStore (get, verify, decode) ─▶ promote into the CPU pool
+                ◀─ disk queue, or LmdbStore (get, verify, decode) ─▶ promote to CPU pool
 
 Threads. The engine calls every connector method from its one thread. The manager adds one
 thread, the disk writer (:mod:`tiered_kv.disk_writer`), and the LMDB store runs its own
@@ -193,7 +193,9 @@ class TierManager(KVConnector):
             raise RuntimeError("the TierManager is closed")
         num_layers, two, _, tokens, heads, head_dim = kv_cache.shape
         if two != 2 or tokens != block_size:
-            raise ValueError(f"unexpected KV cache shape {list(kv_cache.shape)} for block size {block_size}")
+            raise ValueError(
+                f"unexpected KV cache shape {list(kv_cache.shape)} for block size {block_size}"
+            )
         self._kv_cache = kv_cache
         self._block_size = block_size
         self._block_shape = (num_layers, 2, block_size, heads, head_dim)
@@ -228,7 +230,8 @@ class TierManager(KVConnector):
         if self._kv_cache is None or self._closed:
             return 0
         lookup = _Lookup(tuple(block_hashes), num_computed_blocks)
-        repeated = self._lookups.get(request_id) == lookup  # the engine retries unscheduled requests
+        # The engine asks again, step after step, for a request it could not schedule yet.
+        repeated = self._lookups.get(request_id) == lookup
         self._lookups[request_id] = lookup
         keys = [BlockKey(self._namespace, h) for h in block_hashes[num_computed_blocks:]]
         if not keys:
@@ -412,7 +415,9 @@ class TierManager(KVConnector):
                 f"{out.dtype}{list(self._block_shape)}"
             )
         if len(record.token_ids) != self._block_size:
-            raise _BadRecord(f"record has {len(record.token_ids)} token ids, blocks hold {self._block_size}")
+            raise _BadRecord(
+                f"record has {len(record.token_ids)} token ids, blocks hold {self._block_size}"
+            )
         if record.parent_hash != parent:
             raise _BadRecord("record's parent is not the request's previous block")
         if parent is not None and chain_hash(parent, record.token_ids) != record.key.block_hash:
