@@ -136,7 +136,7 @@ def test_openai_client_sigterm_and_restart_from_disk(servers):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
 
     # A client that disconnects mid-stream: the request is aborted and its blocks freed.
-    body = {"model": "tiny", "prompt": "Endless", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    body = {"model": "tiny", "prompt": "Endless", "max_tokens": 480, "stream": True, "ignore_eos": True}
     with server.http.stream("POST", "/v1/completions", json=body) as response:
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
@@ -145,7 +145,7 @@ def test_openai_client_sigterm_and_restart_from_disk(servers):
         what="the aborted request to leave the engine",
     )
     assert idle["engine"]["num_used_blocks"] == 0
-    assert idle["engine"]["num_generated_tokens"] < 6 * 12 + 400
+    assert idle["engine"]["num_generated_tokens"] < 4 * 12 + 480
     metrics = server.http.get("/metrics").text
     assert 'tiered_kv_request_finished_total{finish_reason="abort"} 1.0' in metrics
 
