@@ -151,6 +151,11 @@ class AsyncLLM:
         """Abort a request (a no-op for one that already finished). Thread-safe."""
         self._commands.put(_Abort(request_id))
 
+    @property
+    def is_running(self) -> bool:
+        """Whether the engine thread still runs (until shutdown or a failed step)."""
+        return self._thread.is_alive()
+
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Abort every request (their streams end with ``finish_reason="abort"``), stop the
         engine thread and close the engine. Idempotent."""

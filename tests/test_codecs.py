@@ -218,7 +218,7 @@ def test_canonical_names_round_trip(spec, name, lossless):
      "zstd+zstd", "kivi2+zstd+zstd", "raw+", "+zstd", "kivi2 ", "raw+raw", None, 3, ["zstd"]],
 )
 def test_registry_rejects_bad_specs(spec):
-    with pytest.raises(ValueError, match="kivi2") as info:
+    with pytest.raises(ValueError, match="kivi2"):
         get_codec(spec)
 
 

@@ -137,7 +137,7 @@ def create_app(config: ServeConfig, llm: AsyncLLM | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if not _engine_alive(llm):
+        if not llm.is_running:
             return JSONResponse(error_body("the engine is not running", "server_error"), 503)
         return Response(status_code=200)
 
@@ -271,12 +271,6 @@ def run(config: ServeConfig) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         _shutdown(state)  # a no-op after a normal lifespan shutdown
-
-
-def _engine_alive(llm: AsyncLLM) -> bool:
-    # AsyncLLM has no public liveness check; its engine thread runs until shutdown or a
-    # failed step.
-    return llm._thread.is_alive()
 
 
 def _shutdown(state: _State) -> None:
@@ -596,13 +590,6 @@ def _namespace_hex(state: _State, namespace: str | None) -> str | None:
     return state.manager.namespace.hex() if state.manager is not None else None
 
 
-def _stores(manager: TierManager) -> dict[str, Any]:
-    """The manager's stores by tier. The manager does not expose them publicly; the admin
-    routes only list and delete keys, which both stores allow from any thread."""
-    stores = {"cpu": manager._cpu, "disk": manager._disk}
-    return {tier: store for tier, store in stores.items() if store is not None}
-
-
 def _evict(state: _State, tiers: tuple[str, ...], namespace: str | None) -> dict[str, int]:
     """Delete ``namespace``'s blocks (default: the server's own) from ``tiers``.
 
@@ -612,7 +599,7 @@ def _evict(state: _State, tiers: tuple[str, ...], namespace: str | None) -> dict
     if manager is None:
         return {}
     target = bytes.fromhex(namespace) if namespace is not None else manager.namespace
-    stores = _stores(manager)
+    stores = manager.stores()
     evicted: dict[str, int] = {}
     for tier in tiers:
         store = stores.get(tier)

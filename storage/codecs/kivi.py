@@ -254,7 +254,6 @@ def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Bytes ``[R, B]`` -> codes ``[R, n]`` (u8)."""
-    per = 8 // bits
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     q = (packed[..., None] >> shifts) & ((1 << bits) - 1)  # [R, B, per]
     return q.view(packed.shape[0], -1)[:, :n]
