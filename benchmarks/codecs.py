@@ -23,7 +23,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from pathlib import Path
 import torch
 import zstandard
 
+from bench_common import machine
 from storage.base import BlockKey
 from storage.codecs import get_codec
 from storage.record import Record, encode_record
@@ -316,20 +316,6 @@ def print_table(rows: list[dict], targets: list[dict]) -> None:
               f"{'PASS' if t['pass'] else 'MISS'} |")
 
 
-def machine() -> dict:
-    model = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "libzstd": ".".join(map(str, zstandard.ZSTD_VERSION)),
-            "platform": platform.platform()}
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer layers and timing repeats")
@@ -362,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "command": "python benchmarks/codecs.py" + (" --quick" if args.quick else ""),
-        "machine": machine(),
+        "machine": machine(libzstd=".".join(map(str, zstandard.ZSTD_VERSION))),
         "threads": torch.get_num_threads(),
         "repeats": repeats,
         "datasets": {d.name: {"shape_LSHD": list(d.k.shape), "causal": d.causal, **sharpness(d)}

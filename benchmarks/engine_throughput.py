@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -32,8 +30,8 @@ import torch
 import transformers
 
 from engine.llm import LLM
-from engine.models.tiny import write_tiny_tokenizer
 from engine.sampler import SamplingParams
+from bench_common import machine, write_random_llama
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = 0
@@ -53,10 +51,7 @@ MODEL = dict(
 
 
 def write_model(path: Path) -> transformers.LlamaForCausalLM:
-    torch.manual_seed(SEED)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**MODEL)).eval()
-    model.save_pretrained(path)
-    write_tiny_tokenizer(path)  # the engine wants a tokenizer; prompts are token ids
+    model = write_random_llama(path, MODEL, SEED)
     model.generation_config.eos_token_id = None  # run to max_new_tokens, like ignore_eos
     return model
 
@@ -145,26 +140,6 @@ def ttft(model, path: Path, prefix_len: int, suffix_len: int, requests: int) -> 
     return result
 
 
-def machine() -> dict:
-    model = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": model,
-        "cores": os.cpu_count(),
-        "cuda": torch.cuda.is_available(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "platform": platform.platform(),
-    }
-
-
 def print_tables(tp: dict, tt: dict) -> None:
     print("| engine | output tok/s | wall s | identical greedy outputs |")
     print("|---|---|---|---|")
@@ -218,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "command": "python benchmarks/engine_throughput.py" + (" --quick" if args.quick else "")
         + (f" --threads {args.threads}" if args.threads != 1 else ""),
-        "machine": machine(),
+        "machine": machine(transformers=transformers.__version__),
         "threads": torch.get_num_threads(),
         "model": MODEL,
         "throughput": tp,

@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import socket
 import statistics
@@ -31,10 +30,8 @@ import time
 from pathlib import Path
 
 import httpx
-import torch
-import transformers
 
-from engine.models.tiny import write_tiny_tokenizer
+from bench_common import machine, write_random_llama
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = 0
@@ -55,13 +52,6 @@ WORDS = (
     "cache block tier disk memory prefix token model request latency server restart hash "
     "record codec batch queue engine layer head attention window history answer question"
 ).split()
-
-
-def write_model(path: Path) -> None:
-    torch.manual_seed(SEED)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**MODEL)).eval()
-    model.save_pretrained(path)
-    write_tiny_tokenizer(path)  # byte-level, with a chat template
 
 
 def text(rng: random.Random, chars: int) -> str:
@@ -232,8 +222,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 users x 3 rounds instead of 6 x 5")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/multi_round_qa.json")
-    parser.add_argument("--plot", type=Path, default=REPO / "docs/multi_round_qa_ttft.png")
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="PNG of TTFT per round (default: docs/multi_round_qa_ttft.png, or "
+                             "benchmarks/results/ with --quick, so a smoke run leaves docs alone)")
     args = parser.parse_args(argv)
+    if args.plot is None:
+        args.plot = REPO / ("benchmarks/results" if args.quick else "docs") / "multi_round_qa_ttft.png"
     args.users, args.rounds = (4, 3) if args.quick else (6, 5)
     args.system_chars, args.document_chars, args.question_chars, args.max_tokens = 256, 1000, 80, 32
     # 3,584 tokens: the two running sequences fit, about two users' histories stay cached
@@ -248,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="multi_round_qa-") as tmp:
         work = Path(tmp)
         model = work / "model"
-        write_model(model)
+        write_random_llama(model, MODEL, SEED)
         modes = [asyncio.run(run_mode(name, model, args, workload, work)) for name in ("tiers", "gpu-only")]
     tiers, gpu = modes
     speedup = gpu["ttft_mean_s"] / tiers["ttft_mean_s"]
@@ -264,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
         "gpu_blocks": args.gpu_blocks,
         "max_num_seqs": args.max_num_seqs,
         "model": MODEL,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+        "machine": machine(),
         "modes": modes,
         "mean_ttft_speedup": speedup,
         "target_speedup": TARGET_SPEEDUP,

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -48,10 +47,10 @@ import torch
 import transformers
 
 from engine.llm import LLM
-from engine.models.tiny import write_tiny_tokenizer
 from engine.sampler import SamplingParams
 from tiered_kv.config import TierConfig
 from tiered_kv.tier_manager import build_llm
+from bench_common import machine, write_random_llama
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = 0
@@ -76,13 +75,6 @@ TARGETS = {
 }
 ONE = SamplingParams(temperature=0.0, max_tokens=1)
 GiB = 1 << 30
-
-
-def write_model(path: Path) -> None:
-    torch.manual_seed(SEED)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**MODEL)).eval()
-    model.save_pretrained(path)
-    write_tiny_tokenizer(path)  # the engine wants a tokenizer; prompts are token ids
 
 
 def random_tokens(count: int, length: int, seed: int) -> list[list[int]]:
@@ -302,25 +294,6 @@ def offload_overhead(
 # ---------------------------------------------------------------- report
 
 
-def machine() -> dict:
-    model = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": model,
-        "cores": os.cpu_count(),
-        "cuda": torch.cuda.is_available(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-    }
-
-
 def verdicts(r: dict) -> list[tuple[str, float, str, bool]]:
     t = TARGETS
     cpu_ratio = r["cpu_restore_bytes_per_s"] / r["cpu_plain_bytes_per_s"]["contiguous"]
@@ -430,7 +403,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     with tempfile.TemporaryDirectory(prefix="ttft-tiers-") as tmp:
         model, cache = Path(tmp) / "model", Path(tmp) / "kv"
-        write_model(model)
+        write_random_llama(model, MODEL, SEED)
         result.update(recompute_and_engine_hit(model, prompts[: 1 + repeats], prefix_tokens))
         cpu_prompts = [prompts[0], *prompts[1 + repeats : 1 + 2 * repeats]]
         result.update(cpu_hit(model, cpu_prompts, prefix_tokens, cache))
@@ -449,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
     out = {
         "command": "python benchmarks/ttft_tiers.py" + (" --quick" if args.quick else "")
         + (f" --prefix-tokens {args.prefix_tokens}" if args.prefix_tokens != 2048 else ""),
-        "machine": machine(),
+        "machine": machine(transformers=transformers.__version__),
         "threads": torch.get_num_threads(),
         "model": MODEL,
         "result": result,
