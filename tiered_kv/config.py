@@ -89,7 +89,10 @@ class TierConfig:
         if not isinstance(self.sync, bool):
             raise ValueError(f"sync must be True or False, got {self.sync!r}")
         if self.remote_url is not None:
-            parse_remote_url(self.remote_url)
+            try:
+                parse_remote_url(self.remote_url)
+            except ValueError as e:
+                raise ValueError(f"remote_url is not usable: {e}") from None
         if self.remote_write_policy not in REMOTE_WRITE_POLICIES:
             raise ValueError(
                 f"remote_write_policy must be one of {', '.join(REMOTE_WRITE_POLICIES)}, "
