@@ -56,7 +56,7 @@ def parse_remote_url(url: str) -> str:
     """Check a ``redis://``, ``rediss://`` (TLS), ``valkey://`` or ``valkeys://`` (TLS) URL,
     e.g. ``redis://:password@host:6379/0``; returns it unchanged. Raises ``ValueError``."""
     if not isinstance(url, str):
-        raise ValueError(f"remote URL must be a string, got {url!r}")
+        raise ValueError(f"remote URL must be a string, got {url!r}")  # noqa: TRY004 - config
     parts = urlsplit(url)
     if parts.scheme not in URL_SCHEMES:
         raise ValueError(
@@ -215,7 +215,7 @@ class RemoteStore(BlockStore[Record]):
             if allowed is None:  # half-open: one cheap probe before the real call
                 self._client.ping()
             result = fn(self._client)
-        except Exception as e:  # every client error is a miss or a drop, never a failure
+        except Exception as e:  # noqa: BLE001 - any client error is a miss or a drop, never a failure
             self._breaker.failure()
             if self._breaker.is_open:
                 logger.warning("remote tier: %s failed (%s); breaker open", what, e)

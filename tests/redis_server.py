@@ -8,7 +8,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
 import valkey
 
 BINARIES = ("valkey-server", "redis-server")
@@ -68,13 +67,3 @@ class RedisServer:
     def client(self) -> valkey.Valkey:
         return valkey.Valkey(port=self.port)
 
-
-@pytest.fixture(scope="session")
-def redis_server(tmp_path_factory):
-    binary = server_binary()
-    if binary is None:
-        pytest.skip("no valkey-server or redis-server binary (CI installs redis-server)")
-    server = RedisServer(binary, tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.stop()

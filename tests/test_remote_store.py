@@ -8,7 +8,7 @@ import uuid
 import pytest
 import torch
 
-from redis_server import RedisServer, redis_server, server_binary  # noqa: F401 - the fixture
+from redis_server import RedisServer, server_binary
 from storage.base import BlockKey
 from storage.record import Record, encode_record
 from storage.remote_store import BreakerConfig, RemoteStore, parse_remote_url, redact_url

@@ -8,7 +8,7 @@ import pytest
 
 from engine import LLM
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
-from redis_server import RedisServer, redis_server, server_binary  # noqa: F401  (fixture)
+from redis_server import RedisServer, server_binary
 from test_tier_manager import BLOCK, FLUSH, GREEDY, PROMPTS, hit_tokens, make_llm
 from tiered_kv import TierConfig
 

@@ -16,7 +16,6 @@ from storage.cpu_pool import CpuBlockPool, HostBlock
 from storage.lmdb_store import LmdbStore
 from storage.record import Record, encode_record
 from storage.remote_store import RemoteStore
-from redis_server import redis_server  # noqa: F401 - the fixture
 
 NS = hashlib.sha256(b"namespace-a").digest()
 OTHER_NS = hashlib.sha256(b"namespace-b").digest()

@@ -154,6 +154,9 @@ class TierManager(KVConnector):
         self._block_shape: tuple[int, ...] = ()  # [L, 2, T, H, D]
         self._block_nbytes = 0
         self._lookups: dict[str, _Lookup] = {}
+        # request id -> (keys asked of the remote tier, its answer): a repeated lookup of a
+        # request the engine could not schedule yet costs no further round-trip.
+        self._remote_runs: dict[str, tuple[tuple[BlockKey, ...], int]] = {}
         self._close_lock = threading.Lock()
         self._closed = False
         atexit.register(self.close)
@@ -297,9 +300,15 @@ class TierManager(KVConnector):
             matched += 1
         remote_lookups = 0
         if self._remote is not None and matched < len(keys):
-            rest = keys[matched:]
+            rest = tuple(keys[matched:])
             remote_lookups = len(rest)
-            matched += self._remote_run(rest)
+            cached = self._remote_runs.get(request_id)
+            if cached is not None and cached[0] == rest:
+                run = cached[1]
+            else:
+                run = self._remote_run(list(rest))
+                self._remote_runs[request_id] = (rest, run)
+            matched += run
         if not repeated and self._cpu is not None:
             self.metrics.add("cpu", lookups=cpu_lookups)
         if not repeated and self._disk is not None:
@@ -395,6 +404,7 @@ class TierManager(KVConnector):
 
     def request_finished(self, request_id: str) -> None:
         self._lookups.pop(request_id, None)
+        self._remote_runs.pop(request_id, None)
 
     # ------------------------------------------------------------------ internals
 
