@@ -440,7 +440,7 @@ def print_report(r: dict) -> None:
          r["disk_hit_cached_tokens"]),
     ]
     if "remote_hit_s" in r:
-        later_remote_load = (r["remote_load_s"] - r["remote_first_load_s"]) / (repeats - 1)
+        later_remote_load = (r["remote_load_s"] - r["remote_first_load_s"]) / repeats
         rows += [
             ("remote hit (loopback), first request of a fresh engine", r["remote_first_hit_s"],
              r["remote_first_load_s"], r["remote_hit_cached_tokens"]),
