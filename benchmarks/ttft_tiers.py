@@ -12,6 +12,11 @@ and a 16-token suffix, one at a time, ``max_tokens=1``. Time to first token for:
                 prefix cache off: the prefix comes from disk (page cache warm, as right
                 after a restart on the same machine). The first request of that process
                 and the median of the next ones.
+  remote hit    an engine with only the remote tier (Valkey/Redis; ``--remote-url``, else
+                a ``redis-server``/``valkey-server`` started on loopback, else skipped)
+                stores the prefix; a second engine with no CPU pool, no disk and the
+                engine's prefix cache off loads it from the server. First request and
+                the median of the next ones; restore bandwidth from the manager's loads.
 
 Restore bandwidth: KV bytes restored per second of the manager's load time (its load
 latency measurements), against plain reads of the same bytes in the same process, with CPU
@@ -29,13 +34,15 @@ tokens per second of wall time, and decode tokens per second from the median int
 latency.
 
     .venv/bin/python benchmarks/ttft_tiers.py [--prefix-tokens 2048] [--quick]
-        [--out benchmarks/results/ttft_tiers.json]
+        [--remote-url redis://127.0.0.1:6379/0] [--out benchmarks/results/ttft_tiers.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -291,6 +298,72 @@ def offload_overhead(
     }
 
 
+def remote_hit(model: Path, prompts: list[list[int]], prefix_tokens: int, url: str) -> dict:
+    """``prompts[0]`` stores the prefix through one engine; a second engine (nothing local)
+    serves the rest from the remote tier."""
+    tiers = TierConfig(cpu_bytes=0, remote_url=url, remote_timeout_s=5.0,
+                       remote_prefix=f"ttft-{time.time_ns()}:")
+    engine = engine_args(prefix_tokens, enable_prefix_caching=False)
+    with build_llm(model, tiers, **engine) as llm:
+        timed(llm, prompts[0])
+        assert llm.engine.connector.flush(120), "the remote writer did not finish"
+    with build_llm(model, tiers, **engine) as llm:
+        manager = llm.engine.connector
+        llm.generate([[300] * 8], ONE)
+        first, cached = timed(llm, prompts[1])
+        first_stats = manager.stats()["remote"]
+        rest = [timed(llm, p)[0] for p in prompts[2:]]
+        stats = manager.stats()["remote"]
+        manager.stores()["remote"].delete_many(list(manager.stores()["remote"].keys()))
+    return {
+        "remote_first_hit_s": first,
+        "remote_hit_s": statistics.median(rest),
+        "remote_hit_cached_tokens": cached,
+        "remote_first_load_s": first_stats["load_seconds"],
+        "remote_first_restore_bytes_per_s": first_stats["load_bytes_per_s"],
+        "remote_restored_bytes": stats["loaded_bytes"],
+        "remote_load_s": stats["load_seconds"],
+        "remote_restore_bytes_per_s": stats["load_bytes_per_s"],
+        "remote_corrupt": stats["corrupt"],
+    }
+
+
+class LoopbackServer:
+    """A ``redis-server`` (or ``valkey-server``) on a free loopback port, no persistence."""
+
+    def __init__(self, workdir: Path) -> None:
+        binary = shutil.which("valkey-server") or shutil.which("redis-server")
+        if binary is None:
+            raise FileNotFoundError("no valkey-server or redis-server on PATH")
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(workdir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.close()
+                    raise RuntimeError(f"{binary} did not start") from None
+                time.sleep(0.05)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -339,6 +412,14 @@ def print_report(r: dict) -> None:
         ("disk hit, later requests (median)", r["disk_hit_s"], later_disk_load,
          r["disk_hit_cached_tokens"]),
     ]
+    if "remote_hit_s" in r:
+        later_remote_load = (r["remote_load_s"] - r["remote_first_load_s"]) / repeats
+        rows += [
+            ("remote hit (loopback), first request of a fresh engine", r["remote_first_hit_s"],
+             r["remote_first_load_s"], r["remote_hit_cached_tokens"]),
+            ("remote hit (loopback), later requests (median)", r["remote_hit_s"],
+             later_remote_load, r["remote_hit_cached_tokens"]),
+        ]
     for name, seconds, load, cached in rows:
         load_ms = "" if load is None else ms(load)
         print(f"| {name} | {ms(seconds)} | {load_ms} | {rec / seconds:.1f}x | {cached} |")
@@ -359,6 +440,9 @@ def print_report(r: dict) -> None:
     ]
     for tier, restore, plain, plain_bw in rows:
         print(f"| {tier} | {gbs(restore)} | {plain} | {gbs(plain_bw)} | {restore / plain_bw:.2f} |")
+    if "remote_restore_bytes_per_s" in r:
+        print(f"| remote (loopback), all requests | {gbs(r['remote_restore_bytes_per_s'])} "
+              "| | | |")
     print()
     o = r["offload"]
     print(f"Offload overhead: {o['prompts']} distinct prompts x {o['prompt_tokens']} tokens, "
@@ -383,6 +467,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefix-tokens", type=int, default=2048)
     parser.add_argument("--quick", action="store_true", help="shorter prompts, fewer repeats")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/ttft_tiers.json")
+    parser.add_argument("--remote-url", help="Valkey/Redis for the remote case (default: a "
+                        "loopback redis-server/valkey-server, or none)")
     parser.add_argument("--disk-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.disk_child:
@@ -396,7 +482,7 @@ def main(argv: list[str] | None = None) -> None:
     repeats = 2 if args.quick else 5
     prefix = random_tokens(1, prefix_tokens, SEED + 1)[0]
     # One cold request, then repeats; every scenario gets its own suffixes.
-    suffixes = random_tokens(1 + 3 * repeats + 1, SUFFIX_TOKENS, SEED + 2)
+    suffixes = random_tokens(1 + 4 * repeats + 2, SUFFIX_TOKENS, SEED + 2)
     prompts = [prefix + s for s in suffixes]
     result: dict = {
         "prefix_tokens": prefix_tokens, "suffix_tokens": SUFFIX_TOKENS, "repeats": repeats
@@ -407,7 +493,21 @@ def main(argv: list[str] | None = None) -> None:
         result.update(recompute_and_engine_hit(model, prompts[: 1 + repeats], prefix_tokens))
         cpu_prompts = [prompts[0], *prompts[1 + repeats : 1 + 2 * repeats]]
         result.update(cpu_hit(model, cpu_prompts, prefix_tokens, cache))
-        result.update(disk_hit(model, prompts[1 + 2 * repeats :], prefix_tokens, cache))
+        result.update(disk_hit(model, prompts[1 + 2 * repeats : 2 + 3 * repeats], prefix_tokens,
+                               cache))
+        remote_prompts = [prompts[0], *prompts[2 + 3 * repeats :]]
+        if args.remote_url:
+            result.update(remote_hit(model, remote_prompts, prefix_tokens, args.remote_url))
+        else:
+            try:
+                server = LoopbackServer(Path(tmp) / "redis")
+            except (FileNotFoundError, RuntimeError) as e:
+                print(f"remote case skipped: {e}", file=sys.stderr)
+            else:
+                try:
+                    result.update(remote_hit(model, remote_prompts, prefix_tokens, server.url))
+                finally:
+                    server.close()
         result["offload"] = offload_overhead(
             model, Path(tmp) / "kv-offload",
             prompt_tokens=128 if args.quick else 256, max_tokens=32 if args.quick else 64,

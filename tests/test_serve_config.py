@@ -87,6 +87,10 @@ def test_config_file_from_environment_and_its_errors(tmp_path):
         ({"kv_write_policy": "write-back", "kv_offloading_size": 0}, "write-back"),
         ({"kv_codec": "gzip"}, "codec"),
         ({"api_key": ""}, "--api-key"),
+        ({"kv_remote_url": "http://cache:6379"}, "--kv-remote-url"),
+        ({"kv_remote_url": "redis://c", "kv_remote_write_policy": "x"}, "--kv-remote-write-policy"),
+        ({"kv_remote_url": "redis://c", "kv_remote_timeout": 0.0}, "--kv-remote-timeout"),
+        ({"kv_remote_url": "redis://c", "kv_remote_ttl": 0}, "--kv-remote-ttl"),
     ],
 )
 def test_invalid_values_name_the_flag(fields, flag):
@@ -100,6 +104,19 @@ def test_tiers_turn_off_with_size_zero():
     assert cpu_only.kv_cache_dir is None and cpu_only.has_cpu
     disk_only = ServeConfig(kv_offloading_size=0, kv_cache_dir="/tmp/x").tier_config()
     assert not disk_only.has_cpu and disk_only.kv_cache_dir == "/tmp/x"
+
+
+def test_remote_tier_from_the_environment():
+    env = {"TIERED_KV_KV_REMOTE_URL": "valkey://:pw@cache:6379/0",
+           "TIERED_KV_KV_REMOTE_WRITE_POLICY": "read-only", "TIERED_KV_KV_REMOTE_TTL": "3600"}
+    c = ServeConfig.load({}, environ=env)
+    tiers = c.tier_config()
+    assert tiers.remote_url == "valkey://:pw@cache:6379/0" and tiers.has_remote
+    assert (tiers.remote_write_policy, tiers.remote_ttl_s, tiers.remote_timeout_s) == (
+        "read-only", 3600, 0.1
+    )
+    remote_only = ServeConfig(kv_offloading_size=0, kv_disk_size=0, kv_remote_url="redis://c")
+    assert remote_only.tier_config().has_remote
 
 
 def test_engine_kwargs_cover_the_engine_flags():

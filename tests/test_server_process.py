@@ -1,6 +1,7 @@
 """``tiered-kv serve`` as a process, driven by the official ``openai`` client: completions,
 chat, streaming, a client that disconnects mid-stream, SIGTERM, and a restart that serves
-an earlier prompt's KV from the disk tier."""
+an earlier prompt's KV from the disk tier; two servers sharing a prefix through the remote
+tier."""
 from __future__ import annotations
 
 import os
@@ -28,7 +29,7 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, cache_dir: Path, log: Path) -> None:
+    def __init__(self, cache_dir: Path, log: Path, extra: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [
@@ -36,6 +37,7 @@ class Server:
             "--port", str(self.port), "--api-key", API_KEY, "--kv-cache-dir", str(cache_dir),
             "--max-model-len", "512", "--num-gpu-blocks-override", "96",
             "--kv-offloading-size", "0.01", "--kv-disk-size", "0.25", "--log-level", "warning",
+            *extra,
         ]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self.log = log
@@ -76,8 +78,8 @@ class Server:
 def servers(tmp_path):
     started: list[Server] = []
 
-    def start() -> Server:
-        server = Server(tmp_path / "kv_cache", tmp_path / "server.log")
+    def start(cache: str = "kv_cache", extra: tuple[str, ...] = ()) -> Server:
+        server = Server(tmp_path / cache, tmp_path / f"{cache}.log", extra)
         started.append(server)
         return server
 
@@ -160,3 +162,18 @@ def test_openai_client_sigterm_and_restart_from_disk(servers):
     assert cached >= (prompt_tokens // 16 - 1) * 16
     assert restarted.tiers()["tiers"]["disk"]["hit_blocks"] > 0
     assert restarted.terminate() == 0
+
+
+def test_two_servers_share_a_prefix_through_the_remote_tier(servers, redis_server):
+    remote = ("--kv-remote-url", redis_server.url, "--kv-remote-timeout", "1")
+    a = servers("kv_a", remote)
+    first = a.client.completions.create(model="tiny", prompt=LONG_PROMPT + "shared", **GREEDY)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert a.http.post("/admin/flush", json={"timeout": 30}).json()["flushed"]
+    b = servers("kv_b", remote)  # its own CPU pool and disk directory: both empty
+    again = b.client.completions.create(model="tiny", prompt=LONG_PROMPT + "shared", **GREEDY)
+    assert again.choices[0].text == first.choices[0].text
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16 * 16
+    tiers = b.tiers()
+    assert tiers["tiers"]["remote"]["hit_blocks"] >= 16
+    assert tiers["kv_remote_url"] == redis_server.url

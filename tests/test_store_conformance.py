@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,7 @@ from storage.base import BlockKey, BlockStore
 from storage.cpu_pool import CpuBlockPool, HostBlock
 from storage.lmdb_store import LmdbStore
 from storage.record import Record, encode_record
+from storage.remote_store import RemoteStore
 
 NS = hashlib.sha256(b"namespace-a").digest()
 OTHER_NS = hashlib.sha256(b"namespace-b").digest()
@@ -36,6 +38,7 @@ class Tier:
     store: BlockStore
     make: Callable[[int], Any]
     same: Callable[[Any, Any], bool]
+    evicts: bool = True  # whether the store itself keeps to a byte budget by LRU
 
 
 def _host_block(i: int) -> HostBlock:
@@ -71,12 +74,25 @@ def make_disk(tmp_path, capacity_blocks: int) -> Tier:
     return Tier(store, _record, _same_record)
 
 
-@pytest.fixture(params=[make_cpu, make_disk], ids=["cpu", "disk"])
+def make_remote(tmp_path, capacity_blocks: int, url: str) -> Tier:
+    # Capacity is the server's (maxmemory, allkeys-lru), not the store's: evicts=False.
+    # Each store gets its own prefix, so tests sharing one server never see each other.
+    store = RemoteStore(url, prefix=f"tkv-test-{uuid.uuid4().hex}:", timeout_s=1.0,
+                        stats_interval_s=0)
+    return Tier(store, _record, _same_record, evicts=False)
+
+
+@pytest.fixture(params=["cpu", "disk", "remote"])
 def tier_factory(request, tmp_path):
     made: list[Tier] = []
+    if request.param == "remote":
+        url = request.getfixturevalue("redis_server").url
+        make = lambda tmp, n: make_remote(tmp, n, url)  # noqa: E731
+    else:
+        make = {"cpu": make_cpu, "disk": make_disk}[request.param]
 
     def factory(capacity_blocks: int = 64) -> Tier:
-        tier = request.param(tmp_path, capacity_blocks)
+        tier = make(tmp_path, capacity_blocks)
         made.append(tier)
         return tier
 
@@ -183,6 +199,8 @@ def test_batch_forms_and_longest_prefix(tier_factory):
 
 def test_capacity_evicts_least_recently_used(tier_factory):
     t = tier_factory(capacity_blocks=4)
+    if not t.evicts:
+        pytest.skip("the server evicts (maxmemory-policy), not the store: no budget to test")
     for i in range(4):
         t.store.put(key(i), t.make(i))
     t.store.flush(timeout=30)

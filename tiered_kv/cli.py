@@ -120,6 +120,25 @@ def serve(
         "generated ones). (default: prompt)",
         rich_help_panel=_TIERS,
     ),
+    kv_remote_url: Optional[str] = typer.Option(
+        None, help="Shared remote tier: redis://, rediss:// (TLS), valkey:// or valkeys:// URL, "
+        "e.g. redis://:PASSWORD@host:6379/0. (default: none)",
+        rich_help_panel=_TIERS,
+    ),
+    kv_remote_write_policy: Optional[str] = typer.Option(
+        None, help="write-through (store every saved block remotely too) or read-only. "
+        "(default: write-through)",
+        rich_help_panel=_TIERS,
+    ),
+    kv_remote_timeout: Optional[float] = typer.Option(
+        None, help="Seconds to connect to or wait for the remote tier per call. (default: 0.1)",
+        rich_help_panel=_TIERS,
+    ),
+    kv_remote_ttl: Optional[int] = typer.Option(
+        None, help="Expire remote blocks after this many seconds. (default: never; the server's "
+        "maxmemory-policy evicts)",
+        rich_help_panel=_TIERS,
+    ),
 ) -> None:
     """Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions) with a
     persistent, tiered KV cache. Each flag can also be set as TIERED_KV_<FLAG> (e.g.

@@ -7,11 +7,13 @@ import os
 from pathlib import Path
 
 from storage.codecs import get_codec
+from storage.remote_store import parse_remote_url
 
 GiB = 1 << 30
 MiB = 1 << 20
 WRITE_POLICIES = ("write-through", "write-back")
 OFFLOAD_MODES = ("prompt", "all")
+REMOTE_WRITE_POLICIES = ("write-through", "read-only")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +36,14 @@ class TierConfig:
     ``flush_timeout_s``: how long :meth:`~tiered_kv.TierManager.close` may take to write
     what is queued.
     ``sync``: fsync every LMDB commit (``False``: only flush and close fsync).
+    ``remote_url``: the shared remote tier, a Valkey/Redis server (``redis://``,
+    ``rediss://``, ``valkey://``, ``valkeys://``; ``None``: no remote tier).
+    ``remote_write_policy``: ``write-through`` queues every stored block for the remote
+    tier too (from its own writer thread); ``read-only`` only reads what others stored.
+    ``remote_timeout_s``: connect and reply timeout of each remote call.
+    ``remote_ttl_s``: expire remote keys after this many seconds (``None``: the server's
+    ``maxmemory-policy`` alone decides what goes).
+    ``remote_prefix``: the prefix of this deployment's keys on the server.
     """
 
     kv_cache_dir: str | os.PathLike[str] | None = None
@@ -46,6 +56,11 @@ class TierConfig:
     max_queue_blocks: int = 4096
     flush_timeout_s: float = 30.0
     sync: bool = True
+    remote_url: str | None = None
+    remote_write_policy: str = "write-through"
+    remote_timeout_s: float = 0.1
+    remote_ttl_s: int | None = None
+    remote_prefix: str = "tkv:"
 
     def __post_init__(self) -> None:
         if self.kv_cache_dir is not None and not isinstance(self.kv_cache_dir, (str, os.PathLike)):
@@ -73,8 +88,29 @@ class TierConfig:
             raise ValueError(f"flush_timeout_s must be a finite number >= 0, got {timeout!r}")
         if not isinstance(self.sync, bool):
             raise ValueError(f"sync must be True or False, got {self.sync!r}")
-        if not self.has_cpu and not self.has_disk:
-            raise ValueError("no tier configured: set cpu_bytes > 0, kv_cache_dir, or both")
+        if self.remote_url is not None:
+            try:
+                parse_remote_url(self.remote_url)
+            except ValueError as e:
+                raise ValueError(f"remote_url is not usable: {e}") from None
+        if self.remote_write_policy not in REMOTE_WRITE_POLICIES:
+            raise ValueError(
+                f"remote_write_policy must be one of {', '.join(REMOTE_WRITE_POLICIES)}, "
+                f"got {self.remote_write_policy!r}"
+            )
+        rt = self.remote_timeout_s
+        if isinstance(rt, bool) or not isinstance(rt, (int, float)) or not (
+            math.isfinite(rt) and rt > 0
+        ):
+            raise ValueError(f"remote_timeout_s must be a finite number > 0, got {rt!r}")
+        if self.remote_ttl_s is not None:
+            _int("remote_ttl_s", self.remote_ttl_s, minimum=1)
+        if not isinstance(self.remote_prefix, str) or not self.remote_prefix:
+            raise ValueError(f"remote_prefix must be a non-empty string, got {self.remote_prefix!r}")
+        if not self.has_cpu and not self.has_disk and not self.has_remote:
+            raise ValueError(
+                "no tier configured: set cpu_bytes > 0, kv_cache_dir, remote_url, or several"
+            )
         if self.write_policy == "write-back" and self.has_disk and not self.has_cpu:
             raise ValueError(
                 "write_policy='write-back' writes blocks to disk when the CPU pool evicts them; "
@@ -88,6 +124,10 @@ class TierConfig:
     @property
     def has_disk(self) -> bool:
         return self.kv_cache_dir is not None
+
+    @property
+    def has_remote(self) -> bool:
+        return self.remote_url is not None
 
     @property
     def cache_path(self) -> Path | None:

@@ -12,6 +12,10 @@ block offered to the disk tier is never invisible.
     offer ─▶ [ queue: key → item ] ─ writer thread ─▶ encode_block ─▶ LmdbStore.put_many
                findable via get()                      (codec)         (commits later,
                until put_many returns                                  on its own thread)
+
+The remote tier uses a second writer of the same kind (``tier="remote"``) in front of the
+:class:`storage.remote_store.RemoteStore`, so its network round-trips happen on that
+writer's thread, never on the engine's.
 """
 from __future__ import annotations
 
@@ -23,9 +27,8 @@ from typing import NamedTuple
 
 import torch
 
-from storage.base import BlockKey, StoreError
+from storage.base import BlockKey, BlockStore, StoreError
 from storage.codecs import Codec, encode_block
-from storage.lmdb_store import LmdbStore
 from storage.record import Record
 from tiered_kv.metrics import QueueStats, TierMetrics
 
@@ -49,7 +52,8 @@ class WriteItem(NamedTuple):
 
 
 class DiskWriter:
-    """Encodes queued blocks with ``codec`` and puts them into ``store`` on its own thread.
+    """Encodes queued blocks with ``codec`` and puts them into ``store`` on its own thread;
+    ``tier`` names the store in metrics and logs (``disk`` or ``remote``).
 
     Thread-safe. The queue holds at most ``max_blocks`` blocks and ``max_bytes`` bytes
     (counting blocks being encoded). The writer's only lock guards the queue and is never
@@ -58,14 +62,16 @@ class DiskWriter:
 
     def __init__(
         self,
-        store: LmdbStore,
+        store: BlockStore[Record],
         codec: Codec,
         metrics: TierMetrics,
         *,
         max_bytes: int,
         max_blocks: int,
+        tier: str = "disk",
     ) -> None:
         self._store = store
+        self._tier = tier
         self._codec = codec
         self._metrics = metrics
         self._max_bytes = max_bytes
@@ -76,7 +82,7 @@ class DiskWriter:
         self._queue: collections.deque[WriteItem] = collections.deque()
         self._bytes = 0
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="tiered-kv-disk-writer", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"tiered-kv-{tier}-writer", daemon=True)
         self._thread.start()
 
     def has_room(self, nbytes: int) -> bool:
@@ -143,8 +149,10 @@ class DiskWriter:
             self._changed.notify_all()
         self._thread.join()
         if dropped:
-            self._metrics.add("disk", dropped=len(dropped))
-            logger.warning("shutdown: %d blocks queued for disk were not written", len(dropped))
+            self._metrics.add(self._tier, dropped=len(dropped))
+            logger.warning(
+                "shutdown: %d blocks queued for %s were not written", len(dropped), self._tier
+            )
         return len(dropped)
 
     def _fits_locked(self, nbytes: int) -> bool:
@@ -166,8 +174,8 @@ class DiskWriter:
             try:
                 self._write(batch)
             except Exception:  # never let one bad batch stop the writer
-                logger.exception("disk writer: dropping a batch of %d blocks", len(batch))
-                self._metrics.add("disk", dropped=len(batch))
+                logger.exception("%s writer: dropping a batch of %d blocks", self._tier, len(batch))
+                self._metrics.add(self._tier, dropped=len(batch))
             with self._lock:
                 for item in batch:
                     del self._items[item.key]
@@ -183,17 +191,17 @@ class DiskWriter:
                     encode_block(item.key, item.parent_hash, item.token_ids, item.kv, self._codec)
                 )
             except ValueError as e:
-                logger.error("disk writer: cannot encode %s: %s", item.key.short(), e)
-                self._metrics.add("disk", dropped=1)
+                logger.error("%s writer: cannot encode %s: %s", self._tier, item.key.short(), e)
+                self._metrics.add(self._tier, dropped=1)
         if not records:
             return
         try:
             accepted = self._store.put_many([(r.key, r) for r in records])
         except StoreError as e:  # the store was closed under us
-            logger.error("disk writer: %s", e)
-            self._metrics.add("disk", dropped=len(records))
+            logger.error("%s writer: %s", self._tier, e)
+            self._metrics.add(self._tier, dropped=len(records))
             return
         stored = [r for r, ok in zip(records, accepted) if ok]  # refusals: counted by the store
         self._metrics.observe_store(
-            "disk", time.perf_counter() - start, len(stored), sum(r.nbytes for r in stored)
+            self._tier, time.perf_counter() - start, len(stored), sum(r.nbytes for r in stored)
         )

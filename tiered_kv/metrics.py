@@ -4,7 +4,8 @@ Each manager owns a :class:`TierMetrics` and with it its own ``CollectorRegistry
 is registered globally, so several managers (tests, several engines) never share counters.
 Serve ``manager.registry`` on ``/metrics`` (``prometheus_client.generate_latest``).
 
-Every metric has a ``tier`` label (``cpu``, ``disk``). See ``docs/tiers.md`` for the list.
+Every metric has a ``tier`` label (``cpu``, ``disk``, ``remote``). See ``docs/tiers.md`` for
+the list.
 Counters kept here are the manager's view (what it looked up, loaded, stored, dropped);
 occupancy and evictions come from the stores' own :class:`~storage.base.StoreStats`, read
 at scrape time, and the stores' ``corrupt`` and ``dropped`` counts are added to the

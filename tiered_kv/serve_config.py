@@ -54,6 +54,10 @@ class ServeConfig:
     kv_codec: str = "raw"
     kv_write_policy: str = "write-through"
     kv_offload: str = "prompt"
+    kv_remote_url: str | None = None
+    kv_remote_write_policy: str = "write-through"
+    kv_remote_timeout: float = 0.1
+    kv_remote_ttl: int | None = None
 
     def __post_init__(self) -> None:
         _str("model", self.model)
@@ -124,13 +128,15 @@ class ServeConfig:
         return EngineConfig(model=self.model, **self.engine_kwargs())
 
     def tier_config(self) -> TierConfig | None:
-        """The tiers, or ``None`` when both sizes are 0 (GPU prefix caching only).
+        """The tiers, or ``None`` when both sizes are 0 and there is no remote tier (GPU
+        prefix caching only).
 
-        ``--kv-disk-size 0`` turns the disk tier off, ``--kv-offloading-size 0`` the CPU pool.
+        ``--kv-disk-size 0`` turns the disk tier off, ``--kv-offloading-size 0`` the CPU pool;
+        ``--kv-remote-url`` adds the shared remote tier.
         """
         cpu_bytes = int(self.kv_offloading_size * GiB)
         disk_bytes = int(self.kv_disk_size * GiB)
-        if not cpu_bytes and not disk_bytes:
+        if not cpu_bytes and not disk_bytes and self.kv_remote_url is None:
             return None
         return TierConfig(
             kv_cache_dir=self.kv_cache_dir if disk_bytes else None,
@@ -139,6 +145,10 @@ class ServeConfig:
             codec=self.kv_codec,
             write_policy=self.kv_write_policy,
             offload=self.kv_offload,
+            remote_url=self.kv_remote_url,
+            remote_write_policy=self.kv_remote_write_policy,
+            remote_timeout_s=self.kv_remote_timeout,
+            remote_ttl_s=self.kv_remote_ttl,
         )
 
     @classmethod
@@ -229,6 +239,10 @@ _RENAMED = {  # engine/tier field -> the flag that sets it
     "codec": "--kv-codec",
     "write_policy": "--kv-write-policy",
     "offload": "--kv-offload",
+    "remote_url": "--kv-remote-url",
+    "remote_write_policy": "--kv-remote-write-policy",
+    "remote_timeout_s": "--kv-remote-timeout",
+    "remote_ttl_s": "--kv-remote-ttl",
 }
 
 

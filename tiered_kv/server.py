@@ -36,6 +36,7 @@ from engine.async_engine import AsyncLLM, EngineDeadError
 from engine.outputs import RequestOutput
 from engine.sampler import SamplingParams
 from storage.base import BlockKey
+from storage.remote_store import redact_url
 from tiered_kv.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -637,6 +638,10 @@ def _tier_report(state: _State) -> dict[str, Any]:
         "model": state.config.model_name,
         "namespace": manager.namespace.hex() if manager is not None else None,
         "kv_cache_dir": manager.config.kv_cache_dir if manager is not None else None,
+        "kv_remote_url": (
+            redact_url(manager.config.remote_url)
+            if manager is not None and manager.config.remote_url is not None else None
+        ),
         "tiers": manager.stats() if manager is not None else {},
         "engine": engine,
         "server": {"inflight": state.inflight, "max_inflight": state.config.max_inflight},

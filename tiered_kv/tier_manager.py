@@ -1,17 +1,25 @@
-"""The tier manager: the engine's KV connector, backed by the CPU pool and the disk tier.
+"""The tier manager: the engine's KV connector, backed by the CPU pool, the disk tier and
+the shared remote tier.
 
 ::
 
     save_blocks ─▶ CPU pool ───── write-back: on eviction ─────┐
          │                                                     ▼
-         └─ write-through, or no CPU pool: host copy ─▶ disk queue ─▶ writer ─▶ LmdbStore
+         ├─ write-through, or no CPU pool: host copy ─▶ disk queue ─▶ writer ─▶ LmdbStore
+         └─ remote write-through: the same host copy ─▶ remote queue ─▶ writer ─▶ RemoteStore
     load_blocks ◀─ CPU pool (read_into)
                 ◀─ disk queue, or LmdbStore (get, verify, decode) ─▶ promote to CPU pool
+                ◀─ remote queue, or RemoteStore (get, verify, decode) ─▶ promote to CPU pool
+                                                      (and queue for disk if write-through)
 
-Threads. The engine calls every connector method from its one thread. The manager adds one
-thread, the disk writer (:mod:`tiered_kv.disk_writer`), and the LMDB store runs its own
-committer. The engine thread never waits for either: stores it cannot queue are dropped
-and counted. Loads run on the engine thread and take only the stores' short locks.
+Lookups go CPU → disk → remote: the run of blocks the CPU pool and the disk hold is
+extended by the remote tier with one pipelined round-trip for the rest of the chain.
+
+Threads. The engine calls every connector method from its one thread. The manager adds a
+writer thread per lower tier (:mod:`tiered_kv.disk_writer`), and the LMDB store runs its
+own committer. The engine thread never waits for a write: stores it cannot queue are
+dropped and counted. Loads run on the engine thread; a remote lookup or load is bounded by
+``remote_timeout_s``, and skipped altogether while the remote store's breaker is open.
 
 Keys. A block's key is ``BlockKey(namespace, block_hash)`` with the engine's chained hash
 (which covers the request's ``cache_salt``). The namespace is the engine's, so another
@@ -43,6 +51,7 @@ from storage.codecs import CodecError, decode_block, get_codec
 from storage.cpu_pool import CpuBlockPool, HostBlock
 from storage.lmdb_store import LmdbStore
 from storage.record import Record
+from storage.remote_store import RemoteStore
 from tiered_kv.config import TierConfig
 from tiered_kv.disk_writer import DiskWriter, WriteItem
 from tiered_kv.metrics import QueueStats, TierMetrics
@@ -54,6 +63,8 @@ logger = logging.getLogger(__name__)
 # hands the same memory back instead of faulting in fresh pages (measured with 512 KiB
 # blocks: 2 per read ~8.5 GB/s, 32 per read ~2.5 GB/s).
 DISK_READ_CHUNK = 2
+# Blocks per remote round-trip while loading: enough to hide the network latency.
+REMOTE_READ_CHUNK = 16
 _LOSSY_NAMESPACE = b"tiered-kv/lossy-codec"
 
 
@@ -95,11 +106,17 @@ class TierManager(KVConnector):
     def __init__(self, config: TierConfig | None = None) -> None:
         self.config = config = config or TierConfig()
         self._codec = get_codec(config.codec)
-        tiers = (("cpu",) if config.has_cpu else ()) + (("disk",) if config.has_disk else ())
+        tiers = tuple(
+            tier for tier, present in (
+                ("cpu", config.has_cpu), ("disk", config.has_disk), ("remote", config.has_remote)
+            ) if present
+        )
         self.metrics = TierMetrics(tiers, self._store_stats, self._queue_stats)
         self._cpu: CpuBlockPool | None = None
         self._disk: LmdbStore | None = None
         self._writer: DiskWriter | None = None
+        self._remote: RemoteStore | None = None
+        self._remote_writer: DiskWriter | None = None
         self._final_stats: dict[str, StoreStats] | None = None
         if config.has_disk:
             self._disk = LmdbStore(
@@ -115,12 +132,31 @@ class TierManager(KVConnector):
                 max_bytes=config.max_queue_bytes,
                 max_blocks=config.max_queue_blocks,
             )
+        if config.has_remote:
+            self._remote = RemoteStore(
+                config.remote_url,
+                prefix=config.remote_prefix,
+                timeout_s=config.remote_timeout_s,
+                ttl_s=config.remote_ttl_s,
+            )
+            if config.remote_write_policy == "write-through":
+                self._remote_writer = DiskWriter(
+                    self._remote,
+                    self._codec,
+                    self.metrics,
+                    max_bytes=config.max_queue_bytes,
+                    max_blocks=config.max_queue_blocks,
+                    tier="remote",
+                )
         self._kv_cache: torch.Tensor | None = None  # [L, 2, num_blocks, T, H, D]
         self._namespace = b""
         self._block_size = 0
         self._block_shape: tuple[int, ...] = ()  # [L, 2, T, H, D]
         self._block_nbytes = 0
         self._lookups: dict[str, _Lookup] = {}
+        # request id -> (keys asked of the remote tier, its answer): a repeated lookup of a
+        # request the engine could not schedule yet costs no further round-trip.
+        self._remote_runs: dict[str, tuple[tuple[BlockKey, ...], int]] = {}
         self._close_lock = threading.Lock()
         self._closed = False
         atexit.register(self.close)
@@ -138,33 +174,42 @@ class TierManager(KVConnector):
         return self._namespace
 
     def stores(self) -> dict[str, BlockStore]:
-        """The open stores by tier (``cpu`` once the engine registered its cache, ``disk``),
-        for admin views; they must not be used after :meth:`close`."""
+        """The open stores by tier (``cpu`` once the engine registered its cache, ``disk``,
+        ``remote``), for admin views; they must not be used after :meth:`close`."""
         stores: dict[str, BlockStore] = {}
         if self._cpu is not None:
             stores["cpu"] = self._cpu
         if self._disk is not None:
             stores["disk"] = self._disk
+        if self._remote is not None:
+            stores["remote"] = self._remote
         return stores
 
     def stats(self) -> dict[str, dict[str, int | float]]:
-        """Per tier (``cpu``, ``disk``): counters, occupancy and load bandwidth."""
+        """Per tier (``cpu``, ``disk``, ``remote``): counters, occupancy and load bandwidth."""
         return self.metrics.snapshot()
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every block queued so far is committed to disk (fsynced); ``False`` if
-        ``timeout`` seconds passed first. Without a disk tier there is nothing to wait for."""
-        if self._writer is None or self._closed:
+        """Wait until every block queued so far is committed to disk (fsynced) and handed to
+        the remote server; ``False`` if ``timeout`` seconds passed first."""
+        if self._closed:
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._writer.drain(timeout):
+
+        def remaining() -> float | None:
+            return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+        if self._remote_writer is not None and not self._remote_writer.drain(remaining()):
             return False
-        remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        return self._disk.flush(remaining)
+        if self._writer is None:
+            return True
+        if not self._writer.drain(remaining()):
+            return False
+        return self._disk.flush(remaining())
 
     def close(self) -> None:
         """Write what is queued (and, with write-back, what only the CPU pool holds) to disk
-        within ``flush_timeout_s``, then close the stores. Idempotent."""
+        and the remote tier within ``flush_timeout_s``, then close the stores. Idempotent."""
         with self._close_lock:
             if self._closed:
                 return
@@ -176,10 +221,14 @@ class TierManager(KVConnector):
                 if self.config.write_policy == "write-back" and self._cpu is not None:
                     self._write_back_all(deadline)
                 self._writer.close(max(deadline - time.monotonic(), 0.0))
+            if self._remote_writer is not None:
+                self._remote_writer.close(max(deadline - time.monotonic(), 0.0))
         finally:
             self._final_stats = self._store_stats()
             if self._disk is not None:
                 self._disk.close()
+            if self._remote is not None:
+                self._remote.close()
             if self._cpu is not None:
                 self._cpu.close()
             self._kv_cache = None
@@ -249,10 +298,23 @@ class TierManager(KVConnector):
             if not (self._writer.contains(key) or self._disk.contains(key)):
                 break
             matched += 1
+        remote_lookups = 0
+        if self._remote is not None and matched < len(keys):
+            rest = tuple(keys[matched:])
+            remote_lookups = len(rest)
+            cached = self._remote_runs.get(request_id)
+            if cached is not None and cached[0] == rest:
+                run = cached[1]
+            else:
+                run = self._remote_run(list(rest))
+                self._remote_runs[request_id] = (rest, run)
+            matched += run
         if not repeated and self._cpu is not None:
             self.metrics.add("cpu", lookups=cpu_lookups)
         if not repeated and self._disk is not None:
             self.metrics.add("disk", lookups=disk_lookups)
+        if not repeated and self._remote is not None:
+            self.metrics.add("remote", lookups=remote_lookups)
         return matched
 
     def load_blocks(
@@ -276,23 +338,35 @@ class TierManager(KVConnector):
             # Before anything else is put into the pool, whose slots these copies read.
             torch.cuda.current_stream(kv_cache.device).synchronize()
         cpu_seconds = time.perf_counter() - start
-        if rest and self._disk is None:
+        if rest and self._disk is None and self._remote is None:
             self.metrics.add("cpu", load_failures=1)  # evicted since the lookup
             return False
         if rest:
-            start = time.perf_counter()
             lookup = self._lookups.get(request_id)
             parents = lookup.parents(block_hashes) if lookup is not None else None
             if parents is None:  # cannot check the records' chain: recompute instead
-                self.metrics.add("disk", load_failures=1)
+                self.metrics.add("disk" if self._disk is not None else "remote", load_failures=1)
                 return False
             wanted = [(key, block_id, parents[i]) for i, key, block_id in rest]
-            if not self._load_from_disk(wanted):
+            on_disk = [
+                self._disk is not None and (self._writer.contains(k) or self._disk.contains(k))
+                for k, _, _ in wanted
+            ]
+            from_disk = [w for w, d in zip(wanted, on_disk) if d]
+            from_remote = [w for w, d in zip(wanted, on_disk) if not d]
+            if from_remote and self._remote is None:
+                self.metrics.add("disk", load_failures=1)  # evicted since the lookup
                 return False
-            self.metrics.observe_load(
-                "disk", time.perf_counter() - start, len(rest), self._block_size,
-                len(rest) * self._block_nbytes,
-            )
+            for tier, blocks in (("disk", from_disk), ("remote", from_remote)):
+                if not blocks:
+                    continue
+                start = time.perf_counter()
+                if not self._load_from(tier, blocks):
+                    return False
+                self.metrics.observe_load(
+                    tier, time.perf_counter() - start, len(blocks), self._block_size,
+                    len(blocks) * self._block_nbytes,
+                )
         if cpu_blocks:
             self.metrics.observe_load(
                 "cpu", cpu_seconds, cpu_blocks, self._block_size, cpu_blocks * self._block_nbytes
@@ -312,9 +386,11 @@ class TierManager(KVConnector):
         cpu_stored = 0
         for block in blocks:
             key = BlockKey(self._namespace, block.block_hash)
-            src = kv_cache[:, :, block.block_id]  # [L, 2, T, H, D], a view into the engine's pool
+            view = src = kv_cache[:, :, block.block_id]  # [L, 2, T, H, D], the engine's pool
             if write_through and self._writer is not None:
                 src = self._queue_for_disk(key, block, src)
+            if self._remote_writer is not None:
+                src = self._queue_for_remote(key, block, src, is_copy=src is not view)
             if self._cpu is not None and not self._cpu.contains(key):
                 if self._cpu.put(key, HostBlock(src, block.parent_hash, block.token_ids)):
                     cpu_stored += 1
@@ -328,6 +404,7 @@ class TierManager(KVConnector):
 
     def request_finished(self, request_id: str) -> None:
         self._lookups.pop(request_id, None)
+        self._remote_runs.pop(request_id, None)
 
     # ------------------------------------------------------------------ internals
 
@@ -343,6 +420,38 @@ class TierManager(KVConnector):
         if not self._writer.offer(WriteItem(key, block.parent_hash, tuple(block.token_ids), host)):
             self.metrics.add("disk", dropped=1)
         return host
+
+    def _queue_for_remote(
+        self, key: BlockKey, block: SavedBlock, src: torch.Tensor, *, is_copy: bool
+    ) -> torch.Tensor:
+        """Queue a host copy of ``src`` for the remote tier (``src`` itself when it is the
+        disk queue's copy); returns the tensor to copy into the CPU pool from.
+
+        Whether the server has the block is not asked (that would be a round-trip on the
+        engine thread): a block already there is written again, which refreshes its LRU.
+        """
+        if self._remote_writer.contains(key):
+            return src
+        if not self._remote.available or not self._remote_writer.has_room(self._block_nbytes):
+            self.metrics.add("remote", dropped=1)
+            return src
+        host = src if is_copy else _host_copy(src)
+        item = WriteItem(key, block.parent_hash, tuple(block.token_ids), host)
+        if not self._remote_writer.offer(item):
+            self.metrics.add("remote", dropped=1)
+        return host
+
+    def _remote_run(self, keys: list[BlockKey]) -> int:
+        """How many leading ``keys`` the remote tier (or its write queue) holds."""
+        if not self._remote.available:
+            return 0
+        queued = [self._remote_writer is not None and self._remote_writer.contains(k) for k in keys]
+        n = 0
+        while n < len(keys) and queued[n]:
+            n += 1
+        if n < len(keys):
+            n += self._remote.longest_prefix(keys[n:])
+        return n
 
     def _on_cpu_evict(self, key: BlockKey, evicted: HostBlock) -> None:
         """Write-back: a block leaving the CPU pool goes to disk unless it is there already."""
@@ -364,20 +473,29 @@ class TierManager(KVConnector):
             if not self._writer.offer(item, wait_until=deadline):
                 self.metrics.add("disk", dropped=1)
 
-    def _load_from_disk(self, wanted: list[tuple[BlockKey, int, bytes | None]]) -> bool:
-        """Load ``(key, block id, parent hash)`` blocks from the disk writer's queue or the
-        store into the engine's blocks and promote them into the CPU pool; ``False`` at the
-        first block that cannot be served.
+    def _load_from(self, tier: str, wanted: list[tuple[BlockKey, int, bytes | None]]) -> bool:
+        """Load ``(key, block id, parent hash)`` blocks from ``tier``'s (``disk`` or
+        ``remote``) writer queue or store into the engine's blocks and promote them into the
+        CPU pool (remote blocks also into the disk queue, with write-through); ``False`` at
+        the first block that cannot be served.
 
         Sequential on purpose: a chunk is copied into the engine while its buffers are still
         in this core's cache (reading ahead on another thread measured slower).
         """
         kv_cache = self._kv_cache
-        for start in range(0, len(wanted), DISK_READ_CHUNK):
-            chunk = wanted[start : start + DISK_READ_CHUNK]
-            queued = [self._writer.get(key) for key, _, _ in chunk]
+        if tier == "disk":
+            writer, store, chunk_size = self._writer, self._disk, DISK_READ_CHUNK
+        else:
+            writer, store, chunk_size = self._remote_writer, self._remote, REMOTE_READ_CHUNK
+        to_disk = (
+            tier == "remote" and self._writer is not None
+            and self.config.write_policy == "write-through"
+        )
+        for start in range(0, len(wanted), chunk_size):
+            chunk = wanted[start : start + chunk_size]
+            queued = [writer.get(key) if writer is not None else None for key, _, _ in chunk]
             to_read = [key for (key, _, _), item in zip(chunk, queued) if item is None]
-            records = iter(self._disk.get_many(to_read) if to_read else ())
+            records = iter(store.get_many(to_read) if to_read else ())
             for (key, block_id, parent), item in zip(chunk, queued):
                 out = kv_cache[:, :, block_id]  # [L, 2, T, H, D]
                 if item is not None:
@@ -386,15 +504,19 @@ class TierManager(KVConnector):
                 else:
                     record = next(records)
                     if record is None:  # gone since the lookup, or corrupt (the store counts it)
-                        self.metrics.add("disk", load_failures=1)
+                        self.metrics.add(tier, load_failures=1)
                         return False
                     try:
                         host = self._decode_into(record, parent, out)
                     except _BadRecord as e:
-                        logger.warning("disk tier: not serving %s: %s", key.short(), e)
-                        self.metrics.add("disk", corrupt=1, load_failures=1)
+                        logger.warning("%s tier: not serving %s: %s", tier, key.short(), e)
+                        self.metrics.add(tier, corrupt=1, load_failures=1)
                         return False
                     tokens, parent_hash = record.token_ids, record.parent_hash
+                    if to_disk and not self._disk.contains(key):
+                        copy = _host_copy(out)
+                        if not self._writer.offer(WriteItem(key, parent_hash, tuple(tokens), copy)):
+                            self.metrics.add("disk", dropped=1)
                 if self._cpu is not None and not self._cpu.contains(key):
                     if self._cpu.put(key, HostBlock(host, parent_hash, tokens)):  # promote
                         self.metrics.add("cpu", stored_blocks=1, stored_bytes=self._block_nbytes)
@@ -452,6 +574,8 @@ class TierManager(KVConnector):
             )
         if self._disk is not None:
             stats["disk"] = self._disk.stats()
+        if self._remote is not None:
+            stats["remote"] = self._remote.stats()
         return stats
 
     def _queue_stats(self) -> QueueStats | None:

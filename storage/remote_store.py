@@ -1,0 +1,377 @@
+"""The remote tier: checksummed records in a Valkey or Redis server shared by many engines.
+
+Values are the disk tier's records (:func:`storage.record.encode_record`), so a record read
+back is verified exactly like one read from disk: a value that fails any check is a miss,
+is counted (``corrupt``) and is deleted from the server. Keys are::
+
+    <prefix><namespace hex>:<block hash hex>        e.g. tkv:9f2c…:03ab…
+
+Network failures never fail a request. Every client error is caught, counted and turned
+into a miss (lookups) or a drop (stores). A circuit breaker keeps a dead server from
+costing a timeout per call::
+
+    closed ──N consecutive failures──▶ open ──cooldown──▶ half-open ──probe ok──▶ closed
+                                        ▲                    │
+                                        └────probe fails─────┘
+
+While open, lookups are misses and stores are dropped without touching the network. After
+the cooldown one caller probes the server (a ``PING``); the client's pool reconnects by
+itself. Puts are synchronous (one pipelined round-trip per :meth:`RemoteStore.put_many`),
+so a put is visible as soon as it returns and :meth:`RemoteStore.flush` has nothing to wait
+for; callers that must not wait on the network (the engine thread) put from their own
+thread (the tier manager's remote writer).
+
+Capacity is the server's business: configure ``maxmemory`` and ``maxmemory-policy
+allkeys-lru`` there (and optionally a TTL here). ``stats()`` reports the server's
+``used_memory`` and ``maxmemory``, and ``entries`` counts this prefix's keys by ``SCAN``
+(cached for ``stats_interval_s``, since a scan walks the whole keyspace).
+
+Cluster mode (Valkey/Redis Cluster) is not supported yet: the URL is a single server, with
+optional replicas behind it managed by the operator. See ``docs/scale_out.md``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from urllib.parse import parse_qs, urlsplit, urlunsplit
+
+import valkey
+from valkey.backoff import NoBackoff
+from valkey.retry import Retry
+
+from storage.base import DIGEST_SIZE, BlockKey, BlockStore, StoreStats
+from storage.record import Record, RecordError, decode_record, encode_record
+
+logger = logging.getLogger(__name__)
+
+URL_SCHEMES = ("redis", "rediss", "valkey", "valkeys")
+_GLOB_CHARS = set("*?[]\\")
+_SCAN_COUNT = 1000
+
+
+def parse_remote_url(url: str) -> str:
+    """Check a ``redis://``, ``rediss://`` (TLS), ``valkey://`` or ``valkeys://`` (TLS) URL,
+    e.g. ``redis://:password@host:6379/0``; returns it unchanged. Raises ``ValueError``."""
+    if not isinstance(url, str):
+        raise ValueError(f"remote URL must be a string, got {url!r}")  # noqa: TRY004 - config
+    parts = urlsplit(url)
+    if parts.scheme not in URL_SCHEMES:
+        raise ValueError(
+            f"remote URL must start with one of {', '.join(s + '://' for s in URL_SCHEMES)}, "
+            f"got {redact_url(url)!r}"
+        )
+    if not parts.hostname:
+        raise ValueError(f"remote URL has no host: {redact_url(url)!r}")
+    query = parse_qs(parts.query)
+    if "cluster" in query:
+        raise ValueError("Valkey/Redis Cluster is not supported yet; give one server's URL")
+    try:
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        raise ValueError(f"remote URL has an invalid port: {redact_url(url)!r}") from None
+    return url
+
+
+def redact_url(url: str) -> str:
+    """``url`` without its password, for logs and error messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.hostname or ""
+    if parts.port:
+        netloc = f"{netloc}:{parts.port}"
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
+@dataclasses.dataclass(frozen=True)
+class BreakerConfig:
+    """``failures`` consecutive failed calls open the breaker for ``cooldown_s`` seconds."""
+
+    failures: int = 3
+    cooldown_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.failures, bool) or not isinstance(self.failures, int) or self.failures < 1:
+            raise ValueError(f"breaker failures must be an integer >= 1, got {self.failures!r}")
+        if not self.cooldown_s >= 0:
+            raise ValueError(f"breaker cooldown must be >= 0 seconds, got {self.cooldown_s!r}")
+
+
+class _Breaker:
+    """Consecutive-failure circuit breaker. Thread-safe."""
+
+    def __init__(self, config: BreakerConfig) -> None:
+        self._config = config
+        self._lock = threading.Lock()
+        self._failures = 0
+        self._open_until = 0.0
+        self._probing = False
+
+    def allow(self) -> bool | None:
+        """``True``: call the server. ``None``: the caller is the half-open probe.
+        ``False``: the breaker is open, do not touch the network."""
+        with self._lock:
+            if self._failures < self._config.failures:
+                return True
+            if self._probing or time.monotonic() < self._open_until:
+                return False
+            self._probing = True
+            return None
+
+    def success(self) -> None:
+        with self._lock:
+            self._failures = 0
+            self._probing = False
+
+    def failure(self) -> None:
+        with self._lock:
+            self._failures += 1
+            self._probing = False
+            if self._failures >= self._config.failures:
+                self._open_until = time.monotonic() + self._config.cooldown_s
+
+    @property
+    def is_open(self) -> bool:
+        with self._lock:
+            return self._failures >= self._config.failures
+
+
+class RemoteStore(BlockStore[Record]):
+    """Records in a Valkey/Redis server under ``prefix``. See the module docstring.
+
+    ``timeout_s`` bounds connecting and each reply; ``ttl_s`` (``None``: none) expires keys
+    on the server; ``max_connections`` sizes the client's connection pool;
+    ``stats_interval_s`` is how long the server-side part of :meth:`stats` is reused.
+    """
+
+    tier = "remote"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "tkv:",
+        timeout_s: float = 0.1,
+        ttl_s: int | None = None,
+        breaker: BreakerConfig | None = None,
+        max_connections: int = 16,
+        stats_interval_s: float = 10.0,
+    ) -> None:
+        self.url = parse_remote_url(url)
+        if not prefix or _GLOB_CHARS & set(prefix):
+            raise ValueError(f"prefix must be non-empty without glob characters, got {prefix!r}")
+        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        if ttl_s is not None and (isinstance(ttl_s, bool) or not isinstance(ttl_s, int) or ttl_s < 1):
+            raise ValueError(f"ttl_s must be an integer >= 1 or None, got {ttl_s!r}")
+        self.prefix = prefix
+        self._prefix = prefix.encode("ascii")
+        self._ttl = ttl_s
+        self._breaker = _Breaker(breaker or BreakerConfig())
+        self._client = valkey.Valkey.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            max_connections=max_connections,
+            retry=Retry(NoBackoff(), 0),  # the breaker decides when to try again
+            retry_on_timeout=False,
+        )
+        self._stats_interval = stats_interval_s
+        self._lock = threading.Lock()
+        self._stats = StoreStats(tier=self.tier)
+        self._server_stats_at = -float("inf")
+        self._closed = False
+
+    # ------------------------------------------------------------------ keys
+
+    def _kb(self, key: BlockKey) -> bytes:
+        key.validate()
+        return self._prefix + key.namespace.hex().encode() + b":" + key.block_hash.hex().encode()
+
+    def _key_of(self, kb: bytes) -> BlockKey | None:
+        ns, _, h = kb[len(self._prefix) :].partition(b":")
+        try:
+            key = BlockKey(bytes.fromhex(ns.decode()), bytes.fromhex(h.decode()))
+        except ValueError:
+            return None
+        if len(key.namespace) != DIGEST_SIZE or len(key.block_hash) != DIGEST_SIZE:
+            return None
+        return key
+
+    # ------------------------------------------------------------------ the network
+
+    def _call(self, fn, what: str):
+        """Run ``fn(client)`` behind the breaker; ``(True, result)`` or ``(False, None)``."""
+        if self._closed:
+            return False, None
+        allowed = self._breaker.allow()
+        if allowed is False:
+            return False, None
+        try:
+            if allowed is None:  # half-open: one cheap probe before the real call
+                self._client.ping()
+            result = fn(self._client)
+        except Exception as e:  # noqa: BLE001 - any client error is a miss or a drop, never a failure
+            self._breaker.failure()
+            if self._breaker.is_open:
+                logger.warning("remote tier: %s failed (%s); breaker open", what, e)
+            return False, None
+        self._breaker.success()
+        return True, result
+
+    def _pipeline(self, ops, what: str):
+        def run(client):
+            pipe = client.pipeline(transaction=False)
+            ops(pipe)
+            return pipe.execute()
+
+        return self._call(run, what)
+
+    @property
+    def available(self) -> bool:
+        """``False`` while the breaker is open."""
+        return not self._breaker.is_open
+
+    # ------------------------------------------------------------------ BlockStore
+
+    def contains(self, key: BlockKey) -> bool:
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        kbs = [self._kb(k) for k in keys]
+        if not kbs:
+            return []
+        ok, replies = self._pipeline(lambda p: [p.exists(kb) for kb in kbs], "exists")
+        return [bool(r) for r in replies] if ok else [False] * len(kbs)
+
+    def longest_prefix(self, keys: Sequence[BlockKey]) -> int:
+        """One pipelined round-trip of ``EXISTS`` for the whole chain."""
+        for i, present in enumerate(self.contains_many(keys)):
+            if not present:
+                return i
+        return len(keys)
+
+    def get(self, key: BlockKey) -> Record | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[BlockKey]) -> list[Record | None]:
+        kbs = [self._kb(k) for k in keys]
+        if not kbs:
+            return []
+        ok, bufs = self._pipeline(lambda p: [p.get(kb) for kb in kbs], "get")
+        if not ok:
+            with self._lock:
+                self._stats.misses += len(kbs)
+            return [None] * len(kbs)
+        out: list[Record | None] = []
+        bad: list[bytes] = []
+        hits = misses = nbytes = 0
+        for key, kb, buf in zip(keys, kbs, bufs):
+            if buf is None:
+                misses += 1
+                out.append(None)
+                continue
+            try:
+                out.append(decode_record(buf, expected_key=key))
+            except RecordError as e:
+                logger.warning("remote tier: deleting corrupt record %s: %s", key.short(), e)
+                bad.append(kb)
+                misses += 1
+                out.append(None)
+                continue
+            hits += 1
+            nbytes += len(buf)
+        with self._lock:
+            self._stats.hits += hits
+            self._stats.misses += misses
+            self._stats.bytes_read += nbytes
+            self._stats.corrupt += len(bad)
+        if bad:
+            self._call(lambda c: c.delete(*bad), "delete")
+        return out
+
+    def put(self, key: BlockKey, value: Record) -> bool:
+        return self.put_many([(key, value)])[0]
+
+    def put_many(self, items: Iterable[tuple[BlockKey, Record]]) -> list[bool]:
+        """Store records in one pipelined round-trip; all ``False`` (dropped) on failure."""
+        encoded = []
+        for key, record in items:
+            kb = self._kb(key)
+            if record.key != key:
+                raise ValueError(f"record is for {record.key.short()}, put under {key.short()}")
+            encoded.append((kb, encode_record(record)))
+        if not encoded:
+            return []
+        ok, _ = self._pipeline(
+            lambda p: [p.set(kb, buf, ex=self._ttl) for kb, buf in encoded], "set"
+        )
+        with self._lock:
+            if ok:
+                self._stats.puts += len(encoded)
+                self._stats.bytes_written += sum(len(buf) for _, buf in encoded)
+            else:
+                self._stats.dropped += len(encoded)
+        return [ok] * len(encoded)
+
+    def delete(self, key: BlockKey) -> bool:
+        return self.delete_many([key]) == 1
+
+    def delete_many(self, keys: Sequence[BlockKey]) -> int:
+        kbs = [self._kb(k) for k in keys]
+        if not kbs:
+            return 0
+        ok, n = self._call(lambda c: c.delete(*kbs), "delete")
+        return int(n) if ok else 0
+
+    def keys(self, namespace: bytes | None = None) -> Iterator[BlockKey]:
+        """Keys under this prefix by ``SCAN`` (nothing while the server is unreachable)."""
+        pattern = self._prefix + (namespace.hex().encode() + b":" if namespace else b"") + b"*"
+        cursor: int | None = 0
+        seen: set[bytes] = set()  # SCAN may return a key twice
+        while cursor is not None:
+            ok, reply = self._call(
+                lambda c, cur=cursor: c.scan(cur, match=pattern, count=_SCAN_COUNT), "scan"
+            )
+            if not ok:
+                return
+            cursor, batch = reply
+            for kb in batch:
+                if kb in seen:
+                    continue
+                seen.add(kb)
+                key = self._key_of(kb)
+                if key is not None:
+                    yield key
+            if cursor == 0:
+                cursor = None
+
+    def stats(self) -> StoreStats:
+        now = time.monotonic()
+        if now - self._server_stats_at >= self._stats_interval and self.available:
+            self._refresh_server_stats()
+            self._server_stats_at = now
+        with self._lock:
+            return dataclasses.replace(self._stats)
+
+    def _refresh_server_stats(self) -> None:
+        ok, info = self._call(lambda c: c.info("memory"), "info")
+        if not ok:
+            return
+        entries = sum(1 for _ in self.keys())
+        with self._lock:
+            self._stats.entries = entries
+            self._stats.bytes_used = int(info.get("used_memory", 0))
+            self._stats.capacity_bytes = int(info.get("maxmemory", 0))
+
+    def close(self) -> None:
+        """Release the connection pool. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._client.close()
+        self._client.connection_pool.disconnect()

@@ -1,0 +1,154 @@
+"""The remote tier behind the tier manager: engines that share a Valkey/Redis server share
+their prefixes, tenants (cache salts) stay apart, and a dead server only costs hits."""
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from engine import LLM
+from engine_testing import one_thread  # noqa: F401  (autouse fixture)
+from redis_server import RedisServer, server_binary
+from test_tier_manager import BLOCK, FLUSH, GREEDY, PROMPTS, hit_tokens, make_llm
+from tiered_kv import TierConfig
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    with LLM(max_model_len=256, enable_prefix_caching=False) as llm:
+        return [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY)]
+
+
+def remote(url: str, **fields) -> TierConfig:
+    """A remote tier with its own key prefix (tests share one server), no CPU pool."""
+    fields.setdefault("cpu_bytes", 0)
+    fields.setdefault("remote_timeout_s", 1.0)
+    return TierConfig(remote_url=url, remote_prefix=f"t-{uuid.uuid4().hex}:", **fields)
+
+
+def test_config_is_validated():
+    for fields, message in [
+        (dict(remote_url="http://h"), "start with"),
+        (dict(remote_url="redis://h", remote_write_policy="write-back"), "remote_write_policy"),
+        (dict(remote_url="redis://h", remote_timeout_s=0), "remote_timeout_s"),
+        (dict(remote_url="redis://h", remote_ttl_s=0), "remote_ttl_s"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            TierConfig(**fields)
+    assert TierConfig(cpu_bytes=0, remote_url="valkey://h:6379/0").has_remote
+
+
+def test_a_second_engine_reuses_the_first_engines_prefix(redis_server, reference, tmp_path):
+    a_tiers = remote(redis_server.url, cpu_bytes=4 << 20)
+    with make_llm(a_tiers) as a:
+        first = a.generate(PROMPTS[0], GREEDY)[0]
+        assert a.engine.connector.flush(30)
+        a_stats = a.engine.connector.stats()
+    assert first.num_cached_tokens == 0 and first.token_ids == reference[0]
+    assert a_stats["remote"]["stored_blocks"] >= hit_tokens(PROMPTS[0]) // BLOCK
+    # B: its own empty CPU pool and its own disk directory, the same server and prefix.
+    b_tiers = TierConfig(
+        kv_cache_dir=tmp_path / "b", cpu_bytes=4 << 20, disk_bytes=64 << 20,
+        remote_url=redis_server.url, remote_prefix=a_tiers.remote_prefix, remote_timeout_s=1.0,
+    )
+    with make_llm(b_tiers) as b:
+        manager = b.engine.connector
+        shared = b.generate(PROMPTS[0], GREEDY)[0]
+        assert manager.flush(30)
+        after_remote = manager.stats()
+        b.generate(FLUSH, GREEDY)
+        again = b.generate(PROMPTS[0], GREEDY)[0]
+        stats = manager.stats()
+    assert shared.token_ids == again.token_ids == reference[0]
+    assert shared.num_cached_tokens == hit_tokens(PROMPTS[0]) > 0
+    assert after_remote["remote"]["hit_blocks"] == hit_tokens(PROMPTS[0]) // BLOCK
+    assert after_remote["remote"]["corrupt"] == after_remote["remote"]["load_failures"] == 0
+    # Promoted on the remote hit: the second time the CPU pool serves it, and B's disk has it.
+    assert stats["cpu"]["hit_blocks"] == hit_tokens(PROMPTS[0]) // BLOCK
+    assert stats["remote"]["hit_blocks"] == after_remote["remote"]["hit_blocks"]
+    assert after_remote["disk"]["stored_blocks"] >= hit_tokens(PROMPTS[0]) // BLOCK
+
+
+def test_another_cache_salt_never_hits_the_remote_tier(redis_server, reference):
+    tiers = remote(redis_server.url)
+    with make_llm(tiers) as a:
+        a.generate(PROMPTS[1], GREEDY, cache_salt="tenant-a")
+        assert a.engine.connector.flush(30)
+    with make_llm(tiers) as b:
+        other = b.generate(PROMPTS[1], GREEDY, cache_salt="tenant-b")[0]
+        same = b.generate(PROMPTS[1], GREEDY, cache_salt="tenant-a")[0]
+        stats = b.engine.connector.stats()
+    assert other.num_cached_tokens == 0 and other.token_ids == reference[1]
+    assert same.num_cached_tokens == hit_tokens(PROMPTS[1]) and same.token_ids == reference[1]
+    assert stats["remote"]["hit_blocks"] == hit_tokens(PROMPTS[1]) // BLOCK
+
+
+def test_read_only_engines_do_not_write(redis_server):
+    tiers = remote(redis_server.url, remote_write_policy="read-only", cpu_bytes=4 << 20)
+    with make_llm(tiers) as llm:
+        llm.generate(PROMPTS[0], GREEDY)
+        manager = llm.engine.connector
+        assert manager.flush(30)
+        assert list(manager.stores()["remote"].keys()) == []
+        assert manager.stats()["remote"]["stored_blocks"] == 0
+
+
+def test_corrupt_remote_record_is_recomputed(redis_server, reference):
+    tiers = remote(redis_server.url)
+    with make_llm(tiers) as a:
+        a.generate(PROMPTS[0], GREEDY)
+        assert a.engine.connector.flush(30)
+    client = redis_server.client()
+    prefix = tiers.remote_prefix.encode()
+    stored = sorted(client.scan_iter(match=prefix + b"*"))
+    assert len(stored) >= hit_tokens(PROMPTS[0]) // BLOCK
+    for kb in stored:
+        client.set(kb, b"not a record")
+    with make_llm(tiers) as b:
+        again = b.generate(PROMPTS[0], GREEDY)[0]
+        stats = b.engine.connector.stats()
+    assert again.token_ids == reference[0] and again.num_cached_tokens == 0
+    assert stats["remote"]["corrupt"] >= 1 and stats["remote"]["load_failures"] >= 1
+
+
+def test_a_dead_server_costs_hits_not_requests(tmp_path, reference):
+    binary = server_binary()
+    if binary is None:
+        pytest.skip("no valkey-server or redis-server binary (CI installs redis-server)")
+    server = RedisServer(binary, tmp_path / "redis")
+    (tmp_path / "redis").mkdir()
+    server.start()
+    server.stop()
+    tiers = remote(server.url, kv_cache_dir=tmp_path / "kv", cpu_bytes=4 << 20,
+                   remote_timeout_s=0.05)
+    with make_llm(tiers) as llm:
+        outs = [llm.generate(PROMPTS[0], GREEDY)[0] for _ in range(3)]
+        stats = llm.engine.connector.stats()
+    assert all(o.token_ids == reference[0] for o in outs)
+    assert stats["remote"]["hit_blocks"] == 0
+    assert stats["remote"]["dropped"] >= 1
+    assert stats["disk"]["stored_blocks"] >= hit_tokens(PROMPTS[0]) // BLOCK
+
+
+def test_server_restart_resumes_hits(tmp_path, reference):
+    binary = server_binary()
+    if binary is None:
+        pytest.skip("no valkey-server or redis-server binary (CI installs redis-server)")
+    (tmp_path / "redis").mkdir()
+    server = RedisServer(binary, tmp_path / "redis")
+    server.start()
+    tiers = remote(server.url)
+    try:
+        with make_llm(tiers) as a:
+            a.generate(PROMPTS[0], GREEDY)
+            assert a.engine.connector.flush(30)
+        server.stop()
+        server.start()  # empty again (no persistence), same port
+        with make_llm(tiers) as a:
+            a.generate(PROMPTS[0], GREEDY)
+            assert a.engine.connector.flush(30)
+        with make_llm(tiers) as b:
+            hit = b.generate(PROMPTS[0], GREEDY)[0]
+        assert hit.num_cached_tokens == hit_tokens(PROMPTS[0]) and hit.token_ids == reference[0]
+    finally:
+        server.stop()
