@@ -1,8 +1,10 @@
 """What several benchmarks share: the machine description and random Llama checkpoints."""
 from __future__ import annotations
 
+import json
 import os
 import platform
+import sys
 from pathlib import Path
 
 import torch
@@ -41,3 +43,10 @@ def write_random_llama(path: Path, config: dict, seed: int):
     model.save_pretrained(path)
     write_tiny_tokenizer(path)
     return model
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write a benchmark's results (creating the folder) and say where."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"\nwrote {path}", file=sys.stderr)

@@ -20,10 +20,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import json
 import math
 import os
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +29,7 @@ from pathlib import Path
 import torch
 import zstandard
 
-from bench_common import machine
+from bench_common import machine, write_json
 from storage.base import BlockKey
 from storage.codecs import get_codec
 from storage.record import Record, encode_record
@@ -345,7 +343,6 @@ def main(argv: list[str] | None = None) -> None:
               f"logit std {stats['logit_std']:.2f}, mean top attention weight "
               f"{stats['mean_top_weight']:.2f}")
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "command": "python benchmarks/codecs.py" + (" --quick" if args.quick else ""),
         "machine": machine(libzstd=".".join(map(str, zstandard.ZSTD_VERSION))),
@@ -356,8 +353,7 @@ def main(argv: list[str] | None = None) -> None:
         "rows": rows,
         "targets": targets,
     }
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {args.out}", file=sys.stderr)
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

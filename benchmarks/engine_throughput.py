@@ -19,9 +19,7 @@ Both engines run the same random Llama, written by ``transformers`` itself (hidd
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,7 +29,7 @@ import transformers
 
 from engine.llm import LLM
 from engine.sampler import SamplingParams
-from bench_common import machine, write_random_llama
+from bench_common import machine, write_json, write_random_llama
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = 0
@@ -189,7 +187,6 @@ def main(argv: list[str] | None = None) -> None:
         tt = ttft(model, path, prefix_len, 16, requests)
     print_tables(tp, tt)
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "command": "python benchmarks/engine_throughput.py" + (" --quick" if args.quick else "")
         + (f" --threads {args.threads}" if args.threads != 1 else ""),
@@ -199,8 +196,7 @@ def main(argv: list[str] | None = None) -> None:
         "throughput": tp,
         "ttft": tt,
     }
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {args.out}", file=sys.stderr)
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import json
 import os
 import platform
 import shutil
@@ -38,6 +37,7 @@ from pathlib import Path
 import lmdb
 import torch
 
+from bench_common import write_json
 from storage.base import BlockKey
 from storage.cpu_pool import CpuBlockPool, HostBlock
 from storage.lmdb_store import LmdbStore
@@ -360,9 +360,7 @@ def main() -> None:
             for row in rows
         ],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ from engine.llm import LLM
 from engine.sampler import SamplingParams
 from tiered_kv.config import TierConfig
 from tiered_kv.tier_manager import build_llm
-from bench_common import machine, write_random_llama
+from bench_common import machine, write_json, write_random_llama
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = 0
@@ -518,7 +518,6 @@ def main(argv: list[str] | None = None) -> None:
         {"target": name, "measured": value, "goal": goal, "pass": ok}
         for name, value, goal, ok in verdicts(result)
     ]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     out = {
         "command": "python benchmarks/ttft_tiers.py" + (" --quick" if args.quick else "")
         + (f" --prefix-tokens {args.prefix_tokens}" if args.prefix_tokens != 2048 else ""),
@@ -527,8 +526,7 @@ def main(argv: list[str] | None = None) -> None:
         "model": MODEL,
         "result": result,
     }
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"\nwrote {args.out}", file=sys.stderr)
+    write_json(args.out, out)
 
 
 if __name__ == "__main__":
