@@ -31,15 +31,22 @@ def machine(**extra: str) -> dict:
     }
 
 
-def write_random_llama(path: Path, config: dict, seed: int):
+def write_random_llama(
+    path: Path, config: dict, seed: int, *, device: str = "cpu", dtype: torch.dtype = torch.float32
+):
     """A random ``LlamaForCausalLM`` saved by ``transformers`` itself, plus the tiny model's
-    byte-level tokenizer (with its chat template). Returns the ``transformers`` model."""
+    byte-level tokenizer (with its chat template). Returns the ``transformers`` model.
+
+    ``device``: where the weights are initialized (``cuda`` is much faster for large
+    models); ``dtype``: the dtype they are saved in."""
     import transformers
 
     from engine.models.tiny import write_tiny_tokenizer
 
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    model = model.to(dtype).eval()
     model.save_pretrained(path)
     write_tiny_tokenizer(path)
     return model

@@ -125,8 +125,8 @@ def cpu_hit(model: Path, prompts: list[list[int]], prefix_tokens: int, cache: Pa
         hits = [timed(llm, p) for p in prompts[1:]]
         stats = manager.stats()
         kv = llm.engine.model_runner.kv_cache
-        block_nbytes = kv[:, :, 0].numel() * kv.element_size()
-        block_shape = kv[:, :, 0].shape
+        block_nbytes = kv[0].numel() * kv.element_size()
+        block_shape = kv[0].shape
     cpu = stats["cpu"]
     blocks = cpu["hit_blocks"]
     return {
@@ -153,22 +153,19 @@ def memcpy_bandwidth(
     block_shape: torch.Size, dtype: torch.dtype, blocks: int, repeats: int = 5
 ) -> dict:
     """Bytes per second (median of ``repeats``, caches cold) of ``copy_`` of ``blocks``
-    blocks from a preallocated host slab into a preallocated contiguous tensor, and into a
-    tensor with the engine's KV-cache layout (where a restore has to put them)."""
+    blocks from a preallocated host slab into a preallocated block-major tensor, the
+    engine's KV-cache layout (where a restore has to put them)."""
     src = torch.randn((blocks, *block_shape)).to(dtype)  # [N, L, 2, T, H, D]
     contiguous = torch.empty_like(src)
-    L, two, T, H, D = block_shape
-    engine_layout = torch.empty((L, two, blocks, T, H, D), dtype=dtype)
-    times: dict[str, list[float]] = {"contiguous": [], "engine_layout": []}
+    times: list[float] = []
     for _ in range(repeats):
-        for name, dst in (("contiguous", contiguous), ("engine_layout", engine_layout)):
-            evict_cpu_caches()
-            start = time.perf_counter()
-            for i in range(blocks):
-                (dst[i] if name == "contiguous" else dst[:, :, i]).copy_(src[i])
-            times[name].append(time.perf_counter() - start)
+        evict_cpu_caches()
+        start = time.perf_counter()
+        for i in range(blocks):
+            contiguous[i].copy_(src[i])
+        times.append(time.perf_counter() - start)
     nbytes = src.numel() * src.element_size()
-    return {name: nbytes / statistics.median(t) for name, t in times.items()}
+    return {"contiguous": nbytes / statistics.median(times)}
 
 
 def disk_hit(model: Path, prompts: list[list[int]], prefix_tokens: int, cache: Path) -> dict:
@@ -431,8 +428,7 @@ def print_report(r: dict) -> None:
     cpu, disk = r["cpu_plain_bytes_per_s"], r["disk_plain_bytes_per_s"]
     cpu_bw, disk_bw = r["cpu_restore_bytes_per_s"], r["disk_restore_bytes_per_s"]
     rows = [
-        ("CPU pool", cpu_bw, "copy_ per block, contiguous", cpu["contiguous"]),
-        ("CPU pool", cpu_bw, "copy_ per block, engine layout", cpu["engine_layout"]),
+        ("CPU pool", cpu_bw, "copy_ per block, contiguous (engine layout)", cpu["contiguous"]),
         ("disk, all requests", disk_bw, "pread per block", disk["pread"]),
         ("disk, all requests", disk_bw, "preadv into preallocated", disk["preadv_into"]),
         ("disk, first request", r["disk_first_restore_bytes_per_s"], "pread per block",

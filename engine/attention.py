@@ -1,7 +1,9 @@
 """Paged attention: the one place where the model meets the KV cache.
 
-The KV cache is one tensor ``[L, 2, num_blocks, block_size, kv_heads, head_dim]``; each
-layer gets the view ``kv_cache[layer]`` of shape ``[2, num_blocks, block_size, H, D]``.
+The KV cache is one block-major tensor ``[num_blocks, L, 2, block_size, kv_heads, head_dim]``;
+each layer gets the strided view :func:`engine.kv_cache.layer_view` of shape
+``[2, num_blocks, block_size, H, D]``, in which only each block's ``[block_size, H, D]`` is
+contiguous. Everything here reads and writes through that view.
 A step runs a flattened batch: ``N`` new tokens from ``B`` sequences, sequence ``b``
 owning rows ``query_start_loc[b] : query_start_loc[b+1]``. Its new tokens are the *last*
 ``query_len`` positions of its ``seq_len`` context::
@@ -75,15 +77,21 @@ def write_kv(
     slot_mapping: torch.Tensor,  # [N]
     scales: KVScales = KVScales(),
 ) -> None:
-    """Store new keys and values into their cache slots (quantizing for an fp8 cache)."""
-    flat = layer_cache.flatten(1, 2)  # [2, num_blocks * block_size, H, D]
+    """Store new keys and values into their cache slots (quantizing for an fp8 cache).
+
+    Writes in place through ``layer_cache``, which may be a strided view: flattening its
+    block and token dims would copy it, so each slot is indexed as (block, offset).
+    """
+    block_size = layer_cache.shape[2]
+    index = (slot_mapping // block_size, slot_mapping % block_size)  # ([N], [N])
+    cache = layer_cache
     k = _to_cache(k, layer_cache.dtype, scales.k)
     v = _to_cache(v, layer_cache.dtype, scales.v)
     if layer_cache.dtype in FP8_DTYPES:
-        # index_copy_ has no fp8 kernel on the CPU; copying the bytes is the same
-        flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
-    flat[0].index_copy_(0, slot_mapping, k)
-    flat[1].index_copy_(0, slot_mapping, v)
+        # index_put_ has no fp8 kernel on the CPU; copying the bytes is the same
+        cache, k, v = cache.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+    cache[0].index_put_(index, k)
+    cache[1].index_put_(index, v)
 
 
 def _to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:

@@ -8,10 +8,14 @@ queue, so the queue is the LRU order of unreferenced blocks.
 
 A hit needs both the chained hash and the block's token ids to match: the hash finds the
 block, the token check guarantees it holds what the sequence needs.
+
+A *hold* is a reference that belongs to no sequence: the engine holds a block while the
+connector's save still reads it. A held block stays out of the free queue (and, if cached,
+findable by its hash) until it is released.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence as Seq
 
 from engine.sequence import Sequence
@@ -47,6 +51,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[bytes, int] = {}  # hash -> block id
+        self._holds: Counter[int] = Counter()  # block id -> holds on it (part of its ref_count)
         self._on_evict = on_evict
 
     @property
@@ -64,6 +69,15 @@ class BlockManager:
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
+
+    @property
+    def num_held_blocks(self) -> int:
+        return len(self._holds)
+
+    @property
+    def num_held_only_blocks(self) -> int:
+        """Held blocks that no sequence uses: they become free when released."""
+        return sum(1 for b, n in self._holds.items() if self.blocks[b].ref_count == n)
 
     def is_cached(self, block_hash: bytes) -> bool:
         return block_hash in self._cached
@@ -120,6 +134,31 @@ class BlockManager:
             if block.ref_count == 0:
                 self._free[block_id] = None
         seq.block_table = []
+
+    def hold(self, block_ids: Seq[int]) -> None:
+        """Take a reference on each block that keeps it from reuse until :meth:`release`."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+            self._holds[block_id] += 1
+
+    def release(self, block_ids: Seq[int]) -> None:
+        """Drop holds taken by :meth:`hold`. A block left unreferenced joins the free queue's
+        tail, still findable by its hash. Raises ``ValueError`` (changing nothing) for a
+        block not held that many times."""
+        for block_id, count in Counter(block_ids).items():
+            if self._holds[block_id] < count:
+                raise ValueError(f"block {block_id} is released more often than it is held")
+        for block_id in block_ids:
+            self._holds[block_id] -= 1
+            if not self._holds[block_id]:
+                del self._holds[block_id]
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
 
     def cache_blocks(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Register ``seq``'s full blocks ``start..end-1`` (computed, hashed) in the prefix cache.

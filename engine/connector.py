@@ -6,21 +6,32 @@ every block that becomes full, and tells it which cached blocks it evicts. Block
 named by their chained hashes (:mod:`engine.hashing`) under the namespace given to
 :meth:`KVConnector.register_kv_cache`.
 
+Both directions are asynchronous, so the engine thread never waits on a lower tier:
+
+- **Loads.** :meth:`KVConnector.start_load` only starts a load. The request waits in a
+  loading state, holding the blocks it was given, while other requests keep stepping.
+  The engine learns from :meth:`KVConnector.poll` how many of the blocks are in place; it
+  marks those computed and schedules the request.
+- **Saves.** :meth:`KVConnector.save_blocks` only starts the copies. The engine holds each
+  offered block (it is not freed for reuse) until :meth:`KVConnector.poll` reports it in
+  ``saved``, so a copy never reads a block that a later step overwrites.
+
 Threading: the engine calls every method from its one engine thread, never concurrently.
-A connector may run its own threads; it must not touch the KV cache outside the calls
-below (writes only inside :meth:`KVConnector.load_blocks`, reads only inside
-:meth:`KVConnector.save_blocks`), because the engine reuses blocks as soon as a call returns.
+A connector may run its own threads. It may write a block only between ``start_load`` and
+the ``poll`` that reports that load, and read a block only between ``save_blocks`` and the
+``poll`` that reports it saved. On CUDA, what ``poll`` reports must be complete on the
+device (an event that has completed), so the engine needs no synchronize.
 
 Order of calls for one request::
 
-    get_num_matched_blocks -> (blocks allocated) -> load_blocks -> ... steps ...
-        -> save_blocks (per step, for blocks that became full) -> request_finished
+    get_num_matched_blocks -> (blocks allocated) -> start_load -> poll ... poll (loaded)
+        -> steps, with save_blocks for blocks that became full -> request_finished
 """
 from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -36,6 +47,25 @@ class SavedBlock:
     is_prompt: bool  # all of its tokens are prompt tokens (not generated ones)
 
 
+@dataclasses.dataclass(frozen=True)
+class FinishedTransfers:
+    """What the connector finished since the previous :meth:`KVConnector.poll`.
+
+    ``loaded``: request id -> how many leading blocks of its :meth:`~KVConnector.start_load`
+    are now in the KV cache (fewer than asked when a block could not be served: the engine
+    recomputes the rest). Every ``start_load`` is reported exactly once.
+    ``saved``: block ids whose save no longer reads them (copied, or given up). Every block
+    id offered to :meth:`~KVConnector.save_blocks` is reported exactly once.
+    """
+
+    loaded: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    saved: Sequence[int] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.loaded and not self.saved
+
+
 class KVConnector(abc.ABC):
     """What a KV connector must do. Subclass it and pass an instance as ``kv_connector``."""
 
@@ -43,10 +73,11 @@ class KVConnector(abc.ABC):
     def register_kv_cache(self, kv_cache: torch.Tensor, namespace: bytes, block_size: int) -> None:
         """Called once, before any request, with the engine's whole KV cache.
 
-        ``kv_cache`` is ``[L, 2, num_blocks, block_size, kv_heads, head_dim]``; block ``b`` is
-        ``kv_cache[:, :, b]``. It stays valid until :meth:`close`. ``namespace`` is the
-        32-byte digest of everything that makes these KV bytes compatible (model, KV dtype
-        and fp8 scales, block size, layout): keys from another namespace must never be used.
+        ``kv_cache`` is block-major, ``[num_blocks, L, 2, block_size, kv_heads, head_dim]``:
+        block ``b`` is ``kv_cache[b]``, one contiguous region. It stays valid until
+        :meth:`close`. ``namespace`` is the 32-byte digest of everything that makes these
+        KV bytes compatible (model, KV dtype and fp8 scales, block size, layout): keys from
+        another namespace must never be used.
         """
 
     @abc.abstractmethod
@@ -59,33 +90,38 @@ class KVConnector(abc.ABC):
         ``block_hashes`` is the chain of all the request's full blocks. The answer counts from
         ``block_hashes[num_computed_blocks]`` on and stops at the first missing block. The
         engine may use fewer (it always computes at least the last prompt token itself).
-        Should be quick: it runs while the engine schedules a step.
+        Must be quick (index lookups, no reads of block data): it runs while the engine
+        schedules a step.
         """
 
     @abc.abstractmethod
-    def load_blocks(
+    def start_load(
         self, request_id: str, block_hashes: Sequence[bytes], block_ids: Sequence[int]
-    ) -> bool:
-        """Write the KV of ``block_hashes[i]`` into GPU block ``block_ids[i]``, for every i.
+    ) -> None:
+        """Start writing the KV of ``block_hashes[i]`` into block ``block_ids[i]``, for every i.
 
-        Synchronous: the data must be in place (copies complete or ordered on the current
-        stream) when this returns. Return False on any failure; the engine then treats all
-        these blocks as not computed and recomputes them, so a partial write is harmless.
-        Only after True are the blocks marked computed and entered in the prefix cache.
-        The engine calls this while scheduling the step that admits the request, so the
-        load time adds to that one step; other requests are not held up beyond it.
+        Returns at once; the blocks belong to the connector until :meth:`poll` reports
+        ``request_id`` in ``loaded``. Blocks past the reported count may hold anything:
+        the engine recomputes them. Only the reported blocks are marked computed and
+        entered in the prefix cache.
         """
 
     @abc.abstractmethod
     def save_blocks(self, blocks: Sequence[SavedBlock]) -> None:
         """Offered after each step: the blocks that became full and were written in it.
 
-        The connector must copy what it wants during this call (or enqueue a copy ordered on
-        the current stream): the engine may overwrite the block in any later step. Blocks
-        are given in chain order per request; ``is_prompt`` lets a connector keep prompt
-        blocks only. A block whose hash is already in the engine's prefix cache (for
-        example, it was loaded from this connector) is not offered again.
+        Returns at once. The engine does not reuse these blocks until :meth:`poll`
+        reports them in ``saved``. Blocks are given in chain order per request;
+        ``is_prompt`` lets a connector keep prompt blocks only. A block whose hash is
+        already in the engine's prefix cache (for example, it was loaded from this
+        connector) is not offered again.
         """
+
+    @abc.abstractmethod
+    def poll(self, timeout: float = 0.0) -> FinishedTransfers:
+        """The loads and saves finished since the last call. Waits up to ``timeout``
+        seconds for at least one when there is none yet (the engine waits only when it
+        has nothing else to run)."""
 
     @abc.abstractmethod
     def on_blocks_evicted(self, block_hashes: Sequence[bytes]) -> None:
@@ -93,8 +129,10 @@ class KVConnector(abc.ABC):
 
     @abc.abstractmethod
     def request_finished(self, request_id: str) -> None:
-        """The request finished or was aborted; per-request state may be dropped."""
+        """The request finished or was aborted; per-request state may be dropped. A load
+        still running for it is still reported by :meth:`poll`."""
 
     @abc.abstractmethod
     def close(self) -> None:
-        """The engine shuts down; the KV cache tensor is no longer valid after this returns."""
+        """The engine shuts down; the KV cache tensor is no longer valid after this returns.
+        Transfers still running are finished or abandoned before it returns."""

@@ -18,7 +18,9 @@ import struct
 from collections.abc import Sequence
 
 DIGEST_SIZE = 32
-KV_LAYOUT_VERSION = 1  # [L, 2, num_blocks, block_size, kv_heads, head_dim]; bump on any change
+# Versions the layout of one block's bytes, [L, 2, block_size, kv_heads, head_dim]; bump on
+# any change to it. How the engine's pool arranges its blocks does not enter it.
+KV_LAYOUT_VERSION = 1
 _NAMESPACE_MAGIC = b"tiered-kv/kv-namespace"
 _MAX_TOKEN_ID = 2**32 - 1
 

@@ -1,7 +1,10 @@
 """The KV cache tensor: its shape, how many blocks fit, and fp8 scales.
 
-One tensor ``[L, 2, num_blocks, block_size, kv_heads, head_dim]`` holds every layer's keys
-(index 0) and values (index 1); layer ``l`` uses the view ``kv_cache[l]``.
+One block-major tensor ``[num_blocks, L, 2, block_size, kv_heads, head_dim]`` holds every
+layer's keys (index 0) and values (index 1): block ``b`` is ``kv_cache[b]``, one contiguous
+``[L, 2, T, H, D]`` region, so a block moves to and from host memory in one copy. Layer
+``l`` attends through :func:`layer_view`, a strided ``[2, num_blocks, T, H, D]`` view in
+which each block's ``[T, H, D]`` is contiguous.
 
 Sizing. ``num_gpu_blocks_override`` wins everywhere. On the CPU the cache gets
 ``cpu_kv_cache_bytes``. On CUDA it gets what ``gpu_memory_utilization`` of the device leaves
@@ -49,10 +52,18 @@ class KVCacheSpec:
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     def shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
+        # [num_blocks, L, 2, T, H, D]
         return torch.zeros(self.shape(num_blocks), dtype=self.dtype, device=device)
+
+
+def layer_view(kv_cache: torch.Tensor, layer: int) -> torch.Tensor:
+    """Layer ``layer``'s ``[2, num_blocks, T, H, D]`` view of a ``[num_blocks, L, 2, T, H, D]``
+    cache: not contiguous (blocks lie ``L * 2 * T * H * D`` elements apart), but each block's
+    ``[T, H, D]`` is. Writes through it land in ``kv_cache``."""
+    return kv_cache[:, layer].transpose(0, 1)
 
 
 def kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -82,5 +93,5 @@ def fp8_scale(amax: float) -> float:
 
 def fp8_scales_from_cache(kv_cache: torch.Tensor) -> list[KVScales]:
     """Per-layer scales from a cache filled (in a wider dtype) by a calibration forward."""
-    amax = kv_cache.abs().amax(dim=(2, 3, 4, 5)).float().tolist()  # [L, 2]
+    amax = kv_cache.abs().amax(dim=(0, 3, 4, 5)).float().tolist()  # [L, 2]
     return [KVScales(k=fp8_scale(k), v=fp8_scale(v)) for k, v in amax]

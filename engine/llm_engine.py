@@ -38,6 +38,7 @@ from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 DETOKENIZER_CONTEXT = 4  # prompt tokens decoded before the first output token
+TRANSFER_WAIT_S = 0.05  # how long a step with nothing to run waits for the connector
 
 
 @dataclasses.dataclass
@@ -175,8 +176,9 @@ class LLMEngine:
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a waiting or running request and free its blocks; its final output, or None
-        if there is no such unfinished request."""
+        """Stop a waiting, loading or running request and free its blocks (a loading one's
+        once its load is reported); its final output, or None if there is no such unfinished
+        request."""
         seq = self.scheduler.get(request_id)
         if seq is None:
             return None
@@ -184,13 +186,24 @@ class LLMEngine:
         return self._output(seq, self._texts.pop(request_id))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests waiting, loading or running, or connector transfers still to be reported
+        (a load of an aborted request, saves that hold blocks): steps complete them all."""
+        return self.scheduler.has_unfinished() or self.scheduler.has_pending_transfers()
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; an output for every request that got a token or finished in it."""
+        """Run one step; an output for every request that got a token or finished in it.
+
+        With a connector, the step first takes in the transfers it finished. When nothing
+        can run until a transfer finishes, the step waits up to ``TRANSFER_WAIT_S`` for one
+        and may then run nothing."""
+        if self.connector is not None:
+            self.scheduler.apply_transfers(self.connector.poll())
         plan = self.scheduler.schedule()
+        if plan.is_empty and self.scheduler.has_pending_transfers():
+            self.scheduler.apply_transfers(self.connector.poll(TRANSFER_WAIT_S))
+            plan = self.scheduler.schedule()
         if plan.is_empty:
-            if self.scheduler.has_unfinished():
+            if self.scheduler.has_unfinished() and not self.scheduler.has_pending_transfers():
                 raise RuntimeError("the scheduler could not schedule any of the queued requests")
             return []
         samples = self.model_runner.run(plan)
@@ -210,6 +223,7 @@ class LLMEngine:
             num_cached_blocks=bm.num_cached_blocks,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
+            num_loading=len(self.scheduler.loading),
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
             connector_hits=s.connector_hits,
@@ -224,8 +238,8 @@ class LLMEngine:
         )
 
     def close(self) -> None:
-        """Abort what is left and release the connector and NVML; no request can be added
-        afterwards. Idempotent."""
+        """Abort what is left, release the connector and NVML and give the KV cache's memory
+        back; no request can be added afterwards. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -234,6 +248,7 @@ class LLMEngine:
         if self.connector is not None:
             self.connector.close()
         self._telemetry.close()
+        self.model_runner.free_kv_cache()
 
     def _detokenizer(
         self, prompt_token_ids: list[int], params: SamplingParams

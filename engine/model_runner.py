@@ -44,13 +44,21 @@ class ModelRunner:
         self.eos_token_ids = tuple(t for t in eos_token_ids if 0 <= t < vocab_size)
         self.vocab_size = vocab_size
         self.sampler = Sampler()
-        self.kv_cache: torch.Tensor | None = None  # [L, 2, num_blocks, block_size, H, D]
+        self.kv_cache: torch.Tensor | None = None  # [num_blocks, L, 2, block_size, H, D]
         self.kv_scales: list[KVScales] | None = None
 
     def init_kv_cache(self, num_blocks: int, kv_scales: list[KVScales] | None) -> torch.Tensor:
-        self.kv_cache = self.spec.allocate(num_blocks, self.device)
+        self.kv_cache = self.spec.allocate(num_blocks, self.device)  # [num_blocks, L, 2, T, H, D]
         self.kv_scales = kv_scales
         return self.kv_cache
+
+    def free_kv_cache(self) -> None:
+        """Drop the KV cache and, on CUDA, return its memory to the device (the caching
+        allocator would otherwise keep it from the next engine in this process). Whoever
+        else held a view of it must have dropped it first."""
+        self.kv_cache = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     @torch.inference_mode()
     def run(self, output: SchedulerOutput) -> list[Sample | None]:
@@ -111,7 +119,7 @@ class ModelRunner:
             count = -(-len(prompt) // self.block_size)
             tables.append(list(range(num_blocks, num_blocks + count)))
             num_blocks += count
-        cache = spec.allocate(num_blocks, self.device)
+        cache = spec.allocate(num_blocks, self.device)  # [num_blocks, L, 2, T, H, D]
         lengths = [len(p) for p in prompts]
         batch = self._prepare(prompts, [0] * len(prompts), lengths, tables, range(len(prompts)))
         hidden = self.model(batch.input_ids, batch.positions, cache, batch.meta, kv_scales)

@@ -2,15 +2,34 @@
 
 Each step the scheduler hands out up to ``max_num_batched_tokens`` tokens:
 
-1. running sequences first, in arrival order: one token for a decode, a chunk for a
-   prefill still in progress. When the pool has no block for one of them, the most recently
-   arrived running sequence is preempted (its blocks freed, back to the head of the waiting
-   queue, recomputed later — its full blocks usually still hit the prefix cache);
+1. running sequences first, oldest first: one token for a decode, a chunk for a prefill
+   still in progress. When the pool has no block for one of them, the newest running
+   sequence is preempted (its blocks freed, back to the head of the waiting queue,
+   recomputed later — its full blocks usually still hit the prefix cache). If blocks held
+   for the connector's saves would free up instead, the sequence sits this step out: they
+   come back as soon as the saves are reported;
 2. then waiting sequences, first come first served, while there are budget, blocks and
-   room under ``max_num_seqs`` (none in a step that had to preempt). A new sequence first
-   takes its longest prefix from the GPU prefix cache, then the blocks the connector can
-   supply after it (loaded right away), and computes the rest — at least its last token,
-   whose logits it needs. Without chunked prefill its whole remainder must fit the budget.
+   room under ``max_num_seqs`` (none in a step that ran short of blocks). A new sequence
+   first takes its longest prefix from the GPU prefix cache. If the connector can supply
+   blocks after it, the sequence gets blocks for the hit and those, starts the load and
+   waits, LOADING, taking no budget; the next sequence is admitted. Otherwise it computes
+   the rest — at least its last token, whose logits it needs. Without chunked prefill its
+   whole remainder must fit the budget.
+
+A load ends when the connector's ``poll`` reports it (:meth:`Scheduler.apply_transfers`):
+the blocks it filled count as computed and enter the prefix cache, and the sequence joins
+the running ones; blocks that did not load are recomputed (in chunks if the budget says so,
+even without chunked prefill). Loading sequences count toward ``max_num_seqs``, so a
+finished load always finds a running slot. ::
+
+    waiting --admit---------------------------> running --finish / abort--> finished
+      |  ^                                       |   ^
+      |  '---------------preempt-----------------'   |
+      '--admit, start_load--> loading --poll: n loaded'
+                                 '--abort--> finished (blocks freed once the load is reported)
+
+Blocks offered to ``save_blocks`` are held (:meth:`BlockManager.hold`) until ``poll``
+reports them saved.
 """
 from __future__ import annotations
 
@@ -21,11 +40,19 @@ from typing import NamedTuple
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.connector import KVConnector, SavedBlock
+from engine.connector import FinishedTransfers, KVConnector, SavedBlock
 from engine.sequence import Sequence, SequenceStatus
 from engine.stats import StatsCollector
 
 logger = logging.getLogger(__name__)
+
+
+class _Load(NamedTuple):
+    """A load in flight: ``seq``'s blocks ``first .. first + num_blocks - 1``."""
+
+    seq: Sequence
+    first: int
+    num_blocks: int
 
 
 class ScheduledSequence(NamedTuple):
@@ -66,6 +93,8 @@ class Scheduler:
         self.connector = connector
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.loading: dict[str, _Load] = {}  # request id -> its load in flight
+        self._aborted_loads: dict[str, _Load] = {}  # of finished requests, still in flight
         self._requests: dict[str, Sequence] = {}
         self._hashing = config.enable_prefix_caching or connector is not None
 
@@ -75,6 +104,10 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
+
+    def has_pending_transfers(self) -> bool:
+        """Loads not yet reported (also of aborted requests) or blocks held for saves."""
+        return bool(self.loading or self._aborted_loads or self.block_manager.num_held_blocks)
 
     def get(self, request_id: str) -> Sequence | None:
         return self._requests.get(request_id)
@@ -95,30 +128,43 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
+        waits_for_saves = False
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
+            if self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):
                 scheduled.append(ScheduledSequence(seq, num_new))
                 budget -= num_new
                 i += 1
+            elif self.block_manager.num_held_only_blocks:
+                # Saves in flight give blocks back soon: cheaper to wait than to recompute.
+                waits_for_saves = True
+                i += 1
+            else:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
 
         while (
             self.waiting
             and budget > 0
             and not preempted
-            and len(self.running) < self.config.max_num_seqs
+            and not waits_for_saves
+            and len(self.running) + len(self.loading) < self.config.max_num_seqs
         ):
             seq = self.waiting[0]
-            num_new = self._admit(seq, budget)
+            max_hit_blocks = (seq.num_tokens - 1) // self.block_size  # the last token is computed
+            gpu_hit = self.block_manager.find_cached_prefix(seq, max_hit_blocks)
+            num_external = self._num_external(seq, len(gpu_hit), max_hit_blocks)
+            if num_external:
+                if not self._start_load(seq, gpu_hit, num_external):
+                    break
+                if seq.status is SequenceStatus.LOADING:
+                    self.waiting.popleft()
+                    continue
+            num_new = self._admit(seq, gpu_hit, budget)
             if num_new is None:
                 break
             self.waiting.popleft()
@@ -143,71 +189,126 @@ class Scheduler:
             if self.connector is not None:
                 saved += [self._saved_block(seq, i) for i in new]
         if saved:
-            self.connector.save_blocks(saved)
+            block_ids = [block.block_id for block in saved]
+            self.block_manager.hold(block_ids)
+            try:
+                self.connector.save_blocks(saved)
+            except Exception:
+                logger.exception("KV connector could not start saving %d blocks", len(saved))
+                self.block_manager.release(block_ids)
+
+    def apply_transfers(self, finished: FinishedTransfers) -> None:
+        """Take in what :meth:`KVConnector.poll` reported: release the saved blocks; a loaded
+        sequence has its loaded blocks computed and cached, and joins the running ones.
+        Raises ``ValueError`` for a report that breaks the connector's contract."""
+        if finished.saved:
+            self.block_manager.release(finished.saved)
+        for request_id, num_loaded in finished.loaded.items():
+            if request_id in self.loading:
+                self._end_load(self.loading.pop(request_id), num_loaded, aborted=False)
+            elif request_id in self._aborted_loads:
+                self._end_load(self._aborted_loads.pop(request_id), num_loaded, aborted=True)
+            else:
+                raise ValueError(f"the KV connector reported a load {request_id!r} never started")
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End ``seq`` (running or waiting) with ``reason`` and release its blocks."""
+        """End ``seq`` (running, waiting or loading) with ``reason`` and release its blocks
+        (a loading one's once its load is reported: the connector may still write them)."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self.block_manager.free(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            self.block_manager.free(seq)
+        elif seq.status is SequenceStatus.LOADING:
+            self._aborted_loads[seq.request_id] = self.loading.pop(seq.request_id)
         else:
             return
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self.block_manager.free(seq)
         del self._requests[seq.request_id]
         self.stats.num_finished_requests += 1
         if self.connector is not None:
             self.connector.request_finished(seq.request_id)
 
-    def _admit(self, seq: Sequence, budget: int) -> int | None:
+    def _num_external(self, seq: Sequence, num_hit_blocks: int, max_hit_blocks: int) -> int:
+        """How many blocks after the GPU hit to load through the connector."""
+        if (
+            self.connector is None
+            or num_hit_blocks >= max_hit_blocks
+            or seq.request_id in self._aborted_loads  # its id would name two loads at once
+        ):
+            return 0
+        matched = self.connector.get_num_matched_blocks(
+            seq.request_id, seq.hashes_of_full_blocks(), num_hit_blocks
+        )
+        return max(0, min(matched, max_hit_blocks - num_hit_blocks))
+
+    def _admit(self, seq: Sequence, gpu_hit: list[int], budget: int) -> int | None:
         """Give a waiting ``seq`` its cached prefix and blocks; the tokens to compute, or None."""
-        bs = self.block_size
-        max_hit_blocks = (seq.num_tokens - 1) // bs  # the last token is always computed
-        gpu_hit = self.block_manager.find_cached_prefix(seq, max_hit_blocks)
-        num_external = 0
-        if self.connector is not None and len(gpu_hit) < max_hit_blocks:
-            matched = self.connector.get_num_matched_blocks(
-                seq.request_id, seq.hashes_of_full_blocks(), len(gpu_hit)
-            )
-            num_external = max(0, min(matched, max_hit_blocks - len(gpu_hit)))
-        num_hit_tokens = (len(gpu_hit) + num_external) * bs
+        num_hit_tokens = len(gpu_hit) * self.block_size
         remaining = seq.num_tokens - num_hit_tokens
         if not self.config.enable_chunked_prefill and remaining > budget:
             return None
         num_new = min(remaining, budget)
         if not self.block_manager.allocate(seq, num_hit_tokens + num_new, prefix=gpu_hit):
             return None
-
         seq.status = SequenceStatus.RUNNING
-        seq.num_computed_tokens = len(gpu_hit) * bs
+        seq.num_computed_tokens = num_hit_tokens
         self.stats.prefix_cache_queries += seq.num_tokens
-        self.stats.prefix_cache_hits += seq.num_computed_tokens
-        if num_external and self._load(seq, len(gpu_hit), num_external):
-            seq.num_computed_tokens = num_hit_tokens
-        # After a failed load the blocks stay allocated, uncomputed; they still cover the
-        # (larger) chunk: len(gpu_hit)*bs + min(rest, budget) <= num_hit_tokens + num_new.
-        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        self.stats.prefix_cache_hits += num_hit_tokens
         if seq.num_cached_tokens is None:
-            seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+            seq.num_cached_tokens = min(num_hit_tokens, seq.num_prompt_tokens)
         return num_new
 
-    def _load(self, seq: Sequence, first: int, count: int) -> bool:
-        hashes = seq.hashes_of_full_blocks()[first : first + count]
-        block_ids = seq.block_table[first : first + count]
-        try:
-            ok = self.connector.load_blocks(seq.request_id, hashes, block_ids)
-        except Exception:
-            logger.exception("KV connector load failed for %s; recomputing", seq.request_id)
-            ok = False
-        if not ok:
-            self.stats.connector_load_failures += 1
+    def _start_load(self, seq: Sequence, gpu_hit: list[int], num_external: int) -> bool:
+        """Give ``seq`` blocks for its GPU hit and the ``num_external`` blocks after it and
+        start loading those: ``seq`` is LOADING. False (and no change) if the pool is short.
+        If the connector fails to start the load, ``seq`` is left WAITING without blocks."""
+        first = len(gpu_hit)
+        if not self.block_manager.allocate(
+            seq, (first + num_external) * self.block_size, prefix=gpu_hit
+        ):
             return False
-        if self._hashing:
-            self.block_manager.cache_blocks(seq, first, first + count)
-        self.stats.connector_hits += count * self.block_size
+        try:
+            self.connector.start_load(
+                seq.request_id,
+                seq.hashes_of_full_blocks()[first : first + num_external],
+                seq.block_table[first : first + num_external],
+            )
+        except Exception:
+            logger.exception("KV connector failed to start a load for %s", seq.request_id)
+            self.stats.connector_load_failures += 1
+            self.block_manager.free(seq)
+            return True
+        seq.status = SequenceStatus.LOADING
+        seq.num_computed_tokens = first * self.block_size
+        self.stats.prefix_cache_queries += seq.num_tokens
+        self.stats.prefix_cache_hits += seq.num_computed_tokens
+        self.loading[seq.request_id] = _Load(seq, first, num_external)
         return True
+
+    def _end_load(self, load: _Load, num_loaded: int, aborted: bool) -> None:
+        """The first ``num_loaded`` blocks of ``load`` are in place: cache them, and run the
+        sequence (or, for an aborted one, free its blocks)."""
+        seq, first, num_blocks = load
+        if not 0 <= num_loaded <= num_blocks:
+            raise ValueError(
+                f"the KV connector reported {num_loaded} blocks loaded for {seq.request_id!r}, "
+                f"which asked for {num_blocks}"
+            )
+        self.block_manager.cache_blocks(seq, first, first + num_loaded)
+        if aborted:
+            self.block_manager.free(seq)
+            return
+        self.stats.connector_hits += num_loaded * self.block_size
+        if num_loaded < num_blocks:
+            self.stats.connector_load_failures += 1
+        seq.status = SequenceStatus.RUNNING
+        seq.num_computed_tokens = (first + num_loaded) * self.block_size
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+        self.running.append(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

@@ -21,7 +21,14 @@ from engine.sampler import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
+    """``WAITING -> [LOADING ->] RUNNING -> FINISHED``; preemption sends RUNNING back to WAITING.
+
+    LOADING: the connector is writing part of the prefix into the sequence's blocks; it runs
+    once :meth:`engine.connector.KVConnector.poll` reports the load.
+    """
+
     WAITING = "waiting"
+    LOADING = "loading"
     RUNNING = "running"
     FINISHED = "finished"
 

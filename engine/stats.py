@@ -20,14 +20,15 @@ class EngineStats:
     """A point-in-time copy of the engine's state and counters. Counters only grow."""
 
     num_blocks: int
-    num_used_blocks: int  # referenced by a running sequence
+    num_used_blocks: int  # referenced by a sequence, or held for a connector's save
     num_cached_blocks: int  # findable in the prefix cache (referenced or free)
     num_running: int
     num_waiting: int
+    num_loading: int  # waiting for the connector to load part of their prefix
     prefix_cache_queries: int  # tokens looked up in the GPU prefix cache
     prefix_cache_hits: int  # of those, tokens found there
     connector_hits: int  # prompt tokens loaded through the connector
-    connector_load_failures: int  # loads that failed and were recomputed
+    connector_load_failures: int  # loads that brought fewer blocks than asked (rest recomputed)
     num_preemptions: int
     num_prompt_tokens: int  # prompt tokens computed (not cached)
     num_generated_tokens: int

@@ -2,6 +2,9 @@
 
 They implement the contract of :mod:`engine.attention` (cache layout, metadata, fp8
 scales) and are tested against its torch path on the CPU under ``TRITON_INTERPRET=1``.
+A layer's cache is the strided view :func:`engine.kv_cache.layer_view`: the kernels take
+the block stride, the token stride and the K->V offset from its strides and need only each
+block's ``[block_size, H, D]`` to be contiguous.
 
 - :func:`write_kv` scatters a step's new K/V into their slots. A cache of the inputs'
   dtype gets a bit copy; an fp8 cache gets ``x / scale`` clamped to the fp8 range and
@@ -95,8 +98,8 @@ def _load_fp32(ptrs, mask, SRC_BF16: tl.constexpr):
 def _write_kv_kernel(
     k_ptr, v_ptr, cache_ptr, slot_ptr,
     k_scale, v_scale, num_slots, num_heads,
-    stride_kn, stride_kh, stride_vn, stride_vh, stride_slot, stride_head, v_offset,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+    stride_kn, stride_kh, stride_vn, stride_vh, stride_blk, stride_tok, stride_head, v_offset,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
     FP8: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr,
     SRC_BF16: tl.constexpr,
 ):
@@ -109,7 +112,11 @@ def _write_kv_kernel(
     mask = (h < num_heads)[:, None] & (d < HEAD_DIM)[None, :]
     k_src = k_ptr + n.to(tl.int64) * stride_kn + h[:, None] * stride_kh + d[None, :]
     v_src = v_ptr + n.to(tl.int64) * stride_vn + h[:, None] * stride_vh + d[None, :]
-    dst = cache_ptr + slot * stride_slot + h[:, None] * stride_head + d[None, :]
+    # blocks need not be adjacent (a layer's view skips the other layers' parts of a block)
+    dst = (
+        cache_ptr + (slot // BLOCK_SIZE) * stride_blk + (slot % BLOCK_SIZE) * stride_tok
+        + h[:, None] * stride_head + d[None, :]
+    )
     if FP8:
         k = tl.math.div_rn(_load_fp32(k_src, mask, SRC_BF16), k_scale)
         v = tl.math.div_rn(_load_fp32(v_src, mask, SRC_BF16), v_scale)
@@ -378,8 +385,13 @@ def _check_cache(layer_cache: torch.Tensor, device: torch.device) -> None:
             "layer_cache must be [2, num_blocks, block_size, kv_heads, head_dim], "
             f"got {list(layer_cache.shape)}"
         )
-    if not layer_cache.is_contiguous():
-        raise ValueError("layer_cache must be contiguous")
+    # blocks may lie anywhere (a layer's view of a block-major cache); within one, the
+    # kernels need [block_size, kv_heads, head_dim] dense
+    if not layer_cache[0, :1].is_contiguous():
+        raise ValueError(
+            "each block of layer_cache must be contiguous [block_size, kv_heads, head_dim], "
+            f"got strides {list(layer_cache.stride())}"
+        )
     _check_device(layer_cache, "layer_cache", device)
 
 
@@ -404,7 +416,7 @@ def _fp8_max_bits(dtype: torch.dtype) -> int:
 def write_kv(
     k: torch.Tensor,  # [N, H, D]
     v: torch.Tensor,  # [N, H, D]
-    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, H, D]
+    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, H, D], may be a strided view
     slot_mapping: torch.Tensor,  # [N]
     scales: KVScales = KVScales(),
 ) -> None:
@@ -450,8 +462,8 @@ def write_kv(
         k_arg, v_arg, cache, slot_mapping,
         float(scales.k), float(scales.v), layer_cache.shape[1] * layer_cache.shape[2], H,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        layer_cache.stride(2), layer_cache.stride(3), layer_cache.stride(0),
-        HEAD_DIM=D, D_PAD=d_pad, BLOCK_H=block_h,
+        layer_cache.stride(1), layer_cache.stride(2), layer_cache.stride(3), layer_cache.stride(0),
+        BLOCK_SIZE=layer_cache.shape[2], HEAD_DIM=D, D_PAD=d_pad, BLOCK_H=block_h,
         FP8=fp8 is not None, MAN=man, BIAS=bias, MAX_BITS=max_bits, SRC_BF16=src_bf16,
     )
 
@@ -497,7 +509,7 @@ def _decode_splits(num_seqs: int, kv_heads: int, max_seq_len: int, device: torch
 
 def attention(
     q: torch.Tensor,  # [N, Hq, D]
-    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D], may be a strided view
     meta: AttentionMetadata,
     scale: float,
     scales: KVScales = KVScales(),

@@ -20,7 +20,7 @@ Returned buffers
     A value returned by ``get`` is owned by the caller: it never aliases memory that the
     store will reuse, so it stays valid (and unchanged) for as long as the caller keeps it.
     Stores that can do better than a copy offer tier-specific zero-copy methods with their
-    own, documented lifetimes (e.g. :meth:`storage.cpu_pool.CpuBlockPool.read_into`).
+    own, documented lifetimes (e.g. :meth:`storage.cpu_pool.CpuBlockPool.acquire`).
 
 Misses
     ``get`` returns ``None`` for a key that is absent *or* whose stored bytes fail

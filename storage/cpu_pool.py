@@ -1,25 +1,33 @@
-"""The host-memory tier: a fixed byte budget of (pinned) CPU memory holding raw KV blocks.
+"""The host-memory tier: one (pinned) slab of equal slots, one KV block per slot.
 
-Memory is one slab reserved up front and cut into equal slots, one block per slot, so
-that a put or a load is a single contiguous copy and the slab can be pinned once (pinning
-is expensive; doing it per block would dominate small copies). The slot size is the
-block size of the first block stored, or ``block_nbytes`` if given; blocks of another
-size are refused (one pool serves one engine, whose blocks all have the same shape).
+The slab is reserved once (:class:`storage.pinned.PinnedSlab`, exactly the slots that fit
+the budget), so a block is stored and restored as one contiguous copy, in place. It is
+also the write-behind buffer of the lower tiers: a block is stored with the tiers it
+still has to reach (``pending``: ``disk``, ``remote``), and a slot that is pending, or
+that someone is copying from, is never evicted. Writers take pending blocks
+(:meth:`CpuBlockPool.take_pending`) and report them done (:meth:`CpuBlockPool.done_pending`).
 
-Slots are recycled LRU: a put into a full pool evicts the least recently used block,
-reporting it to ``on_evict`` (called without the pool's lock held, with a caller-owned
-copy, so the callback may write it to a slower tier).
+A slot's life::
+
+    free ─ reserve() ─▶ reserved ─ commit(key, pending) ─▶ visible ─ (LRU, not pending,
+     ▲                 (filled by   │                       │         no readers) ─▶ free
+     └──── unreserve() ◀────────────┘ its owner)            acquire()/release(): readers
+
+``keep_clean=False`` makes the pool a pure staging buffer: a block leaves as soon as no
+tier is pending for it.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Collection, Iterable, Iterator
 
 import torch
 
 from storage.base import BlockKey, BlockStore, StoreStats
+from storage.pinned import PinnedSlab
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,18 +46,29 @@ class _Entry:
     shape: tuple[int, ...]
     parent_hash: bytes | None
     token_ids: tuple[int, ...]
+    pending: set[str]
     readers: int = 0
+    taken: set[str] = dataclasses.field(default_factory=set)  # tiers writing it right now
 
 
-def _cuda_available() -> bool:
-    return torch.cuda.is_available()
+@dataclasses.dataclass(frozen=True)
+class SlotBlock:
+    """A block held in its slot: ``kv`` is a view of slot ``slot``, valid until the holder
+    lets go (:meth:`CpuBlockPool.release`, or :meth:`CpuBlockPool.done_pending` for a
+    writer)."""
+
+    key: BlockKey
+    slot: int
+    kv: torch.Tensor
+    parent_hash: bytes | None
+    token_ids: tuple[int, ...]
 
 
 class CpuBlockPool(BlockStore[HostBlock]):
-    """LRU pool of raw KV blocks in one (pinned when CUDA is present) host-memory slab.
+    """LRU pool of raw KV blocks in one host slab. Thread-safe.
 
-    Thread-safe. ``get`` returns a copy; :meth:`read_into` copies a block straight into a
-    caller's tensor (e.g. a GPU block) and keeps the slot from being reused meanwhile.
+    ``get`` returns a copy. :meth:`acquire` returns a view of a block's slot and keeps the
+    slot from being reused until :meth:`release`, for copies that outlive the call.
     """
 
     tier = "cpu"
@@ -60,25 +79,32 @@ class CpuBlockPool(BlockStore[HostBlock]):
         *,
         block_nbytes: int | None = None,
         pin_memory: bool | None = None,
-        on_evict: Callable[[BlockKey, HostBlock], None] | None = None,
+        keep_clean: bool = True,
     ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         if block_nbytes is not None and not 0 < block_nbytes <= capacity_bytes:
             raise ValueError(f"block_nbytes must be in (0, {capacity_bytes}], got {block_nbytes}")
         self.capacity_bytes = capacity_bytes
-        self.pin_memory = _cuda_available() if pin_memory is None else pin_memory
-        self._on_evict = on_evict
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.keep_clean = keep_clean
         self._lock = threading.Lock()
-        self._slot_freed = threading.Condition(self._lock)
+        self._changed = threading.Condition(self._lock)
         self._entries: collections.OrderedDict[BlockKey, _Entry] = collections.OrderedDict()
-        self._slab: torch.Tensor | None = None  # [num_slots, slot_nbytes] uint8
+        self._slab: PinnedSlab | None = None
         self._free: list[int] = []
         self._slot_nbytes = 0
+        self._pending_count: collections.Counter[str] = collections.Counter()
+        # tier -> keys pending for it that no writer has taken yet, oldest first
+        self._queues: collections.defaultdict[str, collections.OrderedDict[BlockKey, None]] = (
+            collections.defaultdict(collections.OrderedDict)
+        )
         self._stats = StoreStats(tier=self.tier, capacity_bytes=capacity_bytes)
         self._closed = False
         if block_nbytes is not None:
-            self._reserve(block_nbytes)
+            self._reserve_slab(block_nbytes)
+
+    # ------------------------------------------------------------------ slab
 
     @property
     def slot_nbytes(self) -> int:
@@ -86,62 +112,101 @@ class CpuBlockPool(BlockStore[HostBlock]):
 
     @property
     def num_slots(self) -> int:
-        return 0 if self._slab is None else self._slab.shape[0]
+        return 0 if self._slab is None else self._slab.tensor.shape[0]
 
-    def _reserve(self, slot_nbytes: int) -> None:
+    @property
+    def slab(self) -> torch.Tensor:
+        """The whole slab, ``[num_slots, slot_nbytes]`` uint8 (for batched copies)."""
+        if self._slab is None:
+            raise RuntimeError("the pool has no slab yet (no block size known)")
+        return self._slab.tensor
+
+    def _reserve_slab(self, slot_nbytes: int) -> None:
         num_slots = self.capacity_bytes // slot_nbytes
-        self._slab = torch.empty(
-            (num_slots, slot_nbytes), dtype=torch.uint8, pin_memory=self.pin_memory
-        )
+        self._slab = PinnedSlab(num_slots, slot_nbytes, pin=self.pin_memory)
         self._slot_nbytes = slot_nbytes
         self._free = list(range(num_slots - 1, -1, -1))
 
-    def _slot_view(self, entry: _Entry) -> torch.Tensor:
-        assert self._slab is not None
-        return self._slab[entry.slot].view(entry.dtype).view(entry.shape)
+    def slot_view(self, slot: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        return self.slab[slot].view(dtype).view(shape)
+
+    # ------------------------------------------------------------------ reserve and commit
+
+    def reserve(self) -> int | None:
+        """A slot for a new block: a free one, or the least recently used block's that is
+        neither pending nor being read (evicted). ``None`` when every slot is busy."""
+        with self._lock:
+            self._check_open()
+            return self._take_slot_locked()
+
+    def commit(
+        self,
+        key: BlockKey,
+        slot: int,
+        kv_dtype: torch.dtype,
+        kv_shape: tuple[int, ...],
+        parent_hash: bytes | None,
+        token_ids: Iterable[int],
+        pending: Collection[str] = (),
+        *,
+        hold: bool = False,
+    ) -> bool:
+        """Make the block filled into ``slot`` visible under ``key``, still to be written to
+        the tiers in ``pending``; ``hold``: also :meth:`acquire` it. ``False`` (and the slot
+        freed) if ``key`` is already here or the pool is closed."""
+        key.validate()
+        with self._lock:
+            if self._closed or key in self._entries:
+                if not self._closed:
+                    self._free.append(slot)
+                return False
+            if not pending and not self.keep_clean and not hold:
+                self._free.append(slot)
+                return True
+            self._entries[key] = _Entry(
+                slot, kv_dtype, tuple(kv_shape), parent_hash, tuple(token_ids), set(pending),
+                readers=int(hold),
+            )
+            self._pending_count.update(pending)
+            for tier in pending:
+                self._queues[tier][key] = None
+            self._stats.puts += 1
+            self._stats.bytes_written += self._slot_nbytes
+            if pending:
+                self._changed.notify_all()
+            return True
+
+    def unreserve(self, slot: int) -> None:
+        """Give back a reserved slot that was not committed."""
+        with self._lock:
+            if not self._closed:
+                self._free.append(slot)
+
+    def _take_slot_locked(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        for key, entry in self._entries.items():
+            if entry.readers == 0 and not entry.pending:
+                break
+        else:
+            return None
+        del self._entries[key]
+        self._stats.evictions += 1
+        return entry.slot
+
+    # ------------------------------------------------------------------ reads
 
     def contains(self, key: BlockKey) -> bool:
         with self._lock:
             return key in self._entries
 
-    def contains_many(self, keys) -> list[bool]:
+    def contains_many(self, keys: Iterable[BlockKey]) -> list[bool]:
         with self._lock:
             return [k in self._entries for k in keys]
 
-    def get(self, key: BlockKey) -> HostBlock | None:
-        entry = self._acquire(key)
-        if entry is None:
-            return None
-        try:
-            kv = self._slot_view(entry).clone()
-        finally:
-            self._release(entry)
-        return HostBlock(kv, entry.parent_hash, entry.token_ids)
-
-    def read_into(self, key: BlockKey, out: torch.Tensor, non_blocking: bool = False) -> bool:
-        """Copy the block for ``key`` into ``out`` (same dtype/shape, any device).
-
-        ``False`` on a miss. The slot cannot be reused until the copy has been issued; with
-        ``non_blocking=True`` on CUDA the caller must synchronize before the pool can be
-        trusted not to overwrite the source, so it is only safe while the caller
-        otherwise prevents eviction — prefer the default.
-        """
-        entry = self._acquire(key)
-        if entry is None:
-            return False
-        try:
-            src = self._slot_view(entry)
-            if out.dtype != src.dtype or tuple(out.shape) != tuple(src.shape):
-                raise ValueError(
-                    f"read_into: block is {src.dtype}{list(src.shape)}, "
-                    f"out is {out.dtype}{list(out.shape)}"
-                )
-            out.copy_(src, non_blocking=non_blocking)
-        finally:
-            self._release(entry)
-        return True
-
-    def _acquire(self, key: BlockKey) -> _Entry | None:
+    def acquire(self, key: BlockKey) -> SlotBlock | None:
+        """A view of ``key``'s slot (``None`` on a miss); the slot is not reused until
+        :meth:`release`. Counts a hit or a miss."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
@@ -151,65 +216,175 @@ class CpuBlockPool(BlockStore[HostBlock]):
             entry.readers += 1
             self._stats.hits += 1
             self._stats.bytes_read += self._slot_nbytes
-            return entry
+            view = self.slot_view(entry.slot, entry.dtype, entry.shape)
+            return SlotBlock(key, entry.slot, view, entry.parent_hash, entry.token_ids)
 
-    def _release(self, entry: _Entry) -> None:
+    def acquire_slots(self, keys: Iterable[BlockKey]) -> list[int | None]:
+        """:meth:`acquire` for many blocks under one lock, giving only their slots (for
+        copies that take the slab and slot numbers)."""
+        slots: list[int | None] = []
         with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None:
+                    self._stats.misses += 1
+                    slots.append(None)
+                    continue
+                self._entries.move_to_end(key)
+                entry.readers += 1
+                self._stats.hits += 1
+                slots.append(entry.slot)
+            self._stats.bytes_read += self._slot_nbytes * sum(s is not None for s in slots)
+        return slots
+
+    def release_many(self, keys: Iterable[BlockKey]) -> None:
+        for key in keys:
+            self.release(key)
+
+    def release(self, key: BlockKey) -> None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return
             entry.readers -= 1
             if entry.readers == 0:
-                self._slot_freed.notify_all()
+                if not entry.pending and not self.keep_clean:
+                    del self._entries[key]
+                    self._free.append(entry.slot)
+                self._changed.notify_all()
+
+    def get(self, key: BlockKey) -> HostBlock | None:
+        held = self.acquire(key)
+        if held is None:
+            return None
+        try:
+            return HostBlock(held.kv.clone(), held.parent_hash, held.token_ids)
+        finally:
+            self.release(key)
+
+    # ------------------------------------------------------------------ write-behind
+
+    def num_pending(self, tier: str) -> int:
+        with self._lock:
+            return self._pending_count[tier]
+
+    def take_pending(
+        self, tier: str, max_blocks: int, timeout: float | None = None
+    ) -> list[SlotBlock]:
+        """Up to ``max_blocks`` blocks still pending for ``tier``, oldest first, each held
+        (pinned against eviction and read) until :meth:`done_pending`. Waits up to
+        ``timeout`` seconds for one (``None``: until one comes or the pool closes)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            queue = self._queues[tier]
+            while not self._closed:
+                taken = []
+                while queue and len(taken) < max_blocks:
+                    key, _ = queue.popitem(last=False)
+                    entry = self._entries[key]
+                    entry.taken.add(tier)
+                    entry.readers += 1
+                    view = self.slot_view(entry.slot, entry.dtype, entry.shape)
+                    taken.append(
+                        SlotBlock(key, entry.slot, view, entry.parent_hash, entry.token_ids)
+                    )
+                if taken:
+                    return taken
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break
+                self._changed.wait(remaining)
+            return []
+
+    def done_pending(self, tier: str, keys: Iterable[BlockKey]) -> None:
+        """The writer for ``tier`` is finished with these blocks (written, or given up)."""
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None or tier not in entry.taken:
+                    continue
+                entry.taken.discard(tier)
+                entry.pending.discard(tier)
+                self._pending_count[tier] -= 1
+                entry.readers -= 1
+                if not entry.pending and not self.keep_clean and entry.readers == 0:
+                    del self._entries[key]
+                    self._free.append(entry.slot)
+            self._changed.notify_all()
+
+    def add_pending(self, tier: str, keys: Iterable[BlockKey]) -> int:
+        """Mark visible blocks as still to be written to ``tier``; how many were marked."""
+        marked = 0
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None and tier not in entry.pending:
+                    entry.pending.add(tier)
+                    self._pending_count[tier] += 1
+                    self._queues[tier][key] = None
+                    marked += 1
+            if marked:
+                self._changed.notify_all()
+        return marked
+
+    def drop_pending(self, tier: str) -> int:
+        """Forget every block pending for ``tier`` that no writer holds; how many."""
+        dropped = 0
+        with self._lock:
+            queue = self._queues[tier]
+            while queue:
+                key, _ = queue.popitem(last=False)
+                entry = self._entries[key]
+                entry.pending.discard(tier)
+                self._pending_count[tier] -= 1
+                dropped += 1
+                if not entry.pending and not self.keep_clean and entry.readers == 0:
+                    del self._entries[key]
+                    self._free.append(entry.slot)
+            self._changed.notify_all()
+        return dropped
+
+    def wait_pending(self, tier: str, timeout: float | None = None) -> bool:
+        """Wait until no block is pending for ``tier``; ``False`` on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._pending_count[tier] and not self._closed:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._changed.wait(remaining)
+            return True
+
+    def num_evictable(self) -> int:
+        """Slots a :meth:`reserve` could have right now (free, or clean and unread)."""
+        with self._lock:
+            busy = sum(1 for e in self._entries.values() if e.pending or e.readers)
+            return self.num_slots - busy
+
+    # ------------------------------------------------------------------ BlockStore
 
     def put(self, key: BlockKey, value: HostBlock) -> bool:
         key.validate()
         kv = value.kv
         nbytes = kv.numel() * kv.element_size()
-        evicted: list[tuple[BlockKey, HostBlock]] = []
         with self._lock:
-            if self._closed:
-                raise RuntimeError("CpuBlockPool is closed")
+            self._check_open()
             if self._slab is None and 0 < nbytes <= self.capacity_bytes:
-                self._reserve(nbytes)
+                self._reserve_slab(nbytes)
             if nbytes != self._slot_nbytes:
                 self._stats.dropped += 1
                 return False
             if key in self._entries:
                 self._entries.move_to_end(key)
                 return True
-            slot = self._take_slot(evicted)
+            slot = self._take_slot_locked()
             if slot is None:
                 self._stats.dropped += 1
                 return False
-        # The slot belongs to no entry and is not free, so nobody else touches it while
-        # it is filled; the entry becomes visible only once the bytes are in place.
-        entry = _Entry(slot, kv.dtype, tuple(kv.shape), value.parent_hash, tuple(value.token_ids))
-        self._slot_view(entry).copy_(kv)
-        with self._lock:
-            if self._closed or key in self._entries:
-                if not self._closed:
-                    self._free.append(slot)
-            else:
-                self._entries[key] = entry
-                self._stats.puts += 1
-                self._stats.bytes_written += nbytes
-        for item in evicted:
-            self._on_evict(*item)
+        # The slot belongs to no entry and is not free: nobody else touches it meanwhile.
+        self.slot_view(slot, kv.dtype, tuple(kv.shape)).copy_(kv)
+        self.commit(key, slot, kv.dtype, tuple(kv.shape), value.parent_hash, value.token_ids)
         return True
-
-    def _take_slot(self, evicted: list[tuple[BlockKey, HostBlock]]) -> int | None:
-        """A free slot, evicting the LRU block not being read. Called with the lock held."""
-        if self._free:
-            return self._free.pop()
-        for key, entry in self._entries.items():
-            if entry.readers == 0:
-                break
-        else:
-            return None  # every slot is being copied from or into right now
-        del self._entries[key]
-        self._stats.evictions += 1
-        if self._on_evict is not None:
-            kv = self._slot_view(entry).clone()
-            evicted.append((key, HostBlock(kv, entry.parent_hash, entry.token_ids)))
-        return entry.slot
 
     def delete(self, key: BlockKey) -> bool:
         with self._lock:
@@ -217,11 +392,15 @@ class CpuBlockPool(BlockStore[HostBlock]):
             if entry is None:
                 return False
             while entry.readers:
-                self._slot_freed.wait()
+                self._changed.wait()
             if self._entries.get(key) is not entry:
                 return False
             del self._entries[key]
+            for tier in entry.pending:
+                self._pending_count[tier] -= 1
+                self._queues[tier].pop(key, None)
             self._free.append(entry.slot)
+            self._changed.notify_all()
             return True
 
     def keys(self, namespace: bytes | None = None) -> Iterator[BlockKey]:
@@ -235,9 +414,23 @@ class CpuBlockPool(BlockStore[HostBlock]):
             self._stats.bytes_used = len(self._entries) * self._slot_nbytes
             return dataclasses.replace(self._stats)
 
+    def count_dropped(self, blocks: int = 1) -> None:
+        with self._lock:
+            self._stats.dropped += blocks
+
     def close(self) -> None:
+        """Drop every block and the slab. Only once no copy can still use a slot."""
         with self._lock:
             self._closed = True
             self._entries.clear()
             self._free.clear()
-            self._slab = None
+            self._pending_count.clear()
+            self._queues.clear()
+            slab, self._slab = self._slab, None
+            self._changed.notify_all()
+        if slab is not None:
+            slab.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("CpuBlockPool is closed")

@@ -6,7 +6,7 @@ from collections.abc import Sequence as Seq
 import pytest
 import torch
 
-from engine.connector import KVConnector, SavedBlock
+from engine.connector import FinishedTransfers, KVConnector, SavedBlock
 from engine.hashing import root_hash
 from engine.sampler import SamplingParams
 from engine.sequence import Sequence
@@ -45,21 +45,48 @@ def make_seq(
 
 class MemoryConnector(KVConnector):
     """Keeps saved blocks in a dict (``store``, shareable between instances) keyed by
-    (namespace, hash). ``fail_loads`` makes every load write garbage and return False."""
+    (namespace, hash), and moves bytes as late as the protocol allows: a load scribbles
+    over its blocks at once and writes the real KV only in the poll that reports it; a save
+    reads its block only in the poll that reports it. An engine that touched a block too
+    early would compute, or store, wrong KV.
 
-    def __init__(self, store: dict | None = None, *, fail_loads: bool = False) -> None:
+    ``load_delay_polls`` / ``save_delay_polls``: polls that report nothing about a transfer
+    before the one that reports it. ``load_limit`` caps how many blocks a load fills (the
+    rest keep the garbage); ``fail_loads`` fills none.
+    """
+
+    def __init__(
+        self,
+        store: dict | None = None,
+        *,
+        fail_loads: bool = False,
+        load_limit: int | None = None,
+        load_delay_polls: int = 0,
+        save_delay_polls: int = 0,
+    ) -> None:
         self.store: dict[tuple[bytes, bytes], tuple[SavedBlock, torch.Tensor]] = (
             {} if store is None else store
         )
         self.fail_loads = fail_loads
+        self.load_limit = load_limit
+        self.load_delay_polls = load_delay_polls
+        self.save_delay_polls = save_delay_polls
         self.kv_cache: torch.Tensor | None = None
         self.namespace: bytes | None = None
-        self.saved: list[SavedBlock] = []
-        self.loads: list[tuple[str, list[bytes], list[int]]] = []
+        self.saved: list[SavedBlock] = []  # offered to save_blocks, in order
+        self.loads: list[tuple[str, list[bytes], list[int]]] = []  # started
+        self.loaded: list[tuple[str, int]] = []  # reported: request id, blocks filled
         self.queries: list[tuple[str, int, int]] = []
+        self.polls: list[float] = []  # the timeout of each poll
         self.evicted: list[bytes] = []
         self.finished: list[str] = []
         self.closed = False
+        self._loads: list[list] = []  # [polls left, (request id, hashes, block ids)]
+        self._saves: list[list] = []  # [polls left, SavedBlock]
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._loads) + len(self._saves)
 
     def register_kv_cache(self, kv_cache: torch.Tensor, namespace: bytes, block_size: int) -> None:
         self.kv_cache, self.namespace, self.block_size = kv_cache, namespace, block_size
@@ -73,20 +100,30 @@ class MemoryConnector(KVConnector):
         self.queries.append((request_id, len(block_hashes), num_computed_blocks))
         return count
 
-    def load_blocks(self, request_id, block_hashes, block_ids) -> bool:
-        self.loads.append((request_id, list(block_hashes), list(block_ids)))
-        for h, b in zip(block_hashes, block_ids):
-            if self.fail_loads:
-                self.kv_cache[:, :, b] = 1e4  # a partial, wrong write must never be used
-                return False
-            self.kv_cache[:, :, b] = self.store[(self.namespace, h)][1]
-        return True
+    def start_load(self, request_id, block_hashes, block_ids) -> None:
+        load = (request_id, list(block_hashes), list(block_ids))
+        self.loads.append(load)
+        for b in block_ids:
+            self.kv_cache[b] = 1e4  # KV that must never be used
+        self._loads.append([self.load_delay_polls, load])
 
     def save_blocks(self, blocks: Seq[SavedBlock]) -> None:
-        for block in blocks:
-            self.saved.append(block)
-            data = self.kv_cache[:, :, block.block_id].clone()  # [L, 2, block_size, H, D]
-            self.store[(self.namespace, block.block_hash)] = (block, data)
+        self.saved += blocks
+        self._saves += [[self.save_delay_polls, block] for block in blocks]
+
+    def poll(self, timeout: float = 0.0) -> FinishedTransfers:
+        self.polls.append(timeout)
+        loaded = {}
+        for request_id, hashes, block_ids in _due(self._loads):
+            count = 0 if self.fail_loads else len(hashes)
+            if self.load_limit is not None:
+                count = min(count, self.load_limit)
+            for h, b in zip(hashes[:count], block_ids[:count]):
+                self.kv_cache[b] = self.store[(self.namespace, h)][1]
+            loaded[request_id] = count
+            self.loaded.append((request_id, count))
+        saved = [self._copy_out(block) for block in _due(self._saves)]
+        return FinishedTransfers(loaded, saved)
 
     def on_blocks_evicted(self, block_hashes) -> None:
         self.evicted += list(block_hashes)
@@ -95,4 +132,19 @@ class MemoryConnector(KVConnector):
         self.finished.append(request_id)
 
     def close(self) -> None:
+        for _, block in self._saves:
+            self._copy_out(block)
+        self._loads, self._saves = [], []
         self.closed = True
+
+    def _copy_out(self, block: SavedBlock) -> int:
+        data = self.kv_cache[block.block_id].clone()  # [L, 2, block_size, H, D]
+        self.store[(self.namespace, block.block_hash)] = (block, data)
+        return block.block_id
+
+
+def _due(pending: list[list]) -> list:
+    """Count a poll against each ``[polls left, item]``; take out and return the items due."""
+    due = [item for left, item in pending if left == 0]
+    pending[:] = [[left - 1, item] for left, item in pending if left > 0]
+    return due

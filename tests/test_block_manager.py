@@ -152,3 +152,42 @@ def test_prefix_only_for_an_empty_table():
     assert bm.allocate(b, 1)
     with pytest.raises(ValueError):
         bm.allocate(b, 9, prefix=a.block_table)
+
+
+def test_a_held_block_is_not_reused_until_released():
+    bm, evictions = manager(num_blocks=3)
+    a = make_seq(range(8), "a", block_size=BS)
+    computed(bm, a, 8)  # blocks 0, 1
+    bm.hold(a.block_table)
+    bm.free(a)
+    assert (bm.num_free_blocks, bm.num_held_blocks, bm.num_held_only_blocks) == (1, 2, 2)
+    assert not bm.allocate(make_seq(range(50, 58), "b", block_size=BS), 8)
+    # Held, the blocks are still cached: a hit shares them without touching the free queue.
+    c = make_seq(range(9), "c", block_size=BS)
+    hit = bm.find_cached_prefix(c, 2)
+    assert hit == [0, 1] and bm.num_blocks_to_allocate(c, 9, hit) == 1
+    bm.release([0, 1])
+    assert (bm.num_free_blocks, bm.num_held_blocks) == (3, 0)
+    assert bm.find_cached_prefix(c, 2) == [0, 1]
+    # Released blocks join the free queue's tail: block 2 goes first, nothing is evicted.
+    d = make_seq(range(50, 54), "d", block_size=BS)
+    assert bm.allocate(d, 4) and d.block_table == [2] and evictions == []
+
+
+def test_holds_nest_and_a_bad_release_changes_nothing():
+    bm, _ = manager(num_blocks=2)
+    bm.hold([0])
+    bm.hold([0])
+    assert bm.num_free_blocks == 1 and bm.blocks[0].ref_count == 2
+    a = make_seq(range(4), "a", block_size=BS)
+    assert bm.allocate(a, 4) and a.block_table == [1]
+    bm.hold([1])
+    assert bm.num_held_only_blocks == 1  # block 1 is also a's
+    bm.release([0])
+    assert bm.num_free_blocks == 0
+    with pytest.raises(ValueError, match="block 1"):
+        bm.release([0, 1, 1])
+    assert bm.blocks[0].ref_count == 1 and bm.blocks[1].ref_count == 2
+    bm.release([0, 1])
+    bm.free(a)
+    assert bm.num_free_blocks == 2 and bm.num_held_blocks == 0

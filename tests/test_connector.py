@@ -1,6 +1,8 @@
 """The KV connector contract, driven by an in-memory connector on the tiny model."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine import LLM, SamplingParams
@@ -24,6 +26,15 @@ def make_llm(connector: KVConnector | None, **kw) -> LLM:
 def reference():
     with make_llm(None, enable_prefix_caching=False) as llm:
         return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def saved_store():
+    """A store holding the saved blocks of both prompts; copy it before use."""
+    store: dict = {}
+    with make_llm(MemoryConnector(store)) as llm:
+        llm.generate(PROMPTS, GREEDY)
+    return store
 
 
 def test_connector_is_registered_with_the_cache_and_namespace():
@@ -103,6 +114,8 @@ def test_gpu_hit_first_then_connector_for_the_rest():
     assert num_computed == 2 and hashes == len(out.prompt_token_ids) // 16
     load_request, load_hashes, _ = conn.loads[-1]
     assert load_request == out.request_id
+    # Cached tokens count both: the GPU hit and what was loaded after it.
+    assert out.num_cached_tokens == (len(out.prompt_token_ids) - 1) // 16 * 16
     assert len(load_hashes) == out.num_cached_tokens // 16 - 2
 
 
@@ -123,8 +136,89 @@ def test_a_failed_load_is_recomputed_with_identical_output(reference):
         assert again.token_ids == reference[0]
 
 
+def test_a_request_loads_while_the_others_keep_decoding(reference, saved_store):
+    conn = MemoryConnector(dict(saved_store), load_delay_polls=4)
+    with make_llm(conn) as llm:
+        engine = llm.engine
+        longer = dataclasses.replace(GREEDY, max_tokens=30)
+        busy = engine.add_request("Something else entirely.", longer)
+        engine.step()
+        loader = engine.add_request(PROMPTS[0], GREEDY)
+        final, busy_tokens_while_loading = {}, 0
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            if engine.stats().num_loading:
+                busy_tokens_while_loading += sum(o.request_id == busy for o in outs)
+            final.update((o.request_id, o) for o in outs)
+        stats = engine.stats()
+    assert busy_tokens_while_loading == 5  # the steps of the 4 polls and of the load's start
+    assert final[loader].token_ids == reference[0] and final[loader].num_cached_tokens == 128
+    assert len(final[busy].token_ids) == 30
+    assert set(conn.polls) == {0.0}  # there was always something to run: no step waited
+    assert stats.num_used_blocks == 0  # the last saves were reported, their blocks released
+
+
+def test_a_partial_load_recomputes_the_rest(reference, saved_store):
+    conn = MemoryConnector(dict(saved_store), load_limit=3)
+    with make_llm(conn) as llm:
+        outs = llm.generate(PROMPTS, GREEDY)
+        stats = llm.engine.stats()
+    assert [o.token_ids for o in outs] == reference
+    assert [o.num_cached_tokens for o in outs] == [48, 48]
+    assert (stats.connector_hits, stats.connector_load_failures) == (96, 2)
+    assert len(conn.loads) == 2
+
+
+def test_loads_work_without_prefix_caching(reference, saved_store):
+    conn = MemoryConnector(dict(saved_store), load_delay_polls=1)
+    with make_llm(conn, enable_prefix_caching=False) as llm:
+        outs = llm.generate(PROMPTS, GREEDY)
+        stats = llm.engine.stats()
+    assert [o.token_ids for o in outs] == reference
+    assert [o.num_cached_tokens for o in outs] == [128, 128]
+    assert stats.connector_hits == 256 and stats.num_cached_blocks == 0
+
+
+def test_saved_blocks_are_not_reused_before_the_connector_read_them(reference):
+    store: dict = {}
+    conn = MemoryConnector(store, save_delay_polls=20)  # reads a block only when reporting it
+    with make_llm(conn, blocks=16) as llm:
+        first = llm.generate(PROMPTS[0], GREEDY)[0]
+        engine = llm.engine
+        # 9 full blocks offered, none reported yet: all held, though no request uses them.
+        assert engine.stats().num_used_blocks == 9 and engine.has_unfinished_requests()
+        second = llm.generate(PROMPTS[1], GREEDY)[0]  # needs 9 blocks, 7 are free: it waits
+        assert max(conn.polls) > 0
+    assert [first.token_ids, second.token_ids] == reference
+    # What the connector read is each block's own KV: a fresh engine loads it and matches.
+    with make_llm(MemoryConnector(store)) as llm:
+        outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert [o.num_cached_tokens for o in outs] == [128, 128]
+
+
+def test_an_aborted_load_frees_its_blocks_once_reported(reference, saved_store):
+    conn = MemoryConnector(dict(saved_store), load_delay_polls=3)
+    with make_llm(conn) as llm:
+        engine = llm.engine
+        request_id = engine.add_request(PROMPTS[0], GREEDY)
+        assert engine.step() == [] and engine.stats().num_loading == 1
+        out = engine.abort_request(request_id)
+        assert out.finish_reason == "abort" and out.token_ids == []
+        assert conn.finished == [request_id] and engine.stats().num_loading == 0
+        assert engine.stats().num_used_blocks == 8 and engine.has_unfinished_requests()
+        while engine.has_unfinished_requests():
+            assert engine.step() == []
+        assert engine.stats().num_used_blocks == 0
+        again = llm.generate(PROMPTS[0], GREEDY)[0]  # the loaded blocks stayed in the cache
+        stats = engine.stats()
+    assert again.token_ids == reference[0] and again.num_cached_tokens == 128
+    assert stats.prefix_cache_hits == 128 and stats.connector_hits == 0
+    assert len(conn.loads) == 1
+
+
 class RaisingConnector(MemoryConnector):
-    def load_blocks(self, request_id, block_hashes, block_ids) -> bool:
+    def start_load(self, request_id, block_hashes, block_ids) -> None:
         raise RuntimeError("disk on fire")
 
 

@@ -66,51 +66,86 @@ def test_non_contiguous_input_is_stored_by_value():
     assert torch.equal(pool.get(key(3)).kv, kv)
 
 
-def test_read_into_copies_into_the_callers_tensor():
+def test_acquire_gives_a_view_of_the_slot_until_release():
     pool = CpuBlockPool(4 * BLOCK_BYTES)
     pool.put(key(0), block(0))
-    out = torch.zeros_like(block(0).kv)
-    assert pool.read_into(key(0), out)
-    assert torch.equal(out, block(0).kv)
-    assert not pool.read_into(key(9), out)
-    with pytest.raises(ValueError, match="read_into"):
-        pool.read_into(key(0), torch.zeros(3, dtype=torch.bfloat16))
-
-
-def test_eviction_hands_a_copy_to_the_callback():
-    evicted = []
-    pool = CpuBlockPool(2 * BLOCK_BYTES, on_evict=lambda k, b: evicted.append((k, b)))
-    for i in range(3):
-        pool.put(key(i), block(i))
-    assert [k for k, _ in evicted] == [key(0)]
-    pool.put(key(3), block(3))  # reuses block 0's old slot; the copy must be unaffected
-    assert torch.equal(evicted[0][1].kv, block(0).kv)
-    assert evicted[0][1].token_ids == (0,)
+    held = pool.acquire(key(0))
+    assert held.key == key(0) and torch.equal(held.kv, block(0).kv)
+    assert held.kv.data_ptr() == pool.slab[held.slot].data_ptr()
+    pool.release(key(0))
+    assert pool.acquire(key(9)) is None
+    assert pool.stats().misses == 1
 
 
 def test_a_block_being_read_is_not_evicted():
     pool = CpuBlockPool(2 * BLOCK_BYTES)
     pool.put(key(0), block(0))
     pool.put(key(1), block(1))
-    entered, release = threading.Event(), threading.Event()
-
-    out = torch.zeros_like(block(0).kv)
-    original_copy = out.copy_
-
-    def slow_copy(src, non_blocking=False):
-        entered.set()
-        release.wait(5)
-        return original_copy(src, non_blocking=non_blocking)
-
-    out.copy_ = slow_copy
-    reader = threading.Thread(target=pool.read_into, args=(key(0), out))
-    reader.start()
-    assert entered.wait(5)
+    held = pool.acquire(key(0))
     pool.put(key(2), block(2))  # key 0 is the LRU one but is being read: key 1 goes
-    release.set()
-    reader.join()
-    assert torch.equal(out, block(0).kv)
+    assert torch.equal(held.kv, block(0).kv)
+    pool.release(key(0))
     assert pool.contains(key(0)) and not pool.contains(key(1)) and pool.contains(key(2))
+
+
+def reserve_and_commit(pool: CpuBlockPool, i: int, pending=("disk",)) -> bool:
+    slot = pool.reserve()
+    if slot is None:
+        return False
+    b = block(i)
+    pool.slot_view(slot, b.kv.dtype, tuple(b.kv.shape)).copy_(b.kv)
+    return pool.commit(key(i), slot, b.kv.dtype, tuple(b.kv.shape), None, b.token_ids, pending)
+
+
+def test_pending_blocks_are_never_evicted_and_the_pool_says_when_it_is_full():
+    pool = CpuBlockPool(2 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES)
+    assert reserve_and_commit(pool, 0) and reserve_and_commit(pool, 1)
+    assert pool.num_pending("disk") == 2 and pool.num_evictable() == 0
+    assert pool.reserve() is None  # every slot holds a block not yet written
+    taken = pool.take_pending("disk", 8, timeout=0)
+    assert [b.key for b in taken] == [key(0), key(1)]  # oldest first
+    assert torch.equal(taken[0].kv, block(0).kv)
+    assert pool.take_pending("disk", 8, timeout=0) == []  # taken blocks are not handed out twice
+    pool.done_pending("disk", [key(0)])
+    assert pool.num_pending("disk") == 1 and pool.wait_pending("disk", 0) is False
+    assert pool.reserve() is not None  # block 0 is written: its slot may be reused
+    assert not pool.contains(key(0)) and pool.contains(key(1))
+
+
+def test_take_pending_waits_for_a_commit():
+    pool = CpuBlockPool(4 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES)
+    threading.Timer(0.05, reserve_and_commit, args=(pool, 3)).start()
+    taken = pool.take_pending("disk", 8, timeout=5)
+    assert [b.key for b in taken] == [key(3)]
+
+
+def test_a_block_pending_for_two_tiers_stays_until_both_are_done():
+    pool = CpuBlockPool(BLOCK_BYTES, block_nbytes=BLOCK_BYTES)
+    assert reserve_and_commit(pool, 0, pending=("disk", "remote"))
+    pool.done_pending("disk", [b.key for b in pool.take_pending("disk", 1, timeout=0)])
+    assert pool.reserve() is None and pool.num_pending("remote") == 1
+    assert pool.drop_pending("remote") == 1
+    assert pool.wait_pending("remote", 0) and pool.reserve() is not None
+
+
+def test_a_staging_pool_lets_a_block_go_once_written():
+    pool = CpuBlockPool(2 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, keep_clean=False)
+    assert reserve_and_commit(pool, 0)
+    assert pool.contains(key(0))  # findable while it waits for the disk
+    pool.done_pending("disk", [b.key for b in pool.take_pending("disk", 1, timeout=0)])
+    assert not pool.contains(key(0)) and pool.num_evictable() == 2
+
+
+def test_commit_of_a_key_already_there_frees_the_slot():
+    pool = CpuBlockPool(2 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES)
+    assert reserve_and_commit(pool, 0, pending=())
+    assert not reserve_and_commit(pool, 0, pending=())
+    assert pool.num_evictable() == 2 and pool.stats().entries == 1
+
+
+def test_the_slab_is_one_allocation_of_whole_slots():
+    pool = CpuBlockPool(10 * BLOCK_BYTES + 5, block_nbytes=BLOCK_BYTES)
+    assert tuple(pool.slab.shape) == (10, BLOCK_BYTES) and pool.slab.is_contiguous()
 
 
 def test_invalid_construction():

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import pytest
+import torch
 
 from engine import LLM, EngineConfig, RequestOutput, SamplingParams
 from engine.kv_cache import KVCacheSpec
@@ -146,6 +148,32 @@ def test_a_closed_engine_takes_no_requests():
     llm.close()
 
 
+def test_close_drops_the_kv_cache():
+    llm = LLM(max_model_len=64, num_gpu_blocks_override=8)
+    assert llm.engine.model_runner.kv_cache is not None
+    llm.close()
+    assert llm.engine.model_runner.kv_cache is None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_closed_llm_gives_its_kv_cache_back_to_the_next_one():
+    model_free = torch.cuda.memory_allocated()
+    slack = 64 << 20  # cuBLAS workspaces and the like outlive an engine
+    blocks = []
+    for _ in range(2):
+        with LLM(max_model_len=64, device="cuda", gpu_memory_utilization=0.5) as llm:
+            kv_bytes = llm.engine.model_runner.kv_cache.nbytes
+            blocks.append(llm.engine.num_blocks)
+        weights = sum(p.nbytes for p in llm.engine.model_runner.model.parameters())
+        assert torch.cuda.memory_allocated() - model_free <= weights + slack
+        assert torch.cuda.memory_reserved() < kv_bytes  # given back to the device, not cached
+        del llm
+        gc.collect()
+        assert torch.cuda.memory_allocated() - model_free <= slack
+    assert blocks[0] == blocks[1] > 0
+
+
 def test_stats(llm):
     before = llm.engine.stats()
     llm.generate(["x", "y"], GREEDY)
@@ -172,7 +200,7 @@ def test_cpu_cache_is_sized_from_its_byte_budget():
         engine = llm.engine
         spec = KVCacheSpec(4, 16, 2, 16, engine.model_runner.kv_cache.dtype)
         assert engine.num_blocks == 2**20 // spec.bytes_per_block
-        assert engine.model_runner.kv_cache.shape == (4, 2, engine.num_blocks, 16, 2, 16)
+        assert engine.model_runner.kv_cache.shape == (engine.num_blocks, 4, 2, 16, 2, 16)
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(max_model_len=4096, cpu_kv_cache_bytes=2**16)
 

@@ -90,8 +90,8 @@ class PagedRunner:
         self.model = loaded.model
         self.block_size = block_size
         self.kv_cache = torch.zeros(
-            c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim
-        )  # [L, 2, B, T, H, D]
+            num_blocks, c.num_layers, 2, block_size, c.num_kv_heads, c.head_dim
+        )  # [B, L, 2, T, H, D]
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
         self.blocks: dict[int, list[int]] = {}

@@ -1,26 +1,48 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.connector import FinishedTransfers
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import SequenceStatus
 from engine.stats import StatsCollector
-from engine_testing import make_seq
+from engine_testing import NAMESPACE, MemoryConnector, make_seq
 
 BS = 4
+STORED = list(range(200, 212))  # 3 blocks; the connector can supply the first 2 of them
 
 
-def scheduler(num_blocks: int = 64, **config) -> Scheduler:
+def scheduler(
+    num_blocks: int = 64, connector: MemoryConnector | None = None, **config
+) -> Scheduler:
     defaults = dict(block_size=BS, max_model_len=64, max_num_batched_tokens=16)
     cfg = EngineConfig(**{**defaults, **config}).resolve(4096)
-    bm = BlockManager(num_blocks, BS, enable_prefix_caching=cfg.enable_prefix_caching)
-    return Scheduler(cfg, bm, StatsCollector())
+    bm = BlockManager(
+        num_blocks,
+        BS,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        on_evict=connector.on_blocks_evicted if connector is not None else None,
+    )
+    return Scheduler(cfg, bm, StatsCollector(), connector)
+
+
+def memory_connector(num_blocks: int = 64, **kw) -> MemoryConnector:
+    """A connector over a stand-in ``[num_blocks, 1]`` cache; its store holds STORED's blocks."""
+    conn = MemoryConnector(**kw)
+    conn.register_kv_cache(torch.zeros(num_blocks, 1), NAMESPACE, BS)
+    for block_hash in make_seq(STORED, block_size=BS).hashes_of_full_blocks():
+        conn.store[(NAMESPACE, block_hash)] = (None, torch.ones(1))
+    return conn
 
 
 def step(s: Scheduler, max_tokens: int = 1000) -> SchedulerOutput:
-    """Schedule and complete one step, sampling token 7 wherever a step finishes the tokens."""
+    """Take in the connector's finished transfers, then schedule and complete one step,
+    sampling token 7 wherever a step finishes the tokens."""
+    if s.connector is not None:
+        s.apply_transfers(s.connector.poll())
     out = s.schedule()
     s.complete_step(out)
     for seq, _ in out.scheduled:
@@ -149,3 +171,135 @@ def test_prefix_caching_off_never_hits():
     s.add(make_seq(range(9), "b", block_size=BS))
     assert ("b", 9) in plan(step(s))
     assert s.stats.prefix_cache_hits == 0
+
+
+def test_a_loading_sequence_takes_no_budget_and_does_not_stall_the_others():
+    conn = memory_connector(load_delay_polls=2)
+    s = scheduler(connector=conn)
+    b = make_seq(STORED, "b", block_size=BS)
+    s.add(make_seq(range(10), "a", block_size=BS))
+    s.add(b)
+    s.add(make_seq(range(100, 103), "c", block_size=BS))
+    assert plan(step(s)) == [("a", 10), ("c", 3)]
+    # b got blocks for what it loads only, and waits for the load.
+    assert b.status is SequenceStatus.LOADING and list(s.loading) == ["b"]
+    assert conn.loads == [("b", b.block_hashes[:2], b.block_table)] and len(b.block_table) == 2
+    assert b.num_cached_tokens is None and s.has_pending_transfers()
+    assert plan(step(s)) == [("a", 1), ("c", 1)]  # two polls that do not report the load
+    assert plan(step(s)) == [("a", 1), ("c", 1)]
+    assert plan(step(s)) == [("a", 1), ("c", 1), ("b", 4)]  # reported: b computes the rest
+    assert b.status is SequenceStatus.RUNNING and b.num_cached_tokens == 8
+    assert (s.stats.connector_hits, s.stats.connector_load_failures) == (8, 0)
+    # The loaded blocks are in the prefix cache but not offered back to the connector.
+    assert s.block_manager.find_cached_prefix(make_seq(STORED, "x"), 2) == b.block_table[:2]
+    assert not {blk.block_hash for blk in conn.saved} & set(b.block_hashes[:2])
+
+
+def test_a_partial_load_recomputes_the_rest_without_asking_again():
+    conn = memory_connector(load_limit=1)
+    s = scheduler(connector=conn)
+    b = make_seq(STORED, "b", block_size=BS)
+    s.add(b)
+    assert plan(step(s)) == []
+    assert plan(step(s)) == [("b", 8)]  # 1 of 2 blocks loaded
+    assert b.num_cached_tokens == 4 and b.num_computed_tokens == 12
+    assert (s.stats.connector_hits, s.stats.connector_load_failures) == (4, 1)
+    assert [blk.block_hash for blk in conn.saved] == b.block_hashes[1:3]  # the recomputed ones
+    step(s)
+    assert len(conn.queries) == len(conn.loads) == 1
+
+
+def test_without_prefix_caching_loaded_blocks_are_still_used():
+    conn = memory_connector()
+    s = scheduler(connector=conn, enable_prefix_caching=False)
+    b = make_seq(STORED, "b", block_size=BS)
+    s.add(b)
+    step(s)
+    assert plan(step(s)) == [("b", 4)] and b.num_cached_tokens == 8
+    assert s.block_manager.num_cached_blocks == 0
+    assert [blk.block_hash for blk in conn.saved] == b.block_hashes[2:3]
+
+
+def test_loading_sequences_count_toward_max_num_seqs():
+    s = scheduler(connector=memory_connector(load_delay_polls=1), max_num_seqs=1)
+    s.add(make_seq(STORED, "b", block_size=BS))
+    s.add(make_seq(range(5), "a", block_size=BS))
+    assert plan(step(s)) == [] and plan(step(s)) == []  # b holds the one slot while it loads
+    assert plan(step(s)) == [("b", 4)]
+    assert [q.request_id for q in s.waiting] == ["a"]
+
+
+def test_a_load_that_fails_to_start_is_computed_at_once():
+    class Refusing(MemoryConnector):
+        def start_load(self, request_id, block_hashes, block_ids) -> None:
+            raise OSError("no")
+
+    conn = Refusing()
+    conn.register_kv_cache(torch.zeros(64, 1), NAMESPACE, BS)
+    conn.store.update(memory_connector().store)
+    s = scheduler(connector=conn)
+    s.add(make_seq(STORED, "b", block_size=BS))
+    assert plan(step(s)) == [("b", 12)]
+    assert s.stats.connector_load_failures == 1 and not s.loading
+
+
+def test_an_aborted_load_frees_its_blocks_only_when_reported():
+    conn = memory_connector(load_delay_polls=1)
+    s = scheduler(connector=conn)
+    b = make_seq(STORED, "b", block_size=BS)
+    s.add(b)
+    step(s)
+    s.finish(b, "abort")
+    assert b.is_finished and conn.finished == ["b"] and not s.has_unfinished() and not s.loading
+    assert s.block_manager.num_used_blocks == 2 and s.has_pending_transfers()
+    # The id is free again; the new request does not load while the old load is in flight.
+    again = make_seq(STORED, "b", block_size=BS)
+    s.add(again)
+    assert plan(step(s)) == [("b", 12)] and len(conn.loads) == 1
+    step(s)  # reports the aborted load: its blocks are freed
+    assert s.block_manager.num_used_blocks == len(again.block_table)
+    assert s.stats.connector_hits == 0
+
+
+def test_an_aborted_load_leaves_its_blocks_in_the_prefix_cache():
+    conn = memory_connector()
+    s = scheduler(connector=conn)
+    s.add(b := make_seq(STORED, "b", block_size=BS))
+    step(s)
+    s.finish(b, "abort")
+    step(s)
+    assert s.block_manager.num_used_blocks == 0 and not s.has_pending_transfers()
+    s.add(c := make_seq(STORED, "c", block_size=BS))
+    assert plan(step(s)) == [("c", 4)] and c.num_cached_tokens == 8
+    assert len(conn.loads) == 1
+
+
+def test_saved_blocks_are_held_until_reported_and_a_sequence_waits_for_them():
+    conn = memory_connector(save_delay_polls=2)
+    s = scheduler(num_blocks=4, connector=conn)
+    a, c = make_seq(range(8), "a", block_size=BS), make_seq(range(100, 107), "c", block_size=BS)
+    s.add(a)
+    s.add(c)
+    step(s)  # 2 + 2 blocks: the pool is full; a's two blocks and c's first are offered
+    assert [blk.block_id for blk in conn.saved] == a.block_table + c.block_table[:1]
+    a_blocks = list(a.block_table)
+    s.finish(a, "length")
+    assert s.block_manager.num_free_blocks == 0 and s.block_manager.num_held_only_blocks == 2
+    assert plan(step(s)) == [("c", 1)]  # c's 8th token still fits its second block
+    out = step(s)  # c needs a third block: only held ones would do, so c waits
+    assert out.is_empty and out.preempted == [] and c.status is SequenceStatus.RUNNING
+    out = step(s)  # the poll reports the first saves: a's blocks are free again
+    assert plan(out) == [("c", 1)] and c.block_table[2] in a_blocks
+    assert s.stats.num_preemptions == 0
+
+
+def test_a_report_that_breaks_the_contract_is_refused():
+    s = scheduler(connector=memory_connector())
+    with pytest.raises(ValueError, match="never started"):
+        s.apply_transfers(FinishedTransfers(loaded={"nobody": 1}))
+    with pytest.raises(ValueError, match="block 3"):
+        s.apply_transfers(FinishedTransfers(saved=[3]))
+    s.add(b := make_seq(STORED, "b", block_size=BS))
+    step(s)
+    with pytest.raises(ValueError, match="asked for 2"):
+        s.apply_transfers(FinishedTransfers(loaded={"b": 3}))

@@ -1,5 +1,9 @@
 """The Triton paged-attention kernels against the torch path of engine/attention.py.
 
+Every cache is block-major with several layers and the kernels get one layer's strided view
+(:func:`engine.kv_cache.layer_view`), as in the engine; a write must leave the other
+layers' bytes alone.
+
 Triton reads TRITON_INTERPRET when it is imported, so the CPU checks run in a subprocess
 with the variable set (:func:`interpreter_main`); this module never imports triton at
 import time and works in any test order. The same checks run on the GPU in-process when
@@ -19,11 +23,13 @@ import pytest
 import torch
 
 from engine.attention import AttentionMetadata, KVScales, attention_torch, write_kv
+from engine.kv_cache import layer_view
 
 REPO = Path(__file__).resolve().parents[1]
 
 E4M3 = "float8_e4m3fn"
 E5M2 = "float8_e5m2"
+LAYERS, LAYER = 3, 1  # caches have LAYERS layers; the kernels use the view of LAYER
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,22 +141,23 @@ def _write_inputs(case: WriteCase, device: str):
         k, v = fused[:, 1], fused[:, 2]
     k, v = k.to(src).to(device), v.to(src).to(device)
     num_blocks, block_size = -(-N // 16) * 2, 16
-    shape = (2, num_blocks, block_size, H, D * cache_dtype.itemsize)
+    shape = (num_blocks, LAYERS, 2, block_size, H, D * cache_dtype.itemsize)
     cache = torch.randint(0, 256, shape, generator=g).to(torch.uint8)
-    cache = cache.view(cache_dtype).to(device)  # [2, B, T, H, D] of random bytes
+    cache = cache.view(cache_dtype).to(device)  # [B, L, 2, T, H, D] of random bytes
     slots = torch.randperm(num_blocks * block_size, generator=g)[:N].to(device)
     return k, v, cache, slots, KVScales(*case.scales)
 
 
 def check_write(case: WriteCase, device: str, reference_device: str | None = None) -> dict:
-    """Bytes differing between the kernel's cache and the torch path's."""
+    """Bytes differing between the kernel's cache and the torch path's, over all layers."""
     from engine import triton_attention
 
     k, v, cache, slots, scales = _write_inputs(case, device)
     ref_device = reference_device or device
     expected = cache.to(ref_device, copy=True)
-    write_kv(k.to(ref_device), v.to(ref_device), expected, slots.to(ref_device), scales)
-    triton_attention.write_kv(k, v, cache, slots, scales)
+    ref_args = (k.to(ref_device), v.to(ref_device), layer_view(expected, LAYER))
+    write_kv(*ref_args, slots.to(ref_device), scales)
+    triton_attention.write_kv(k, v, layer_view(cache, LAYER), slots, scales)
     diff = cache.cpu().view(torch.uint8) != expected.cpu().view(torch.uint8)
     return {"bytes_differing": int(diff.sum()), "bytes": diff.numel()}
 
@@ -173,8 +180,8 @@ def _attention_inputs(case: AttnCase, device: str):
         tables[b, :n] = perm[start : start + n]
         start += n
     scales = KVScales(0.15, 0.11) if case.cache else KVScales()
-    raw = torch.randn(2, num_blocks, bs, hkv, D, generator=g)
-    cache = (raw * 6).to(cache_dtype) if case.cache else raw.to(dtype)  # [2, NB, T, Hkv, D]
+    raw = torch.randn(num_blocks, LAYERS, 2, bs, hkv, D, generator=g)
+    cache = (raw * 6).to(cache_dtype) if case.cache else raw.to(dtype)  # [NB, L, 2, T, Hkv, D]
     n_tokens = sum(case.query_lens)
     q = torch.randn(n_tokens, hq, D, generator=g).to(dtype)
     qsl = torch.tensor([0, *torch.tensor(case.query_lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -190,7 +197,7 @@ def _attention_inputs(case: AttnCase, device: str):
         seq_lens_cpu=list(case.seq_lens),
         query_lens_cpu=list(case.query_lens),
     )
-    return q.to(device), cache.to(device), meta, scales
+    return q.to(device), layer_view(cache.to(device), LAYER), meta, scales
 
 
 def check_attention(case: AttnCase, device: str) -> dict:
@@ -245,7 +252,7 @@ def _bad_calls(device: str) -> dict:
         )
 
     def cache(h=2, d=16, bs=16, dtype=torch.float32):
-        return torch.zeros(2, 8, bs, h, d, dtype=dtype, device=device)
+        return layer_view(torch.zeros(8, LAYERS, 2, bs, h, d, dtype=dtype, device=device), LAYER)
 
     def zeros(*shape):
         return torch.zeros(*shape, device=device)
@@ -284,10 +291,11 @@ def check_skipped_slot(device: str) -> bool:
     """A slot past the end of the cache is not written; the other tokens are."""
     from engine import triton_attention
 
-    cache = torch.zeros(2, 2, 16, 1, 16, device=device)
+    cache = torch.zeros(2, LAYERS, 2, 16, 1, 16, device=device)  # [B, L, 2, T, H, D]
     kv = torch.ones(2, 1, 16, device=device)
-    triton_attention.write_kv(kv, kv, cache, torch.tensor([3, 32], device=device))
-    return bool(cache.flatten(1, 2)[:, 3].eq(1).all()) and int(cache.ne(0).sum()) == 2 * 16
+    slots = torch.tensor([3, 32], device=device)
+    triton_attention.write_kv(kv, kv, layer_view(cache, LAYER), slots)
+    return bool(cache[0, LAYER, :, 3].eq(1).all()) and int(cache.ne(0).sum()) == 2 * 16
 
 
 def interpreter_main() -> None:

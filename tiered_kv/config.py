@@ -31,8 +31,10 @@ class TierConfig:
     it (and the pool's remaining blocks at :meth:`~tiered_kv.TierManager.close`).
     ``offload``: ``prompt`` keeps blocks made only of prompt tokens; ``all`` also keeps
     blocks that contain generated tokens.
-    ``max_queue_bytes`` / ``max_queue_blocks``: bound the blocks waiting for the disk
-    writer; a block that would exceed either is not stored on disk (counted as dropped).
+    ``staging_bytes``: without a CPU tier (``cpu_bytes=0``), the pinned buffer that holds
+    blocks until the disk and remote writers have them (with a CPU tier, the CPU pool is
+    that buffer). A block is dropped (counted) only when the buffer is full of blocks not
+    yet written.
     ``flush_timeout_s``: how long :meth:`~tiered_kv.TierManager.close` may take to write
     what is queued.
     ``sync``: fsync every LMDB commit (``False``: only flush and close fsync).
@@ -52,8 +54,7 @@ class TierConfig:
     codec: str = "raw"
     write_policy: str = "write-through"
     offload: str = "prompt"
-    max_queue_bytes: int = 256 * MiB
-    max_queue_blocks: int = 4096
+    staging_bytes: int = 256 * MiB
     flush_timeout_s: float = 30.0
     sync: bool = True
     remote_url: str | None = None
@@ -69,8 +70,7 @@ class TierConfig:
             raise ValueError("kv_cache_dir must not be empty (None means no disk tier)")
         _int("cpu_bytes", self.cpu_bytes, minimum=0)
         _int("disk_bytes", self.disk_bytes, minimum=1)
-        _int("max_queue_bytes", self.max_queue_bytes, minimum=1)
-        _int("max_queue_blocks", self.max_queue_blocks, minimum=1)
+        _int("staging_bytes", self.staging_bytes, minimum=1)
         get_codec(self.codec)  # raises ValueError naming the valid specs
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(

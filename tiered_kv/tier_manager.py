@@ -1,25 +1,23 @@
 """The tier manager: the engine's KV connector, backed by the CPU pool, the disk tier and
 the shared remote tier.
 
-::
+Two halves, as in vLLM's connector. The scheduler side (the connector methods, on the
+engine thread) decides and holds no bytes: lookups are index checks, and a load or a
+save only starts a transfer. The worker side moves the bytes::
 
-    save_blocks ─▶ CPU pool ───── write-back: on eviction ─────┐
-         │                                                     ▼
-         ├─ write-through, or no CPU pool: host copy ─▶ disk queue ─▶ writer ─▶ LmdbStore
-         └─ remote write-through: the same host copy ─▶ remote queue ─▶ writer ─▶ RemoteStore
-    load_blocks ◀─ CPU pool (read_into)
-                ◀─ disk queue, or LmdbStore (get, verify, decode) ─▶ promote to CPU pool
-                ◀─ remote queue, or RemoteStore (get, verify, decode) ─▶ promote to CPU pool
-                                                      (and queue for disk if write-through)
+    save_blocks ─ reserve slots ─▶ BlockMover.offload (one DMA per run of blocks, side
+         │                          stream, after the compute stream's event)
+         └─ copied ─▶ CPU pool commit (pending: disk, remote) ─▶ PoolWriter threads ─▶ stores
+    start_load ─▶ BlockLoader (worker threads): pool slot, or store get ─▶ verify ─▶ decode
+                  into a slot (promoted) ─▶ BlockMover.restore ─▶ copied ─▶ poll: loaded
+
+The CPU pool is one pinned slab and the only write-behind buffer: a block stays in it,
+pinned against eviction, until every lower tier it goes to has it. When every slot holds
+an unwritten block, a save waits (its GPU block stays held) for up to ``SAVE_WAIT_S`` and
+is then dropped, counted and logged (rate-limited, naming the setting to raise).
 
 Lookups go CPU → disk → remote: the run of blocks the CPU pool and the disk hold is
 extended by the remote tier with one pipelined round-trip for the rest of the chain.
-
-Threads. The engine calls every connector method from its one thread. The manager adds a
-writer thread per lower tier (:mod:`tiered_kv.disk_writer`), and the LMDB store runs its
-own committer. The engine thread never waits for a write: stores it cannot queue are
-dropped and counted. Loads run on the engine thread; a remote lookup or load is bounded by
-``remote_timeout_s``, and skipped altogether while the remote store's breaker is open.
 
 Keys. A block's key is ``BlockKey(namespace, block_hash)`` with the engine's chained hash
 (which covers the request's ``cache_salt``). The namespace is the engine's, so another
@@ -30,54 +28,56 @@ engine's namespace and the codec, so lossy records never serve a lossless config
 from __future__ import annotations
 
 import atexit
+import collections
+import concurrent.futures
 import dataclasses
 import hashlib
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from prometheus_client import CollectorRegistry
 
-from engine.connector import KVConnector, SavedBlock
-from engine.hashing import block_hash as chain_hash
+from engine.connector import FinishedTransfers, KVConnector, SavedBlock
 from engine.llm import LLM
 from storage.base import BlockKey, BlockStore, StoreStats
-from storage.codecs import CodecError, decode_block, get_codec
-from storage.cpu_pool import CpuBlockPool, HostBlock
+from storage.codecs import get_codec
+from storage.cpu_pool import CpuBlockPool
 from storage.lmdb_store import LmdbStore
-from storage.record import Record
 from storage.remote_store import RemoteStore
+from tiered_kv.block_loader import BlockLoader, LoadResult, WantedBlock
+from tiered_kv.block_mover import BlockMover, Copy
 from tiered_kv.config import TierConfig
-from tiered_kv.disk_writer import DiskWriter, WriteItem
 from tiered_kv.metrics import QueueStats, TierMetrics
+from tiered_kv.pool_writer import PoolWriter
 
 logger = logging.getLogger(__name__)
 
-# Blocks per LMDB read transaction while loading. Small: each block's buffer is copied into
-# the engine while it is still in cache and freed before the next read, so the allocator
-# hands the same memory back instead of faulting in fresh pages (measured with 512 KiB
-# blocks: 2 per read ~8.5 GB/s, 32 per read ~2.5 GB/s).
-DISK_READ_CHUNK = 2
-# Blocks per remote round-trip while loading: enough to hide the network latency.
-REMOTE_READ_CHUNK = 16
+LOAD_WORKERS = 2  # requests loaded at once
+SAVE_WAIT_S = 5.0  # how long a save may wait for a pool slot before it is dropped
+DROP_WARNING_INTERVAL_S = 60.0
+STORE_PENDING_BYTES = 128 << 20  # LMDB puts accepted but not yet committed (two batches)
 _LOSSY_NAMESPACE = b"tiered-kv/lossy-codec"
 
 
 @dataclasses.dataclass(frozen=True)
 class _Lookup:
-    """A request's hash chain as of its last lookup: gives the parent of each loaded block."""
+    """A request's hash chain as of its last lookup, and where each block was found."""
 
     hashes: tuple[bytes, ...]
     first: int  # index of the first block the lookup was asked about
+    tiers: tuple[str, ...]  # tier of hashes[first + i], for the matched run
 
-    def parents(self, block_hashes: Sequence[bytes]) -> list[bytes | None] | None:
-        """The parent hash of each of ``block_hashes`` (a run of this chain; ``None`` for
-        the chain's first block), or ``None`` if the run is not part of this chain."""
+    def wanted(
+        self, namespace: bytes, block_hashes: Sequence[bytes], block_ids: Sequence[int]
+    ) -> list[WantedBlock] | None:
+        """The blocks to load with their parents (``None`` for the chain's first block), or
+        ``None`` if the run is not part of this lookup's matched chain."""
         start = self.first
         if self.hashes[start : start + 1] != (block_hashes[0],):
             try:
@@ -86,11 +86,42 @@ class _Lookup:
                 return None
         if self.hashes[start : start + len(block_hashes)] != tuple(block_hashes):
             return None
-        return [self.hashes[start - 1] if start else None, *block_hashes[:-1]]
+        offset = start - self.first
+        if offset < 0 or offset + len(block_hashes) > len(self.tiers):
+            return None
+        parents = [self.hashes[start - 1] if start else None, *block_hashes[:-1]]
+        return [
+            WantedBlock(BlockKey(namespace, h), b, p, self.tiers[offset + i])
+            for i, (h, b, p) in enumerate(zip(block_hashes, block_ids, parents))
+        ]
 
 
-class _BadRecord(Exception):
-    """A record that must not be served (decode error, wrong shape, broken hash chain)."""
+@dataclasses.dataclass
+class _Save:
+    """One save_blocks batch: its copy, and what to commit to the pool once it is done."""
+
+    copy: Copy
+    commits: list[tuple[BlockKey, int, SavedBlock]]  # (key, slot, block)
+    block_ids: list[int]  # every block id of the batch (reported saved together)
+    started: float
+
+
+class _DropWarning:
+    """One WARNING line per interval for blocks dropped because the pool was full."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._last = -DROP_WARNING_INTERVAL_S
+
+    def add(self, blocks: int, setting: str) -> None:
+        self._count += blocks
+        now = time.monotonic()
+        if now - self._last >= DROP_WARNING_INTERVAL_S:
+            logger.warning(
+                "dropped %d KV blocks: the CPU pool was full of blocks not yet written to the "
+                "lower tiers; raise %s (or use a faster disk or codec)", self._count, setting,
+            )
+            self._count, self._last = 0, now
 
 
 class TierManager(KVConnector):
@@ -112,25 +143,15 @@ class TierManager(KVConnector):
             ) if present
         )
         self.metrics = TierMetrics(tiers, self._store_stats, self._queue_stats)
-        self._cpu: CpuBlockPool | None = None
+        self._pool: CpuBlockPool | None = None
         self._disk: LmdbStore | None = None
-        self._writer: DiskWriter | None = None
         self._remote: RemoteStore | None = None
-        self._remote_writer: DiskWriter | None = None
+        self._writers: list[PoolWriter] = []
         self._final_stats: dict[str, StoreStats] | None = None
         if config.has_disk:
             self._disk = LmdbStore(
-                config.cache_path,
-                config.disk_bytes,
-                sync=config.sync,
-                max_pending_bytes=config.max_queue_bytes,
-            )
-            self._writer = DiskWriter(
-                self._disk,
-                self._codec,
-                self.metrics,
-                max_bytes=config.max_queue_bytes,
-                max_blocks=config.max_queue_blocks,
+                config.cache_path, config.disk_bytes, sync=config.sync,
+                max_pending_bytes=STORE_PENDING_BYTES,
             )
         if config.has_remote:
             self._remote = RemoteStore(
@@ -139,16 +160,10 @@ class TierManager(KVConnector):
                 timeout_s=config.remote_timeout_s,
                 ttl_s=config.remote_ttl_s,
             )
-            if config.remote_write_policy == "write-through":
-                self._remote_writer = DiskWriter(
-                    self._remote,
-                    self._codec,
-                    self.metrics,
-                    max_bytes=config.max_queue_bytes,
-                    max_blocks=config.max_queue_blocks,
-                    tier="remote",
-                )
-        self._kv_cache: torch.Tensor | None = None  # [L, 2, num_blocks, T, H, D]
+        self._kv_cache: torch.Tensor | None = None  # [num_blocks, L, 2, T, H, D]
+        self._mover: BlockMover | None = None
+        self._loader: BlockLoader | None = None
+        self._load_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._namespace = b""
         self._block_size = 0
         self._block_shape: tuple[int, ...] = ()  # [L, 2, T, H, D]
@@ -157,6 +172,16 @@ class TierManager(KVConnector):
         # request id -> (keys asked of the remote tier, its answer): a repeated lookup of a
         # request the engine could not schedule yet costs no further round-trip.
         self._remote_runs: dict[str, tuple[tuple[BlockKey, ...], int]] = {}
+        self._loads_in_flight: set[concurrent.futures.Future[LoadResult]] = set()
+        self._deferred: collections.deque[tuple[SavedBlock, float]] = collections.deque()
+        self._deferred_lock = threading.RLock()  # the engine's saves vs. a flush's retries
+        self._saves: queue.SimpleQueue[_Save | None] = queue.SimpleQueue()
+        self._saves_in_flight = 0  # copies not yet committed to the pool
+        self._save_watcher: threading.Thread | None = None
+        self._finished = threading.Condition()
+        self._loaded: dict[str, int] = {}
+        self._saved: list[int] = []
+        self._drops = _DropWarning()
         self._close_lock = threading.Lock()
         self._closed = False
         atexit.register(self.close)
@@ -174,11 +199,12 @@ class TierManager(KVConnector):
         return self._namespace
 
     def stores(self) -> dict[str, BlockStore]:
-        """The open stores by tier (``cpu`` once the engine registered its cache, ``disk``,
-        ``remote``), for admin views; they must not be used after :meth:`close`."""
+        """The open stores by tier (``cpu`` once the engine registered its cache and when
+        the pool is a tier, ``disk``, ``remote``), for admin views; they must not be used
+        after :meth:`close`."""
         stores: dict[str, BlockStore] = {}
-        if self._cpu is not None:
-            stores["cpu"] = self._cpu
+        if self._pool is not None and self.config.has_cpu:
+            stores["cpu"] = self._pool
         if self._disk is not None:
             stores["disk"] = self._disk
         if self._remote is not None:
@@ -190,7 +216,7 @@ class TierManager(KVConnector):
         return self.metrics.snapshot()
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every block queued so far is committed to disk (fsynced) and handed to
+        """Wait until every block saved so far is committed to disk (fsynced) and handed to
         the remote server; ``False`` if ``timeout`` seconds passed first."""
         if self._closed:
             return True
@@ -199,17 +225,19 @@ class TierManager(KVConnector):
         def remaining() -> float | None:
             return None if deadline is None else max(deadline - time.monotonic(), 0.0)
 
-        if self._remote_writer is not None and not self._remote_writer.drain(remaining()):
-            return False
-        if self._writer is None:
-            return True
-        if not self._writer.drain(remaining()):
-            return False
-        return self._disk.flush(remaining())
+        while self._deferred or self._saves_in_flight:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            self._retry_deferred()  # the engine may be idle: nobody else retries them
+            time.sleep(0.001)  # saves still copying or waiting for a slot
+        for writer in self._writers:
+            if not writer.drain(remaining()):
+                return False
+        return self._disk is None or self._disk.flush(remaining())
 
     def close(self) -> None:
-        """Write what is queued (and, with write-back, what only the CPU pool holds) to disk
-        and the remote tier within ``flush_timeout_s``, then close the stores. Idempotent."""
+        """Finish the transfers in flight, write what is pending to disk and the remote tier
+        within ``flush_timeout_s``, then close the stores. Idempotent."""
         with self._close_lock:
             if self._closed:
                 return
@@ -217,21 +245,27 @@ class TierManager(KVConnector):
         atexit.unregister(self.close)
         deadline = time.monotonic() + self.config.flush_timeout_s
         try:
-            if self._writer is not None:
-                if self.config.write_policy == "write-back" and self._cpu is not None:
-                    self._write_back_all(deadline)
-                self._writer.close(max(deadline - time.monotonic(), 0.0))
-            if self._remote_writer is not None:
-                self._remote_writer.close(max(deadline - time.monotonic(), 0.0))
+            if self._load_pool is not None:
+                self._load_pool.shutdown(wait=True)
+            while self._deferred and time.monotonic() < deadline:
+                self._retry_deferred()
+                time.sleep(0.01)
+            with self._deferred_lock:
+                self._drop_deferred(time.monotonic(), force=True)
+            if self._save_watcher is not None:
+                self._saves.put(None)
+                self._save_watcher.join()
+            for writer in self._writers:
+                writer.close(max(deadline - time.monotonic(), 0.0))
         finally:
             self._final_stats = self._store_stats()
             if self._disk is not None:
                 self._disk.close()
             if self._remote is not None:
                 self._remote.close()
-            if self._cpu is not None:
-                self._cpu.close()
-            self._kv_cache = None
+            if self._pool is not None:
+                self._pool.close()
+            self._kv_cache = self._mover = self._loader = None
 
     # ------------------------------------------------------------------ connector
 
@@ -240,28 +274,55 @@ class TierManager(KVConnector):
             raise RuntimeError("a TierManager serves one engine; create one per engine")
         if self._closed:
             raise RuntimeError("the TierManager is closed")
-        num_layers, two, _, tokens, heads, head_dim = kv_cache.shape
+        _, num_layers, two, tokens, heads, head_dim = kv_cache.shape
         if two != 2 or tokens != block_size:
             raise ValueError(
                 f"unexpected KV cache shape {list(kv_cache.shape)} for block size {block_size}"
             )
-        self._kv_cache = kv_cache
+        config = self.config
         self._block_size = block_size
         self._block_shape = (num_layers, 2, block_size, heads, head_dim)
-        self._block_nbytes = kv_cache[:, :, 0].numel() * kv_cache.element_size()
-        self._namespace = self.storage_namespace(namespace, self.config.codec)
-        if self.config.has_cpu:
-            if self.config.cpu_bytes < self._block_nbytes:
-                raise ValueError(
-                    f"cpu_bytes={self.config.cpu_bytes} holds no KV block ({self._block_nbytes} "
-                    "bytes each); raise it or set 0 for no CPU tier"
-                )
-            write_back = self.config.write_policy == "write-back" and self._writer is not None
-            self._cpu = CpuBlockPool(
-                self.config.cpu_bytes,
-                block_nbytes=self._block_nbytes,
-                on_evict=self._on_cpu_evict if write_back else None,
+        self._block_nbytes = kv_cache[0].numel() * kv_cache.element_size()
+        self._namespace = self.storage_namespace(namespace, config.codec)
+        pool_bytes = config.cpu_bytes if config.has_cpu else config.staging_bytes
+        if pool_bytes < self._block_nbytes:
+            setting = "cpu_bytes" if config.has_cpu else "staging_bytes"
+            raise ValueError(
+                f"{setting}={pool_bytes} holds no KV block ({self._block_nbytes} bytes each); "
+                f"raise it" + (" or set 0 for no CPU tier" if config.has_cpu else "")
             )
+        self._pool = CpuBlockPool(
+            pool_bytes, block_nbytes=self._block_nbytes, keep_clean=config.has_cpu,
+            pin_memory=kv_cache.is_cuda,
+        )
+        self._kv_cache = kv_cache
+        self._mover = BlockMover(kv_cache, self._pool.slab)
+        stores: dict[str, BlockStore] = {}
+        if self._disk is not None:
+            stores["disk"] = self._disk
+            self._writers.append(PoolWriter(
+                self._pool, self._disk, self._codec, self.metrics, "disk",
+                write_back=config.write_policy == "write-back",
+                low_watermark=max(1, self._pool.num_slots // 8),
+            ))
+        if self._remote is not None:
+            stores["remote"] = self._remote
+            if config.remote_write_policy == "write-through":
+                self._writers.append(
+                    PoolWriter(self._pool, self._remote, self._codec, self.metrics, "remote")
+                )
+        self._loader = BlockLoader(
+            self._pool, self._mover, stores, self.metrics,
+            block_shape=self._block_shape, dtype=kv_cache.dtype, promote=self._promote_to,
+        )
+        self._load_pool = concurrent.futures.ThreadPoolExecutor(
+            LOAD_WORKERS, thread_name_prefix="tiered-kv-load"
+        )
+        if kv_cache.is_cuda:
+            self._save_watcher = threading.Thread(
+                target=self._watch_saves, name="tiered-kv-save-watcher", daemon=True
+            )
+            self._save_watcher.start()
 
     @staticmethod
     def storage_namespace(engine_namespace: bytes, codec: str) -> bytes:
@@ -278,126 +339,95 @@ class TierManager(KVConnector):
     ) -> int:
         if self._kv_cache is None or self._closed:
             return 0
-        lookup = _Lookup(tuple(block_hashes), num_computed_blocks)
-        # The engine asks again, step after step, for a request it could not schedule yet.
-        repeated = self._lookups.get(request_id) == lookup
-        self._lookups[request_id] = lookup
         keys = [BlockKey(self._namespace, h) for h in block_hashes[num_computed_blocks:]]
+        previous = self._lookups.get(request_id)
+        # The engine asks again, step after step, for a request it could not schedule yet.
+        repeated = (
+            previous is not None
+            and previous.hashes == tuple(block_hashes)
+            and previous.first == num_computed_blocks
+        )
         if not keys:
             return 0
-        in_cpu = self._cpu.contains_many(keys) if self._cpu is not None else [False] * len(keys)
-        matched = cpu_lookups = disk_lookups = 0
-        for key, cpu_hit in zip(keys, in_cpu):
+        in_pool = self._pool.contains_many(keys)
+        tiers: list[str] = []
+        cpu_lookups = disk_lookups = 0
+        for key, pool_hit in zip(keys, in_pool):
             cpu_lookups += 1
-            if cpu_hit:
-                matched += 1
+            if pool_hit:
+                tiers.append("cpu")
                 continue
             if self._disk is None:
                 break
             disk_lookups += 1
-            if not (self._writer.contains(key) or self._disk.contains(key)):
+            if not self._disk.contains(key):
                 break
-            matched += 1
+            tiers.append("disk")
         remote_lookups = 0
-        if self._remote is not None and matched < len(keys):
-            rest = tuple(keys[matched:])
+        if self._remote is not None and len(tiers) < len(keys):
+            rest = tuple(keys[len(tiers):])
             remote_lookups = len(rest)
             cached = self._remote_runs.get(request_id)
             if cached is not None and cached[0] == rest:
                 run = cached[1]
             else:
-                run = self._remote_run(list(rest))
+                run = self._remote.longest_prefix(list(rest)) if self._remote.available else 0
                 self._remote_runs[request_id] = (rest, run)
-            matched += run
-        if not repeated and self._cpu is not None:
-            self.metrics.add("cpu", lookups=cpu_lookups)
-        if not repeated and self._disk is not None:
-            self.metrics.add("disk", lookups=disk_lookups)
-        if not repeated and self._remote is not None:
-            self.metrics.add("remote", lookups=remote_lookups)
-        return matched
+            tiers += ["remote"] * run
+        self._lookups[request_id] = _Lookup(tuple(block_hashes), num_computed_blocks, tuple(tiers))
+        if not repeated:
+            if self.config.has_cpu:
+                self.metrics.add("cpu", lookups=cpu_lookups)
+            if self._disk is not None:
+                self.metrics.add("disk", lookups=disk_lookups)
+            if self._remote is not None:
+                self.metrics.add("remote", lookups=remote_lookups)
+        return len(tiers)
 
-    def load_blocks(
+    def start_load(
         self, request_id: str, block_hashes: Sequence[bytes], block_ids: Sequence[int]
-    ) -> bool:
-        kv_cache = self._kv_cache
-        if kv_cache is None or self._closed or len(block_hashes) != len(block_ids):
-            return False
-        if not block_hashes:
-            return True
-        non_blocking = kv_cache.is_cuda  # one synchronize below instead of one per block
-        start = time.perf_counter()
-        rest: list[tuple[int, BlockKey, int]] = []  # (index, key, block id) not in the CPU pool
-        for i, (h, block_id) in enumerate(zip(block_hashes, block_ids)):
-            key = BlockKey(self._namespace, h)
-            out = kv_cache[:, :, block_id]  # [L, 2, T, H, D]
-            if self._cpu is None or not self._cpu.read_into(key, out, non_blocking=non_blocking):
-                rest.append((i, key, block_id))
-        cpu_blocks = len(block_hashes) - len(rest)
-        if non_blocking and cpu_blocks:
-            # Before anything else is put into the pool, whose slots these copies read.
-            torch.cuda.current_stream(kv_cache.device).synchronize()
-        cpu_seconds = time.perf_counter() - start
-        if rest and self._disk is None and self._remote is None:
-            self.metrics.add("cpu", load_failures=1)  # evicted since the lookup
-            return False
-        if rest:
-            lookup = self._lookups.get(request_id)
-            parents = lookup.parents(block_hashes) if lookup is not None else None
-            if parents is None:  # cannot check the records' chain: recompute instead
-                self.metrics.add("disk" if self._disk is not None else "remote", load_failures=1)
-                return False
-            wanted = [(key, block_id, parents[i]) for i, key, block_id in rest]
-            on_disk = [
-                self._disk is not None and (self._writer.contains(k) or self._disk.contains(k))
-                for k, _, _ in wanted
-            ]
-            from_disk = [w for w, d in zip(wanted, on_disk) if d]
-            from_remote = [w for w, d in zip(wanted, on_disk) if not d]
-            if from_remote and self._remote is None:
-                self.metrics.add("disk", load_failures=1)  # evicted since the lookup
-                return False
-            for tier, blocks in (("disk", from_disk), ("remote", from_remote)):
-                if not blocks:
-                    continue
-                start = time.perf_counter()
-                if not self._load_from(tier, blocks):
-                    return False
-                self.metrics.observe_load(
-                    tier, time.perf_counter() - start, len(blocks), self._block_size,
-                    len(blocks) * self._block_nbytes,
-                )
-        if cpu_blocks:
-            self.metrics.observe_load(
-                "cpu", cpu_seconds, cpu_blocks, self._block_size, cpu_blocks * self._block_nbytes
-            )
-        return True
+    ) -> None:
+        lookup = self._lookups.get(request_id)
+        wanted = None
+        if self._loader is not None and not self._closed and len(block_hashes) == len(block_ids):
+            if not block_hashes:
+                wanted = []
+            elif lookup is not None:
+                wanted = lookup.wanted(self._namespace, block_hashes, block_ids)
+        if not wanted:
+            if wanted is None:  # cannot check the records' chain: recompute instead
+                self.metrics.add(self._first_lower_tier(), load_failures=1)
+            self._report(loaded={request_id: 0})
+            return
+        future = self._load_pool.submit(self._loader.run, request_id, wanted)
+        self._loads_in_flight.add(future)
+        future.add_done_callback(self._load_done)
 
     def save_blocks(self, blocks: Sequence[SavedBlock]) -> None:
-        kv_cache = self._kv_cache
-        if kv_cache is None or self._closed:
+        with self._deferred_lock:
+            self._save_blocks(blocks)
+
+    def _save_blocks(self, blocks: Sequence[SavedBlock]) -> None:
+        if self._kv_cache is None or self._closed:
+            self._report(saved=[b.block_id for b in blocks])
             return
         if self.config.offload == "prompt":
+            skipped = [b.block_id for b in blocks if not b.is_prompt]
+            if skipped:
+                self._report(saved=skipped)
             blocks = [b for b in blocks if b.is_prompt]
-        if not blocks:
-            return
-        write_through = self.config.write_policy == "write-through"
-        start = time.perf_counter()
-        cpu_stored = 0
-        for block in blocks:
-            key = BlockKey(self._namespace, block.block_hash)
-            view = src = kv_cache[:, :, block.block_id]  # [L, 2, T, H, D], the engine's pool
-            if write_through and self._writer is not None:
-                src = self._queue_for_disk(key, block, src)
-            if self._remote_writer is not None:
-                src = self._queue_for_remote(key, block, src, is_copy=src is not view)
-            if self._cpu is not None and not self._cpu.contains(key):
-                if self._cpu.put(key, HostBlock(src, block.parent_hash, block.token_ids)):
-                    cpu_stored += 1
-        if self._cpu is not None:
-            self.metrics.observe_store(
-                "cpu", time.perf_counter() - start, cpu_stored, cpu_stored * self._block_nbytes
-            )
+        if blocks:
+            self._offload(list(blocks), time.monotonic())
+
+    def poll(self, timeout: float = 0.0) -> FinishedTransfers:
+        if self._deferred:
+            self._retry_deferred()
+        with self._finished:
+            if timeout > 0 and not self._loaded and not self._saved:
+                self._finished.wait(timeout)
+            loaded, self._loaded = self._loaded, {}
+            saved, self._saved = self._saved, []
+        return FinishedTransfers(loaded, saved)
 
     def on_blocks_evicted(self, block_hashes: Sequence[bytes]) -> None:
         """Nothing to do: a block is copied down when it becomes full, not when evicted."""
@@ -406,161 +436,124 @@ class TierManager(KVConnector):
         self._lookups.pop(request_id, None)
         self._remote_runs.pop(request_id, None)
 
-    # ------------------------------------------------------------------ internals
+    # ------------------------------------------------------------------ saves
 
-    def _queue_for_disk(self, key: BlockKey, block: SavedBlock, src: torch.Tensor) -> torch.Tensor:
-        """Queue a host copy of ``src`` for the disk unless the disk has it; returns the
-        tensor to copy into the CPU pool from (the host copy when one was made)."""
-        if self._writer.contains(key) or self._disk.contains(key):
-            return src
-        if not self._writer.has_room(self._block_nbytes):
-            self.metrics.add("disk", dropped=1)
-            return src
-        host = _host_copy(src)
-        if not self._writer.offer(WriteItem(key, block.parent_hash, tuple(block.token_ids), host)):
-            self.metrics.add("disk", dropped=1)
-        return host
-
-    def _queue_for_remote(
-        self, key: BlockKey, block: SavedBlock, src: torch.Tensor, *, is_copy: bool
-    ) -> torch.Tensor:
-        """Queue a host copy of ``src`` for the remote tier (``src`` itself when it is the
-        disk queue's copy); returns the tensor to copy into the CPU pool from.
-
-        Whether the server has the block is not asked (that would be a round-trip on the
-        engine thread): a block already there is written again, which refreshes its LRU.
-        """
-        if self._remote_writer.contains(key):
-            return src
-        if not self._remote.available or not self._remote_writer.has_room(self._block_nbytes):
-            self.metrics.add("remote", dropped=1)
-            return src
-        host = src if is_copy else _host_copy(src)
-        item = WriteItem(key, block.parent_hash, tuple(block.token_ids), host)
-        if not self._remote_writer.offer(item):
-            self.metrics.add("remote", dropped=1)
-        return host
-
-    def _remote_run(self, keys: list[BlockKey]) -> int:
-        """How many leading ``keys`` the remote tier (or its write queue) holds."""
-        if not self._remote.available:
-            return 0
-        queued = [self._remote_writer is not None and self._remote_writer.contains(k) for k in keys]
-        n = 0
-        while n < len(keys) and queued[n]:
-            n += 1
-        if n < len(keys):
-            n += self._remote.longest_prefix(keys[n:])
-        return n
-
-    def _on_cpu_evict(self, key: BlockKey, evicted: HostBlock) -> None:
-        """Write-back: a block leaving the CPU pool goes to disk unless it is there already."""
-        if self._writer.contains(key) or self._disk.contains(key):
+    def _offload(self, blocks: list[SavedBlock], started: float) -> None:
+        """Reserve a slot for each block and start one batched copy; blocks that find no
+        slot wait in ``_deferred`` (their GPU blocks stay held)."""
+        commits: list[tuple[BlockKey, int, SavedBlock]] = []
+        done: list[int] = []
+        for i, block in enumerate(blocks):
+            key = BlockKey(self._namespace, block.block_hash)
+            if self._pool.contains(key):
+                done.append(block.block_id)  # already below (e.g. it was loaded from there)
+                continue
+            slot = self._pool.reserve()
+            if slot is None:
+                self._deferred.extend((b, started) for b in blocks[i:])
+                self._drop_deferred(time.monotonic())
+                break
+            commits.append((key, slot, block))
+        if done:
+            self._report(saved=done)
+        if not commits:
             return
-        item = WriteItem(key, evicted.parent_hash, tuple(evicted.token_ids), evicted.kv)
-        if not self._writer.offer(item):
-            self.metrics.add("disk", dropped=1)
-
-    def _write_back_all(self, deadline: float) -> None:
-        """At shutdown, queue every block only the CPU pool holds (oldest first)."""
-        for key in self._cpu.keys():
-            if self._writer.contains(key) or self._disk.contains(key):
-                continue
-            held = self._cpu.get(key)
-            if held is None:
-                continue
-            item = WriteItem(key, held.parent_hash, tuple(held.token_ids), held.kv)
-            if not self._writer.offer(item, wait_until=deadline):
-                self.metrics.add("disk", dropped=1)
-
-    def _load_from(self, tier: str, wanted: list[tuple[BlockKey, int, bytes | None]]) -> bool:
-        """Load ``(key, block id, parent hash)`` blocks from ``tier``'s (``disk`` or
-        ``remote``) writer queue or store into the engine's blocks and promote them into the
-        CPU pool (remote blocks also into the disk queue, with write-through); ``False`` at
-        the first block that cannot be served.
-
-        Sequential on purpose: a chunk is copied into the engine while its buffers are still
-        in this core's cache (reading ahead on another thread measured slower).
-        """
-        kv_cache = self._kv_cache
-        if tier == "disk":
-            writer, store, chunk_size = self._writer, self._disk, DISK_READ_CHUNK
+        copy = self._mover.offload([(block.block_id, slot) for _, slot, block in commits])
+        save = _Save(copy, commits, [block.block_id for _, _, block in commits], time.perf_counter())
+        if self._save_watcher is None:
+            self._commit_save(save)  # a host copy: complete already
         else:
-            writer, store, chunk_size = self._remote_writer, self._remote, REMOTE_READ_CHUNK
-        to_disk = (
-            tier == "remote" and self._writer is not None
-            and self.config.write_policy == "write-through"
-        )
-        for start in range(0, len(wanted), chunk_size):
-            chunk = wanted[start : start + chunk_size]
-            queued = [writer.get(key) if writer is not None else None for key, _, _ in chunk]
-            to_read = [key for (key, _, _), item in zip(chunk, queued) if item is None]
-            records = iter(store.get_many(to_read) if to_read else ())
-            for (key, block_id, parent), item in zip(chunk, queued):
-                out = kv_cache[:, :, block_id]  # [L, 2, T, H, D]
-                if item is not None:
-                    out.copy_(item.kv)
-                    host, tokens, parent_hash = item.kv, item.token_ids, item.parent_hash
-                else:
-                    record = next(records)
-                    if record is None:  # gone since the lookup, or corrupt (the store counts it)
-                        self.metrics.add(tier, load_failures=1)
-                        return False
-                    try:
-                        host = self._decode_into(record, parent, out)
-                    except _BadRecord as e:
-                        logger.warning("%s tier: not serving %s: %s", tier, key.short(), e)
-                        self.metrics.add(tier, corrupt=1, load_failures=1)
-                        return False
-                    tokens, parent_hash = record.token_ids, record.parent_hash
-                    if to_disk and not self._disk.contains(key):
-                        copy = _host_copy(out)
-                        if not self._writer.offer(WriteItem(key, parent_hash, tuple(tokens), copy)):
-                            self.metrics.add("disk", dropped=1)
-                if self._cpu is not None and not self._cpu.contains(key):
-                    if self._cpu.put(key, HostBlock(host, parent_hash, tokens)):  # promote
-                        self.metrics.add("cpu", stored_blocks=1, stored_bytes=self._block_nbytes)
-        return True
+            with self._finished:
+                self._saves_in_flight += 1
+            self._saves.put(save)
 
-    def _decode_into(self, record: Record, parent: bytes | None, out: torch.Tensor) -> torch.Tensor:
-        """Write the block in ``record`` into ``out`` after checking it belongs there;
-        returns a host tensor holding it (``out`` itself when that is in host memory).
+    def _retry_deferred(self) -> None:
+        """Offload the saves that found no slot, as far as slots are free now (from the
+        engine's poll, or from a flush while the engine is idle)."""
+        with self._deferred_lock:
+            self._drop_deferred(time.monotonic())
+            if not self._deferred or self._pool.num_evictable() == 0:
+                return
+            blocks, started = [b for b, _ in self._deferred], self._deferred[0][1]
+            self._deferred.clear()
+            self._offload(blocks, started)
 
-        The key was checked by the store. Here: the record's parent is the request's previous
-        block, and its token ids hash with that parent to its key (so they are the request's
-        tokens); a request's first block has the salted root as its parent, which the
-        connector does not know, so for it only ``parent is None`` is checked.
-        """
-        if record.dtype != out.dtype or tuple(record.shape) != self._block_shape:
-            raise _BadRecord(
-                f"record holds {record.dtype}{list(record.shape)}, the engine's blocks are "
-                f"{out.dtype}{list(self._block_shape)}"
+    def _drop_deferred(self, now: float, *, force: bool = False) -> None:
+        dropped: list[int] = []
+        while self._deferred and (force or now - self._deferred[0][1] >= SAVE_WAIT_S):
+            dropped.append(self._deferred.popleft()[0].block_id)
+        if dropped:
+            tier = "cpu" if self.config.has_cpu else self._first_lower_tier()
+            self.metrics.add(tier, dropped=len(dropped))
+            self._pool.count_dropped(len(dropped))
+            self._drops.add(
+                len(dropped), "--kv-offloading-size" if self.config.has_cpu else "staging_bytes"
             )
-        if len(record.token_ids) != self._block_size:
-            raise _BadRecord(
-                f"record has {len(record.token_ids)} token ids, blocks hold {self._block_size}"
+            self._report(saved=dropped)
+
+    def _watch_saves(self) -> None:
+        """CUDA: commit each save once its copy is complete (the copies run in order)."""
+        while (save := self._saves.get()) is not None:
+            save.copy.wait()
+            self._commit_save(save)
+            with self._finished:
+                self._saves_in_flight -= 1
+
+    def _commit_save(self, save: _Save) -> None:
+        pending = self._pending_tiers()
+        stored = 0
+        for key, slot, block in save.commits:
+            tiers = pending
+            if "disk" in tiers and self._disk.contains(key):
+                tiers = tuple(t for t in tiers if t != "disk")
+            if self._pool.commit(
+                key, slot, self._kv_cache.dtype, self._block_shape, block.parent_hash,
+                block.token_ids, tiers,
+            ):
+                stored += 1
+        if self.config.has_cpu:
+            self.metrics.observe_store(
+                "cpu", time.perf_counter() - save.started, stored, stored * self._block_nbytes
             )
-        if record.parent_hash != parent:
-            raise _BadRecord("record's parent is not the request's previous block")
-        if parent is not None and chain_hash(parent, record.token_ids) != record.key.block_hash:
-            raise _BadRecord("record's token ids do not hash to its key")
-        if record.codec == "raw" and out.device.type == "cpu":
-            # The raw payload is the block's bytes in memory order: copy it straight into
-            # the engine's block instead of decoding into a temporary tensor first.
-            dst = out.view(torch.uint8).numpy()  # [L, 2, T, H, D * itemsize], strided
-            src = np.frombuffer(record.payload, dtype=np.uint8)
-            if src.size != dst.size:
-                raise _BadRecord(f"raw payload of {src.size} bytes for a {dst.size}-byte block")
-            dst[...] = src.reshape(dst.shape)
-            return out
-        try:
-            kv = decode_block(record)
-        except CodecError as e:
-            raise _BadRecord(str(e)) from None
-        if kv.dtype != out.dtype or tuple(kv.shape) != self._block_shape:
-            raise _BadRecord(f"decoded to {kv.dtype}{list(kv.shape)}")
-        out.copy_(kv)
-        return kv
+        self._report(saved=save.block_ids)
+
+    def _pending_tiers(self) -> tuple[str, ...]:
+        """The lower tiers a newly saved block still has to reach."""
+        return tuple(writer.tier for writer in self._writers)
+
+    def _promote_to(self, tier: str) -> tuple[str, ...]:
+        """The lower tiers a block loaded from ``tier`` still has to reach: a remote hit is
+        written to disk with write-through."""
+        if tier == "remote" and self._disk is not None and self.config.write_policy == "write-through":
+            return ("disk",)
+        return ()
+
+    # ------------------------------------------------------------------ loads
+
+    def _load_done(self, future: concurrent.futures.Future[LoadResult]) -> None:
+        """On the worker thread: account the load and report it to the engine."""
+        self._loads_in_flight.discard(future)
+        result = future.result()
+        for tier, blocks in result.by_tier.items():
+            if tier == "cpu" and not self.config.has_cpu:  # the staging buffer's blocks
+                tier = self._first_lower_tier()
+            self.metrics.observe_load(
+                tier, result.seconds, blocks, self._block_size, blocks * self._block_nbytes
+            )
+        self._report(loaded={result.request_id: result.loaded})
+
+    def _report(self, *, loaded: dict[str, int] | None = None, saved: list[int] | None = None) -> None:
+        with self._finished:
+            if loaded:
+                self._loaded.update(loaded)
+            if saved:
+                self._saved.extend(saved)
+            self._finished.notify_all()
+
+    def _first_lower_tier(self) -> str:
+        return "disk" if self._disk is not None else ("remote" if self._remote else "cpu")
+
+    # ------------------------------------------------------------------ stats
 
     def _store_stats(self) -> dict[str, StoreStats]:
         if self._final_stats is not None:
@@ -568,8 +561,8 @@ class TierManager(KVConnector):
         stats: dict[str, StoreStats] = {}
         if self.config.has_cpu:
             stats["cpu"] = (
-                self._cpu.stats()
-                if self._cpu is not None
+                self._pool.stats()
+                if self._pool is not None
                 else StoreStats(tier="cpu", capacity_bytes=self.config.cpu_bytes)
             )
         if self._disk is not None:
@@ -579,14 +572,11 @@ class TierManager(KVConnector):
         return stats
 
     def _queue_stats(self) -> QueueStats | None:
-        return self._writer.stats() if self._writer is not None else None
-
-
-def _host_copy(kv: torch.Tensor) -> torch.Tensor:
-    """A contiguous host copy of one block (pinned when it comes from a GPU)."""
-    out = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=kv.is_cuda)  # [L, 2, T, H, D]
-    out.copy_(kv)
-    return out
+        """Blocks in the pool still to be written to disk."""
+        if self._pool is None or self._disk is None:
+            return None
+        blocks = self._pool.num_pending("disk")
+        return QueueStats(blocks, blocks * self._block_nbytes)
 
 
 def build_llm(

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, KVScales, paged_attention
+from engine.kv_cache import layer_view
 from engine.models.config import ModelConfig
 
 
@@ -138,7 +139,7 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [N, hidden]
         cos: torch.Tensor,
         sin: torch.Tensor,
-        layer_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        layer_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D], a strided view
         meta: AttentionMetadata,
         scales: KVScales,
     ) -> torch.Tensor:
@@ -203,19 +204,20 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [N] int64
         positions: torch.Tensor,  # [N] int64
-        kv_cache: torch.Tensor,  # [L, 2, num_blocks, block_size, Hkv, D]
+        kv_cache: torch.Tensor,  # [num_blocks, L, 2, block_size, Hkv, D]
         meta: AttentionMetadata,
         kv_scales: Sequence[KVScales] | None = None,
     ) -> torch.Tensor:  # [N, hidden]
-        if kv_cache.shape[0] != len(self.layers):
+        if kv_cache.dim() != 6 or kv_cache.shape[1] != len(self.layers):
             raise ValueError(
-                f"kv_cache has {kv_cache.shape[0]} layers, the model {len(self.layers)}"
+                f"kv_cache {list(kv_cache.shape)} is not [num_blocks, L, 2, T, H, D] with the "
+                f"model's {len(self.layers)} layers"
             )
         x = self.embed_tokens(input_ids)  # [N, hidden]
         cos, sin = self.rotary(positions, meta.max_seq_len, x.dtype)  # [N, D] each
         for i, layer in enumerate(self.layers):
             scales = kv_scales[i] if kv_scales is not None else KVScales()
-            x = layer(x, cos, sin, kv_cache[i], meta, scales)
+            x = layer(x, cos, sin, layer_view(kv_cache, i), meta, scales)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, hidden] -> [M, vocab]

@@ -1,0 +1,46 @@
+"""One host allocation of exactly the size asked for, page-locked when CUDA is present.
+
+Not torch's caching host allocator (``pin_memory=True``): it rounds an allocation up to a
+power of two, so a 20 GiB pool would pin 32 GiB. Instead an ordinary allocation is
+registered with ``cudaHostRegister``, which pins exactly its pages, and unregistered on
+:meth:`PinnedSlab.close`. Copies between a registered buffer and the GPU run as DMA
+(``non_blocking=True`` copies are truly asynchronous), at the bus's full speed.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class PinnedSlab:
+    """``num_rows`` rows of ``row_nbytes`` bytes in one allocation: :attr:`tensor` is
+    ``[num_rows, row_nbytes]`` uint8. ``pin``: register it with CUDA (default: when CUDA
+    is available)."""
+
+    def __init__(self, num_rows: int, row_nbytes: int, *, pin: bool | None = None) -> None:
+        if num_rows <= 0 or row_nbytes <= 0:
+            raise ValueError(f"need positive num_rows and row_nbytes, got {num_rows}, {row_nbytes}")
+        self.pinned = torch.cuda.is_available() if pin is None else pin
+        self.tensor = torch.empty((num_rows, row_nbytes), dtype=torch.uint8)  # [rows, bytes]
+        if self.pinned:
+            _check(
+                torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0),
+                "cudaHostRegister",
+            )
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel()
+
+    def close(self) -> None:
+        """Unpin and drop the memory. Only once no copy can still read or write it."""
+        if self.tensor is None:
+            return
+        if self.pinned:
+            _check(torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr()), "cudaHostUnregister")
+        self.tensor = None
+
+
+def _check(status: object, call: str) -> None:
+    code = getattr(status, "value", status)
+    if code != 0:
+        raise RuntimeError(f"{call} failed with CUDA error {code}")

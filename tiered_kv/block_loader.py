@@ -1,0 +1,217 @@
+"""The worker side of a load: fetch, verify and decode a request's blocks into the CPU pool's
+slots, then restore them into the engine's blocks, all off the engine thread.
+
+One job per request, run by a small thread pool. A block the pool holds is restored
+from its slot; a block from the disk or remote tier is read in chunks, checked against the
+request's hash chain, decoded straight into a reserved slot (promoting it into the pool)
+and restored from there. A chunk's restore is issued before the next chunk is read, so
+reads and DMA overlap. The job stops at the first block it cannot serve; the blocks
+before it count.
+
+::
+
+    start_load ─▶ [job] ─ worker ─▶ pool slot? ──────────────────────────▶ restore (DMA) ─┐
+                                 └▶ disk / remote get ─▶ verify ─▶ decode into a slot ─┘  │
+    poll ◀── loaded[request] = n ◀── copies complete (the worker waits on their event) ◀──┘
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from engine.hashing import block_hash as chain_hash
+from storage.base import BlockKey, BlockStore
+from storage.codecs import CodecError, decode_block
+from storage.cpu_pool import CpuBlockPool
+from storage.record import Record
+from tiered_kv.block_mover import BlockMover, Copy
+from tiered_kv.metrics import TierMetrics
+
+logger = logging.getLogger(__name__)
+
+# Blocks per store read while loading: enough to batch a remote round-trip or an LMDB
+# read transaction, small enough that a chunk's restore overlaps the next chunk's read.
+READ_CHUNK = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class WantedBlock:
+    key: BlockKey
+    block_id: int
+    parent: bytes | None  # the request's previous block's hash; None for its first block
+    tier: str  # where the lookup found it: cpu, disk or remote
+
+
+@dataclasses.dataclass
+class LoadResult:
+    request_id: str
+    loaded: int  # leading blocks now in the engine's cache
+    by_tier: dict[str, int]
+    seconds: float
+
+
+class BadRecord(Exception):
+    """A record that must not be served (decode error, wrong shape, broken hash chain)."""
+
+
+class BlockLoader:
+    """Runs load jobs: ``run(request_id, blocks)`` on a worker thread returns a
+    :class:`LoadResult` once every copy it issued is complete on the device.
+
+    ``stores``: the disk and remote stores by tier. ``promote(key, tier)``: the tiers a
+    block read from ``tier`` should still be written to (e.g. a remote hit goes to disk).
+    """
+
+    def __init__(
+        self,
+        pool: CpuBlockPool,
+        mover: BlockMover,
+        stores: dict[str, BlockStore[Record]],
+        metrics: TierMetrics,
+        *,
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        promote: Callable[[str], tuple[str, ...]],
+    ) -> None:
+        self._pool = pool
+        self._mover = mover
+        self._stores = stores
+        self._metrics = metrics
+        self._block_shape = block_shape
+        self._dtype = dtype
+        self._promote = promote
+
+    def run(self, request_id: str, blocks: list[WantedBlock]) -> LoadResult:
+        start = time.perf_counter()
+        # Chunks whose restore may still read their slots: (copy, keys held for it).
+        in_flight: list[tuple[Copy, list[BlockKey]]] = []
+        by_tier: dict[str, int] = {}
+        loaded = 0
+        try:
+            for first in range(0, len(blocks), READ_CHUNK):
+                chunk = blocks[first : first + READ_CHUNK]
+                held: list[BlockKey] = []
+                pairs = self._fetch(chunk, held, by_tier)
+                in_flight.append((self._mover.restore(pairs), held))
+                loaded += len(pairs)
+                if len(pairs) < len(chunk):
+                    break
+                if len(in_flight) > 2:  # hold the slots of two chunks at most
+                    self._retire(in_flight.pop(0))
+        except Exception:
+            logger.exception("load of %s failed; the engine recomputes", request_id)
+            loaded = 0
+        finally:
+            for done in in_flight:  # the slots stay put until the device is done with them
+                self._retire(done)
+        return LoadResult(request_id, loaded, by_tier, time.perf_counter() - start)
+
+    def _retire(self, done: tuple[Copy, list[BlockKey]]) -> None:
+        copy, held = done
+        copy.wait()
+        self._pool.release_many(held)
+
+    def _fetch(
+        self, chunk: list[WantedBlock], held: list[BlockKey], by_tier: dict[str, int]
+    ) -> list[tuple[int, int]]:
+        """``(block id, slot)`` pairs for the leading blocks of ``chunk`` that are (now) held
+        in the pool; stops at the first one that cannot be served."""
+        slots = self._pool.acquire_slots([w.key for w in chunk])
+        held += [w.key for w, s in zip(chunk, slots) if s is not None]
+        missing = {
+            tier: [w for w, s in zip(chunk, slots) if s is None and self._source(w) == tier]
+            for tier in self._stores
+        }
+        records: dict[BlockKey, Record | None] = {}
+        for tier, wanted in missing.items():
+            if wanted:
+                found = self._stores[tier].get_many([w.key for w in wanted])
+                records.update(zip((w.key for w in wanted), found))
+        pairs: list[tuple[int, int]] = []
+        for want, slot in zip(chunk, slots):
+            tier = "cpu"
+            if slot is None:
+                tier = self._source(want) or want.tier
+                record = records.get(want.key)
+                slot = None if record is None else self._promote_record(want, tier, record)
+                if slot is None:
+                    self._metrics.add(tier, load_failures=1)
+                    break
+                held.append(want.key)
+            pairs.append((want.block_id, slot))
+            by_tier[tier] = by_tier.get(tier, 0) + 1
+        return pairs
+
+    def _source(self, want: WantedBlock) -> str | None:
+        """The store to read a block from that is not in the pool (any more)."""
+        if want.tier in self._stores:
+            return want.tier
+        # evicted from the pool since the lookup: the disk may still have it
+        return "disk" if "disk" in self._stores else next(iter(self._stores), None)
+
+    def _promote_record(self, want: WantedBlock, tier: str, record: Record) -> int | None:
+        """Decode ``record`` into a new pool slot and commit it there, held; the slot, or
+        ``None`` if the record is bad or the pool has no slot to spare."""
+        slot = self._pool.reserve()
+        if slot is None:
+            logger.warning("CPU pool has no free slot for a %s hit; recomputing", tier)
+            return None
+        out = self._pool.slot_view(slot, self._dtype, self._block_shape)
+        try:
+            self._decode_into(record, want.parent, out)
+        except BadRecord as e:
+            self._pool.unreserve(slot)
+            logger.warning("%s tier: not serving %s: %s", tier, want.key.short(), e)
+            self._metrics.add(tier, corrupt=1)
+            return None
+        committed = self._pool.commit(
+            want.key, slot, self._dtype, self._block_shape, record.parent_hash,
+            record.token_ids, self._promote(tier), hold=True,
+        )
+        if not committed:  # another load promoted the same block meanwhile
+            got = self._pool.acquire(want.key)
+            return None if got is None else got.slot
+        return slot
+
+    def _decode_into(self, record: Record, parent: bytes | None, out: torch.Tensor) -> None:
+        """Write the block in ``record`` into ``out`` (a host slot) after checking that it
+        belongs there.
+
+        The key was checked by the store. Here: the record's parent is the request's previous
+        block, and its token ids hash with that parent to its key (so they are the request's
+        tokens); a request's first block has the salted root as its parent, which the
+        connector does not know, so for it only ``parent is None`` is checked.
+        """
+        if record.dtype != out.dtype or tuple(record.shape) != self._block_shape:
+            raise BadRecord(
+                f"record holds {record.dtype}{list(record.shape)}, the engine's blocks are "
+                f"{out.dtype}{list(self._block_shape)}"
+            )
+        if len(record.token_ids) != self._block_shape[2]:
+            raise BadRecord(
+                f"record has {len(record.token_ids)} token ids, blocks hold {self._block_shape[2]}"
+            )
+        if record.parent_hash != parent:
+            raise BadRecord("record's parent is not the request's previous block")
+        if parent is not None and chain_hash(parent, record.token_ids) != record.key.block_hash:
+            raise BadRecord("record's token ids do not hash to its key")
+        if record.codec == "raw":
+            # The raw payload is the block's bytes in memory order: one copy into the slot.
+            dst = out.view(-1).view(torch.uint8).numpy()
+            src = np.frombuffer(record.payload, dtype=np.uint8)
+            if src.size != dst.size:
+                raise BadRecord(f"raw payload of {src.size} bytes for a {dst.size}-byte block")
+            dst[:] = src
+            return
+        try:
+            kv = decode_block(record)
+        except CodecError as e:
+            raise BadRecord(str(e)) from None
+        if kv.dtype != out.dtype or tuple(kv.shape) != self._block_shape:
+            raise BadRecord(f"decoded to {kv.dtype}{list(kv.shape)}")
+        out.copy_(kv)

@@ -1,0 +1,133 @@
+"""Write-behind: one thread per lower tier drains the CPU pool's pending blocks into it.
+
+The CPU pool is the only buffer between the engine and the disk or remote tier. A block
+is committed to the pool with the tiers it still has to reach; until a writer reports it
+done, the pool neither evicts nor reuses its slot. So nothing waits in a second queue, a
+block is findable (in the pool) from its offload until it is in the store, and a block is
+dropped only when the whole pool is full of blocks not yet written.
+
+::
+
+    CpuBlockPool ─ take_pending(tier) ─▶ encode (codec) ─▶ store.put_many ─▶ done_pending
+    (slots pinned while pending)          on this thread     (LMDB commits on its own thread;
+                                                              Valkey/Redis: one pipeline)
+
+With ``write_back`` the writer leaves blocks pending until the pool runs short of slots it
+could evict (fewer than ``low_watermark``), then writes the oldest; :meth:`PoolWriter.drain`
+writes everything.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from storage.base import BlockStore, StoreError
+from storage.codecs import Codec, encode_block
+from storage.cpu_pool import CpuBlockPool, SlotBlock
+from storage.record import Record
+from tiered_kv.metrics import TierMetrics
+
+logger = logging.getLogger(__name__)
+
+BATCH_BLOCKS = 32
+IDLE_WAIT_S = 0.05  # how often a write-back writer looks at the pool's free slots
+
+
+class PoolWriter:
+    """Writes ``pool``'s blocks pending for ``tier`` (``disk`` or ``remote``) into ``store``,
+    encoded with ``codec``, on its own thread."""
+
+    def __init__(
+        self,
+        pool: CpuBlockPool,
+        store: BlockStore[Record],
+        codec: Codec,
+        metrics: TierMetrics,
+        tier: str,
+        *,
+        write_back: bool = False,
+        low_watermark: int = 0,
+    ) -> None:
+        self._pool = pool
+        self._store = store
+        self._codec = codec
+        self._metrics = metrics
+        self.tier = tier
+        self._write_back = write_back
+        self._low_watermark = low_watermark
+        self._draining = threading.Event()  # write-back: write everything now
+        self._closing = False
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"tiered-kv-{tier}-writer", daemon=True)
+        self._thread.start()
+
+    def num_pending(self) -> int:
+        return self._pool.num_pending(self.tier)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every pending block has been handed to the store; ``False`` on timeout.
+        A write-back writer writes all it holds meanwhile."""
+        self._draining.set()
+        try:
+            return self._pool.wait_pending(self.tier, timeout)
+        finally:
+            if not self._closing:
+                self._draining.clear()
+
+    def close(self, timeout: float) -> int:
+        """Write what is pending for up to ``timeout`` seconds, then stop; returns how many
+        pending blocks were dropped. A batch being written is always finished."""
+        self._closing = True
+        self._draining.set()
+        self._pool.wait_pending(self.tier, timeout)
+        self._stopping.set()
+        self._thread.join()
+        dropped = self._pool.drop_pending(self.tier)
+        if dropped:
+            self._metrics.add(self.tier, dropped=dropped)
+            logger.warning(
+                "shutdown: %d blocks pending for the %s tier were not written", dropped, self.tier
+            )
+        return dropped
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            if self._write_back and not self._draining.is_set():
+                if self._pool.num_evictable() >= self._low_watermark:
+                    self._stopping.wait(IDLE_WAIT_S)
+                    continue
+            batch = self._pool.take_pending(self.tier, BATCH_BLOCKS, timeout=IDLE_WAIT_S)
+            if not batch:
+                continue
+            try:
+                self._write(batch)
+            except Exception:  # never let one bad batch stop the writer
+                logger.exception("%s writer: dropping a batch of %d blocks", self.tier, len(batch))
+                self._metrics.add(self.tier, dropped=len(batch))
+            finally:
+                self._pool.done_pending(self.tier, [b.key for b in batch])
+
+    def _write(self, batch: list[SlotBlock]) -> None:
+        start = time.perf_counter()
+        records: list[Record] = []
+        for block in batch:
+            try:
+                records.append(
+                    encode_block(block.key, block.parent_hash, block.token_ids, block.kv, self._codec)
+                )
+            except ValueError as e:
+                logger.error("%s writer: cannot encode %s: %s", self.tier, block.key.short(), e)
+                self._metrics.add(self.tier, dropped=1)
+        if not records:
+            return
+        try:
+            accepted = self._store.put_many([(r.key, r) for r in records])
+        except StoreError as e:  # the store was closed under us
+            logger.error("%s writer: %s", self.tier, e)
+            self._metrics.add(self.tier, dropped=len(records))
+            return
+        stored = [r for r, ok in zip(records, accepted) if ok]  # refusals: counted by the store
+        self._metrics.observe_store(
+            self.tier, time.perf_counter() - start, len(stored), sum(r.nbytes for r in stored)
+        )
