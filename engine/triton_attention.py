@@ -53,6 +53,7 @@ FP8_FACTOR = {torch.float8_e4m3fn: 256.0, torch.float8_e5m2: 1.0}
 MIN_SPLIT_TOKENS = 256
 
 _LOG2E = 1.4426950408889634
+_TRITON_VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2])
 
 
 # --- KV write ---------------------------------------------------------------------------
@@ -369,6 +370,30 @@ def _interpreting() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
+def _backport_interpreter_index() -> None:
+    """Let Triton 3.6's interpreter take a loop bound computed at run time, under NumPy 2.4.
+
+    Its scalars are NumPy arrays of shape [1], and ``range(lo, hi)`` in a kernel converts
+    them with ``int(array)``, which NumPy 2.4 rejects for ndim > 0. Triton 3.7 squeezes the
+    array first (triton-lang/triton#9171); this installs that line on older versions. The
+    compiled kernels are not affected.
+    """
+    if _TRITON_VERSION >= (3, 7) or not _interpreting():
+        return
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+    if getattr(patch_tensor, "squeezes_index", False):
+        return
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patched.squeezes_index = True
+    interpreter._patch_lang_tensor = patched
+
+
 def _check_device(t: torch.Tensor, name: str, device: torch.device) -> None:
     if t.device != device:
         raise ValueError(f"{name} is on {t.device}, expected {device}")
@@ -552,6 +577,7 @@ def attention(
     out = torch.empty(N, Hq, D, dtype=q.dtype, device=q.device)
     if N == 0:
         return out
+    _backport_interpreter_index()
     factor = FP8_FACTOR.get(layer_cache.dtype, 1.0)
     k_scale, v_factor = (scales.k * factor, scales.v * factor) if fp8 else (1.0, 1.0)
     d_pad = max(16, _pow2(D))

@@ -29,6 +29,7 @@ Misses
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Generic, NamedTuple, TypeVar
@@ -138,6 +139,12 @@ class BlockStore(abc.ABC, Generic[V]):
 
     def get_many(self, keys: Sequence[BlockKey]) -> list[V | None]:
         return [self.get(k) for k in keys]
+
+    @contextlib.contextmanager
+    def reading(self, keys: Sequence[BlockKey]) -> Iterator[list[V | None]]:
+        """Like :meth:`get_many`, but the values are valid only inside the ``with`` block: a
+        store may hand out views of its own memory (no copy) that go away when it ends."""
+        yield self.get_many(keys)
 
     def put_many(self, items: Iterable[tuple[BlockKey, V]]) -> list[bool]:
         return [self.put(k, v) for k, v in items]

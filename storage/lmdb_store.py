@@ -541,8 +541,20 @@ class LmdbStore(BlockStore[Record]):
 
     def get_many(self, keys: Sequence[BlockKey]) -> list[Record | None]:
         """Values for ``keys``, read in one short read transaction."""
+        with self._read(keys, copy=True) as records:
+            return records
+
+    @contextlib.contextmanager
+    def reading(self, keys: Sequence[BlockKey]) -> Iterator[list[Record | None]]:
+        """Values for ``keys`` whose payloads are views of the memory map, not copies: valid
+        inside the ``with`` block, whose read transaction keeps the pages in place."""
+        with self._read(keys, copy=False) as records:
+            yield records
+
+    @contextlib.contextmanager
+    def _read(self, keys: Sequence[BlockKey], *, copy: bool) -> Iterator[list[Record | None]]:
         kbs = [k.to_bytes() for k in keys]
-        found: list[bytes | None] = [None] * len(kbs)
+        found: list[bytes | memoryview | None] = [None] * len(kbs)
         to_read: list[int] = []
         with self._lock:
             self._check_open()
@@ -552,15 +564,26 @@ class LmdbStore(BlockStore[Record]):
                     found[i] = entry.data  # None for a pending delete or quarantine
                 elif self.readonly or kb in self._index:
                     to_read.append(i)
-        if to_read:
-            try:
-                with self._env.begin(db=self._dbs[_DB_RECORDS], buffers=True) as txn:
+        txn = None
+        try:
+            if to_read:
+                try:
+                    txn = self._env.begin(db=self._dbs[_DB_RECORDS], buffers=True)
                     for i in to_read:
                         buf = txn.get(kbs[i])
                         if buf is not None:
-                            found[i] = bytes(buf)
-            except lmdb.Error as e:  # a damaged file or a map outgrown: misses, not a crash
-                logger.error("%s: read failed: %s", self.path, e)
+                            found[i] = bytes(buf) if copy else buf
+                except lmdb.Error as e:  # a damaged file or a map outgrown: misses, not a crash
+                    logger.error("%s: read failed: %s", self.path, e)
+            yield self._verify(keys, kbs, found)
+        finally:
+            if txn is not None:
+                txn.abort()  # a read transaction: ends it, and the views with it
+
+    def _verify(
+        self, keys: Sequence[BlockKey], kbs: list[bytes], found: list[bytes | memoryview | None]
+    ) -> list[Record | None]:
+        """Decode and check what was read, count hits and misses, quarantine the corrupt."""
         results: list[Record | None] = [None] * len(kbs)
         bad: list[tuple[bytes, RecordError]] = []
         for i, data in enumerate(found):

@@ -3,10 +3,13 @@
 Not torch's caching host allocator (``pin_memory=True``): it rounds an allocation up to a
 power of two, so a 20 GiB pool would pin 32 GiB. Instead an ordinary allocation is
 registered with ``cudaHostRegister``, which pins exactly its pages, and unregistered on
-:meth:`PinnedSlab.close`. Copies between a registered buffer and the GPU run as DMA
+:meth:`PinnedSlab.close`, or when the slab is collected (a range left registered after its
+memory is freed would make CUDA refuse to register that address again). Copies between a registered buffer and the GPU run as DMA
 (``non_blocking=True`` copies are truly asynchronous), at the bus's full speed.
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -21,11 +24,14 @@ class PinnedSlab:
             raise ValueError(f"need positive num_rows and row_nbytes, got {num_rows}, {row_nbytes}")
         self.pinned = torch.cuda.is_available() if pin is None else pin
         self.tensor = torch.empty((num_rows, row_nbytes), dtype=torch.uint8)  # [rows, bytes]
+        self._unpin = None
         if self.pinned:
             _check(
                 torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0),
                 "cudaHostRegister",
             )
+            # holds the tensor, so the memory outlives its registration
+            self._unpin = weakref.finalize(self, _unregister, self.tensor)
 
     @property
     def nbytes(self) -> int:
@@ -35,9 +41,13 @@ class PinnedSlab:
         """Unpin and drop the memory. Only once no copy can still read or write it."""
         if self.tensor is None:
             return
-        if self.pinned:
-            _check(torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr()), "cudaHostUnregister")
+        if self._unpin is not None:
+            self._unpin()
         self.tensor = None
+
+
+def _unregister(tensor: torch.Tensor) -> None:
+    _check(torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr()), "cudaHostUnregister")
 
 
 def _check(status: object, call: str) -> None:

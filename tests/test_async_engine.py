@@ -15,14 +15,14 @@ ENDLESS = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm():
-    llm = AsyncLLM(max_model_len=256, num_gpu_blocks_override=64)
+    llm = AsyncLLM(max_model_len=256, num_gpu_blocks_override=64, device="cpu")
     yield llm
     llm.shutdown()
 
 
 @pytest.fixture
 def fresh():
-    llm = AsyncLLM(max_model_len=256, num_gpu_blocks_override=64)
+    llm = AsyncLLM(max_model_len=256, num_gpu_blocks_override=64, device="cpu")
     yield llm
     llm.shutdown()
 
@@ -58,7 +58,7 @@ def test_streams_match_offline_generation_and_run_concurrently(fresh):
 
     results = asyncio.run(main())
     assert all(r[-1].finished for r in results)
-    with LLM(max_model_len=256, num_gpu_blocks_override=64) as offline:
+    with LLM(max_model_len=256, num_gpu_blocks_override=64, device="cpu") as offline:
         expected = [o.token_ids for o in offline.generate(["one", "two", "three"], GREEDY)]
     assert [r[-1].token_ids for r in results] == expected
 
@@ -121,7 +121,7 @@ def test_invalid_requests_raise_in_the_consumer(fresh):
 
 
 def test_shutdown_aborts_streams_and_refuses_new_requests():
-    llm = AsyncLLM(max_model_len=256, num_gpu_blocks_override=64)
+    llm = AsyncLLM(max_model_len=256, num_gpu_blocks_override=64, device="cpu")
 
     async def main():
         outs = []

@@ -1,10 +1,13 @@
 """Whole-block copies between a block-major KV cache and the CPU pool's slab."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
 from storage.cpu_pool import CpuBlockPool
+from storage.pinned import PinnedSlab
 from tiered_kv.block_mover import BlockMover, _runs
 
 SHAPE = (12, 3, 2, 4, 2, 8)  # [num_blocks, L, 2, T, H, D]
@@ -79,3 +82,17 @@ def test_cuda_offload_reads_the_block_after_the_compute_stream_wrote_it():
     copy = mover.offload([(3, 0)])
     copy.wait()
     assert torch.all(slot(pool, 0) == 1.5)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_a_slab_dropped_without_close_unpins_its_memory():
+    slab = PinnedSlab(4, 1 << 20)
+    memory = slab.tensor  # outlives the slab
+    del slab
+    gc.collect()
+    cudart = torch.cuda.cudart()
+    # still registered, CUDA would refuse the range (error 712) and a later slab placed at
+    # this address by the allocator could not be pinned
+    assert int(cudart.cudaHostRegister(memory.data_ptr(), memory.numel(), 0)) == 0
+    assert int(cudart.cudaHostUnregister(memory.data_ptr())) == 0

@@ -19,7 +19,9 @@ PROMPTS = [
 
 def make_llm(connector: KVConnector | None, **kw) -> LLM:
     blocks = kw.pop("blocks", 64)
-    return LLM(max_model_len=256, num_gpu_blocks_override=blocks, kv_connector=connector, **kw)
+    return LLM(
+        max_model_len=256, num_gpu_blocks_override=blocks, kv_connector=connector, device="cpu", **kw
+    )
 
 
 @pytest.fixture(scope="module")

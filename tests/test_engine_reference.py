@@ -85,7 +85,7 @@ def assert_matches(outs: list[RequestOutput], reference) -> None:
 
 
 def test_batch_matches_transformers_and_again_from_the_prefix_cache(checkpoint, prompts, reference):
-    with LLM(checkpoint[0], max_model_len=128, num_gpu_blocks_override=64) as llm:
+    with LLM(checkpoint[0], max_model_len=128, num_gpu_blocks_override=64, device="cpu") as llm:
         first = llm.generate(prompts, PARAMS)
         assert_matches(first, reference)
         assert all(o.num_cached_tokens == 0 for o in first)
@@ -97,13 +97,14 @@ def test_batch_matches_transformers_and_again_from_the_prefix_cache(checkpoint, 
 
 def test_chunked_prefill_matches_transformers(checkpoint, prompts, reference):
     with LLM(
-        checkpoint[0], max_model_len=128, num_gpu_blocks_override=64, max_num_batched_tokens=16
+        checkpoint[0], device="cpu", max_model_len=128, num_gpu_blocks_override=64,
+        max_num_batched_tokens=16,
     ) as llm:
         assert_matches(llm.generate(prompts, PARAMS), reference)
 
 
 def test_preemption_matches_transformers(checkpoint, prompts, reference):
-    with LLM(checkpoint[0], max_model_len=128, num_gpu_blocks_override=8) as llm:
+    with LLM(checkpoint[0], max_model_len=128, num_gpu_blocks_override=8, device="cpu") as llm:
         assert_matches(llm.generate(prompts, PARAMS), reference)
         assert llm.engine.stats().num_preemptions > 0
 
@@ -121,6 +122,7 @@ def test_greedy_is_the_same_with_caching_and_chunking_on_or_off(
         enable_prefix_caching=caching,
         enable_chunked_prefill=chunked,
         max_num_batched_tokens=budget,
+        device="cpu",
     ) as llm:
         llm.generate(prompts[:2], PARAMS)  # warm the prefix cache (when on)
         outs = llm.generate(prompts, PARAMS)
@@ -131,7 +133,8 @@ def test_greedy_is_the_same_with_caching_and_chunking_on_or_off(
 def test_fp8_kv_runs_and_stays_close(checkpoint, prompts, reference):
     """fp8 (e4m3, per-layer power-of-two scales) is lossy: measure, report, bound loosely."""
     with LLM(
-        checkpoint[0], max_model_len=128, num_gpu_blocks_override=64, kv_cache_dtype="fp8"
+        checkpoint[0], device="cpu", max_model_len=128, num_gpu_blocks_override=64,
+        kv_cache_dtype="fp8",
     ) as llm:
         assert llm.engine.model_runner.kv_cache.dtype == torch.float8_e4m3fn
         outs = llm.generate(prompts, PARAMS)

@@ -18,7 +18,7 @@ LONG = "A long shared system prompt that many requests start with. " * 2  # 121 
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(max_model_len=256, num_gpu_blocks_override=128) as llm:
+    with LLM(max_model_len=256, num_gpu_blocks_override=128, device="cpu") as llm:
         yield llm
 
 
@@ -106,7 +106,7 @@ def test_invalid_prompts_are_rejected_and_leave_nothing_queued(llm):
 
 
 def test_generation_stops_at_max_model_len():
-    with LLM(max_model_len=24, num_gpu_blocks_override=8) as llm:
+    with LLM(max_model_len=24, num_gpu_blocks_override=8, device="cpu") as llm:
         params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
         out = llm.generate(list(range(1, 21)), params)[0]
         assert len(out.token_ids) == 4 and out.finish_reason == "length"
@@ -117,9 +117,9 @@ def test_generation_stops_at_max_model_len():
 def test_preemption_gives_the_same_outputs():
     prompts = [list(range(10 * i + 1, 10 * i + 41)) for i in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    with LLM(max_model_len=128, num_gpu_blocks_override=64) as roomy:
+    with LLM(max_model_len=128, num_gpu_blocks_override=64, device="cpu") as roomy:
         expected = [o.token_ids for o in roomy.generate(prompts, params)]
-    with LLM(max_model_len=128, num_gpu_blocks_override=10) as tight:
+    with LLM(max_model_len=128, num_gpu_blocks_override=10, device="cpu") as tight:
         got = tight.generate(prompts, params)
         assert [o.token_ids for o in got] == expected
         stats = tight.engine.stats()
@@ -138,7 +138,7 @@ def test_abort_frees_blocks(llm):
 
 
 def test_a_closed_engine_takes_no_requests():
-    llm = LLM(max_model_len=64, num_gpu_blocks_override=8)
+    llm = LLM(max_model_len=64, num_gpu_blocks_override=8, device="cpu")
     engine = llm.engine
     engine.add_request("left over", GREEDY)
     llm.close()
@@ -149,7 +149,7 @@ def test_a_closed_engine_takes_no_requests():
 
 
 def test_close_drops_the_kv_cache():
-    llm = LLM(max_model_len=64, num_gpu_blocks_override=8)
+    llm = LLM(max_model_len=64, num_gpu_blocks_override=8, device="cpu")
     assert llm.engine.model_runner.kv_cache is not None
     llm.close()
     assert llm.engine.model_runner.kv_cache is None
@@ -183,12 +183,13 @@ def test_stats(llm):
     assert s.num_blocks == 128 and s.num_used_blocks == 0 and s.kv_usage == 0.0
     assert s.num_running == s.num_waiting == 0
     assert len(s.ttft_s) >= 2 and len(s.itl_s) >= 14 and min(s.itl_s) >= 0
-    assert s.gpu_memory is None  # no CUDA here
+    assert s.gpu_memory is None  # a CPU engine
 
 
 def test_config_defaults_are_resolved_from_the_model(llm):
     cfg = EngineConfig().resolve(max_position_embeddings=4096)
-    assert (cfg.max_model_len, cfg.max_num_batched_tokens, cfg.device) == (4096, 2048, "cpu")
+    auto = "cuda" if torch.cuda.is_available() else "cpu"  # device="auto" prefers CUDA
+    assert (cfg.max_model_len, cfg.max_num_batched_tokens, cfg.device) == (4096, 2048, auto)
     assert EngineConfig().resolve(1024).max_model_len == 1024
     no_chunk = EngineConfig(enable_chunked_prefill=False).resolve(8192)
     assert no_chunk.max_num_batched_tokens == 4096
@@ -196,13 +197,13 @@ def test_config_defaults_are_resolved_from_the_model(llm):
 
 
 def test_cpu_cache_is_sized_from_its_byte_budget():
-    with LLM(tiny_model_path(), max_model_len=64, cpu_kv_cache_bytes=2**20) as llm:
+    with LLM(tiny_model_path(), device="cpu", max_model_len=64, cpu_kv_cache_bytes=2**20) as llm:
         engine = llm.engine
         spec = KVCacheSpec(4, 16, 2, 16, engine.model_runner.kv_cache.dtype)
         assert engine.num_blocks == 2**20 // spec.bytes_per_block
         assert engine.model_runner.kv_cache.shape == (engine.num_blocks, 4, 2, 16, 2, 16)
     with pytest.raises(ValueError, match="max_model_len"):
-        LLM(max_model_len=4096, cpu_kv_cache_bytes=2**16)
+        LLM(max_model_len=4096, cpu_kv_cache_bytes=2**16, device="cpu")
 
 
 @pytest.mark.parametrize(
@@ -251,7 +252,7 @@ def test_output_text_keeps_the_leading_space_of_sentencepiece_decoders():
     backend.decoder = tokenizers.decoders.Metaspace()  # drops the space of a first word
     loaded = dataclasses.replace(load_model("tiny"), tokenizer=Tokenizer(backend))
     engine = LLMEngine(
-        EngineConfig(max_model_len=64, num_gpu_blocks_override=8), loaded_model=loaded
+        EngineConfig(max_model_len=64, num_gpu_blocks_override=8, device="cpu"), loaded_model=loaded
     )
     request_id = engine.add_request("w1 w2 w3", GREEDY)
     outs = []

@@ -288,6 +288,35 @@ def test_values_are_owned_by_the_caller(path: Path) -> None:
         assert bytes(store.get(key(1)).payload) == b"other"
 
 
+def test_reading_serves_committed_records_from_the_map_and_pending_ones_too(path: Path) -> None:
+    with LmdbStore(path, 16 << 20) as store:
+        for i in range(4):
+            put(store, i)
+        store.flush()
+        put(store, 4)  # still pending
+        with store.reading([key(i) for i in range(6)]) as found:
+            assert [same(r, record(i)) for i, r in enumerate(found[:5])] == [True] * 5
+            assert found[5] is None
+            assert not isinstance(found[0].payload.obj, bytes)  # a view of the map, not a copy
+            # a write meanwhile does not disturb the records in hand
+            store.put(key(0), Record(key(0), None, (7,), "raw", torch.uint8, (5,), b"other"))
+            store.flush()
+            assert same(found[0], record(0))
+        assert bytes(store.get(key(0)).payload) == b"other"
+        assert (store.stats().hits, store.stats().misses) == (6, 1)
+
+
+def test_reading_finds_a_corrupt_record_like_get(path: Path) -> None:
+    with LmdbStore(path, 16 << 20) as store:
+        for i in range(3):
+            put(store, i)
+    corrupt_stored(path, key(1), flip)
+    with LmdbStore(path, 16 << 20) as store:
+        with store.reading([key(0), key(1), key(2)]) as found:
+            assert found[1] is None and same(found[0], record(0)) and same(found[2], record(2))
+        assert store.stats().corrupt == 1 and not store.contains(key(1))
+
+
 def test_flushed_records_survive_reopening(path: Path) -> None:
     with LmdbStore(path, 16 << 20) as store:
         for i in range(50):

@@ -38,7 +38,7 @@ TRAFFIC = random_prompts(60, 100, 400, seed=12)  # ~25 ms each: the kill lands m
 
 def recompute(prompts: list[list[int]]) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    with LLM(max_model_len=512, enable_prefix_caching=False) as llm:
+    with LLM(max_model_len=512, enable_prefix_caching=False, device="cpu") as llm:
         return [o.token_ids for o in llm.generate(prompts, params)]
 
 
@@ -140,13 +140,13 @@ def test_a_corrupt_record_is_recomputed_and_counted(tmp_path, reference):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompt = max(PROMPTS, key=len)
     want = reference[PROMPTS.index(prompt)]
-    with build_llm("tiny", tiers, max_model_len=512) as llm:
+    with build_llm("tiny", tiers, max_model_len=512, device="cpu") as llm:
         llm.generate(prompt, params)
         namespace = llm.engine.connector.namespace
     victim = BlockKey(namespace, hash_blocks(root_hash(namespace), prompt, BLOCK)[3])
     flip_a_payload_byte(path, victim)  # no process has the store open
 
-    with build_llm("tiny", tiers, max_model_len=512) as llm:
+    with build_llm("tiny", tiers, max_model_len=512, device="cpu") as llm:
         out = llm.generate(prompt, params)[0]
         stats = llm.engine.connector.stats()["disk"]
         engine = llm.engine.stats()
@@ -156,7 +156,7 @@ def test_a_corrupt_record_is_recomputed_and_counted(tmp_path, reference):
     assert engine.connector_load_failures == 1
 
     # The recompute stored the block again: the next engine hits the whole prefix.
-    with build_llm("tiny", tiers, max_model_len=512) as llm:
+    with build_llm("tiny", tiers, max_model_len=512, device="cpu") as llm:
         again = llm.generate(prompt, params)[0]
         stats = llm.engine.connector.stats()["disk"]
     assert again.token_ids == want and again.num_cached_tokens == full_hit(prompt)

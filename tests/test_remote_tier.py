@@ -15,7 +15,7 @@ from tiered_kv import TierConfig
 
 @pytest.fixture(scope="module")
 def reference() -> list[list[int]]:
-    with LLM(max_model_len=256, enable_prefix_caching=False) as llm:
+    with LLM(max_model_len=256, enable_prefix_caching=False, device="cpu") as llm:
         return [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY)]
 
 

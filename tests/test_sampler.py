@@ -128,7 +128,7 @@ def test_params_normalize_stop_arguments():
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(max_model_len=128, num_gpu_blocks_override=64) as llm:
+    with LLM(max_model_len=128, num_gpu_blocks_override=64, device="cpu") as llm:
         yield llm
 
 

@@ -27,7 +27,7 @@ def llm(tmp_path_factory):
     )
     llm = AsyncLLM(
         "tiny", kv_connector=manager, max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=64,
-        block_size=BLOCK,
+        block_size=BLOCK, device="cpu"
     )
     yield llm
     llm.shutdown()

@@ -33,7 +33,9 @@ FLUSH = random_prompts(1, 240, seed=8)[0]  # with its outputs, fills all 16 bloc
 
 def make_llm(tiers: TierConfig, blocks: int = 16, **engine) -> LLM:
     """A tiny engine whose block pool holds about one request, so hits must come from below."""
-    return build_llm("tiny", tiers, max_model_len=256, num_gpu_blocks_override=blocks, **engine)
+    return build_llm(
+        "tiny", tiers, device="cpu", max_model_len=256, num_gpu_blocks_override=blocks, **engine
+    )
 
 
 def hit_tokens(prompt: list[int]) -> int:
@@ -42,7 +44,7 @@ def hit_tokens(prompt: list[int]) -> int:
 
 @pytest.fixture(scope="module")
 def reference() -> list[list[int]]:
-    with LLM(max_model_len=256, enable_prefix_caching=False) as llm:
+    with LLM(max_model_len=256, enable_prefix_caching=False, device="cpu") as llm:
         return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
@@ -373,7 +375,7 @@ def _divergence(ref, got) -> tuple[int, float]:
 @pytest.mark.parametrize("codec", ["kivi4", "kivi2"])
 def test_lossy_codec_divergence_is_measured(disk, codec):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1000)
-    with LLM(max_model_len=256, enable_prefix_caching=False) as llm:
+    with LLM(max_model_len=256, enable_prefix_caching=False, device="cpu") as llm:
         refs = llm.generate(PROMPTS, params)
     tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=0, disk_bytes=64 << 20, codec=codec)
     with make_llm(tiers, blocks=64) as llm:
@@ -416,9 +418,9 @@ def test_metrics_are_per_manager_and_per_tier(disk):
 
 def test_a_manager_serves_one_engine():
     manager = TierManager(TierConfig(cpu_bytes=4 << 20))
-    with LLM(max_model_len=256, num_gpu_blocks_override=16, kv_connector=manager):
+    with LLM(max_model_len=256, num_gpu_blocks_override=16, kv_connector=manager, device="cpu"):
         with pytest.raises(RuntimeError, match="one engine"):
-            LLM(max_model_len=256, num_gpu_blocks_override=16, kv_connector=manager)
+            LLM(max_model_len=256, num_gpu_blocks_override=16, kv_connector=manager, device="cpu")
     manager.close()  # idempotent after the engine closed it
 
 
@@ -433,14 +435,14 @@ def test_a_request_loading_from_disk_does_not_stall_the_others(reference, disk, 
         llm.generate(PROMPTS[0], GREEDY)
         assert llm.engine.connector.flush(30)
     entered, release = threading.Event(), threading.Event()
-    get_many = LmdbStore.get_many
+    reading = LmdbStore.reading
 
-    def slow_get_many(self, keys):
+    def slow_reading(self, keys):
         entered.set()
         release.wait(30)
-        return get_many(self, keys)
+        return reading(self, keys)
 
-    monkeypatch.setattr(LmdbStore, "get_many", slow_get_many)
+    monkeypatch.setattr(LmdbStore, "reading", slow_reading)
     with make_llm(tiers, blocks=64) as llm:
         engine = llm.engine
         other = engine.add_request(PROMPTS[1], GREEDY)

@@ -32,7 +32,7 @@ def main() -> None:
     )
     params = SamplingParams(temperature=0.0, max_tokens=args.get("max_tokens", 8), ignore_eos=True)
     traffic = args.get("traffic", False)
-    with build_llm("tiny", config, max_model_len=MAX_MODEL_LEN) as llm:
+    with build_llm("tiny", config, max_model_len=MAX_MODEL_LEN, device="cpu") as llm:
         manager = llm.engine.connector
         if traffic:
             _line({"ready": True, "namespace": manager.namespace.hex()})

@@ -16,6 +16,7 @@ before it count.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -127,24 +128,25 @@ class BlockLoader:
             tier: [w for w, s in zip(chunk, slots) if s is None and self._source(w) == tier]
             for tier in self._stores
         }
-        records: dict[BlockKey, Record | None] = {}
-        for tier, wanted in missing.items():
-            if wanted:
-                found = self._stores[tier].get_many([w.key for w in wanted])
-                records.update(zip((w.key for w in wanted), found))
         pairs: list[tuple[int, int]] = []
-        for want, slot in zip(chunk, slots):
-            tier = "cpu"
-            if slot is None:
-                tier = self._source(want) or want.tier
-                record = records.get(want.key)
-                slot = None if record is None else self._promote_record(want, tier, record)
+        with contextlib.ExitStack() as reads:  # payloads may view a store's memory until exit
+            records: dict[BlockKey, Record | None] = {}
+            for tier, wanted in missing.items():
+                if wanted:
+                    found = reads.enter_context(self._stores[tier].reading([w.key for w in wanted]))
+                    records.update(zip((w.key for w in wanted), found))
+            for want, slot in zip(chunk, slots):
+                tier = "cpu"
                 if slot is None:
-                    self._metrics.add(tier, load_failures=1)
-                    break
-                held.append(want.key)
-            pairs.append((want.block_id, slot))
-            by_tier[tier] = by_tier.get(tier, 0) + 1
+                    tier = self._source(want) or want.tier
+                    record = records.get(want.key)
+                    slot = None if record is None else self._promote_record(want, tier, record)
+                    if slot is None:
+                        self._metrics.add(tier, load_failures=1)
+                        break
+                    held.append(want.key)
+                pairs.append((want.block_id, slot))
+                by_tier[tier] = by_tier.get(tier, 0) + 1
         return pairs
 
     def _source(self, want: WantedBlock) -> str | None:
