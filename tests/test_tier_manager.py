@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import threading
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from engine.models.tiny import TINY_CONFIG
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
 from storage.lmdb_store import LmdbStore
 from tiered_kv import TierConfig, TierManager, build_llm, tier_manager
+from tiered_kv.tier_manager import SWITCH_INTERVAL_S
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -462,3 +464,13 @@ def test_a_request_loading_from_disk_does_not_stall_the_others(reference, disk, 
     assert outputs[other].token_ids == reference[1]
     assert outputs[loading].token_ids == reference[0]
     assert outputs[loading].num_cached_tokens == hit_tokens(PROMPTS[0])
+
+
+def test_a_manager_lowers_the_gil_switch_interval_for_the_engine_thread():
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)  # CPython's default
+    try:
+        with make_llm(TierConfig(kv_cache_dir=None, cpu_bytes=8 << 20)):
+            assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
+    finally:
+        sys.setswitchinterval(before)

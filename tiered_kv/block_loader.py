@@ -16,6 +16,8 @@ before it count.
 """
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -38,6 +40,18 @@ logger = logging.getLogger(__name__)
 # Blocks per store read while loading: enough to batch a remote round-trip or an LMDB
 # read transaction, small enough that a chunk's restore overlaps the next chunk's read.
 READ_CHUNK = 16
+READ_AHEAD = 4  # chunks of one request read at once
+READ_THREADS = 4  # reader threads, shared by every load job
+
+
+@dataclasses.dataclass
+class _Chunk:
+    """What one read of a chunk got: pairs to restore and the pool keys held for them."""
+
+    pairs: list[tuple[int, int]]  # (block id, slot), the chunk's leading blocks
+    held: list[BlockKey]
+    by_tier: dict[str, int]
+    short: bool  # a block could not be served: the blocks after it were not read
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,56 +100,82 @@ class BlockLoader:
         self._block_shape = block_shape
         self._dtype = dtype
         self._promote = promote
+        self._readers = concurrent.futures.ThreadPoolExecutor(
+            READ_THREADS, thread_name_prefix="tiered-kv-read"
+        )
 
     def run(self, request_id: str, blocks: list[WantedBlock]) -> LoadResult:
         start = time.perf_counter()
+        chunks = [blocks[i : i + READ_CHUNK] for i in range(0, len(blocks), READ_CHUNK)]
+        # A few chunks are read at once on the reader threads: copies out of the map or the
+        # socket, checksums and codecs release the GIL, so reads of one request overlap.
+        # Their slots count against the pool: a job holds at most a quarter of it.
+        ahead = max(1, min(READ_AHEAD, self._pool.num_slots // (4 * READ_CHUNK) - 2))
+        reads: collections.deque[concurrent.futures.Future[_Chunk]] = collections.deque()
         # Chunks whose restore may still read their slots: (copy, keys held for it).
         in_flight: list[tuple[Copy, list[BlockKey]]] = []
         by_tier: dict[str, int] = {}
         loaded = 0
+        queued = 0
         try:
-            for first in range(0, len(blocks), READ_CHUNK):
-                chunk = blocks[first : first + READ_CHUNK]
-                held: list[BlockKey] = []
-                pairs = self._fetch(chunk, held, by_tier)
-                in_flight.append((self._mover.restore(pairs), held))
-                loaded += len(pairs)
-                if len(pairs) < len(chunk):
-                    break
-                if len(in_flight) > 2:  # hold the slots of two chunks at most
+            while queued < len(chunks) or reads:
+                while queued < len(chunks) and len(reads) < ahead:
+                    reads.append(self._readers.submit(self._fetch, chunks[queued]))
+                    queued += 1
+                got = reads.popleft().result()
+                in_flight.append((self._mover.restore(got.pairs), got.held))
+                loaded += len(got.pairs)
+                for tier, n in got.by_tier.items():
+                    by_tier[tier] = by_tier.get(tier, 0) + n
+                if got.short:
+                    break  # a block could not be served: the rest is recomputed
+                if len(in_flight) > 2:  # slots of two restoring chunks at most
                     self._retire(in_flight.pop(0))
         except Exception:
             logger.exception("load of %s failed; the engine recomputes", request_id)
             loaded = 0
         finally:
+            for future in reads:  # read past a failure: give their slots back
+                with contextlib.suppress(Exception):
+                    self._pool.release_many(future.result().held)
             for done in in_flight:  # the slots stay put until the device is done with them
                 self._retire(done)
         return LoadResult(request_id, loaded, by_tier, time.perf_counter() - start)
+
+    def close(self) -> None:
+        self._readers.shutdown(wait=True)
 
     def _retire(self, done: tuple[Copy, list[BlockKey]]) -> None:
         copy, held = done
         copy.wait()
         self._pool.release_many(held)
 
-    def _fetch(
-        self, chunk: list[WantedBlock], held: list[BlockKey], by_tier: dict[str, int]
-    ) -> list[tuple[int, int]]:
-        """``(block id, slot)`` pairs for the leading blocks of ``chunk`` that are (now) held
-        in the pool; stops at the first one that cannot be served."""
+    def _fetch(self, chunk: list[WantedBlock]) -> _Chunk:
+        """The leading blocks of ``chunk`` now held in the pool, as ``(block id, slot)``
+        pairs; stops at the first one that cannot be served."""
+        got = _Chunk([], [], {}, short=False)
+        try:
+            self._fetch_into(chunk, got)
+        except BaseException:
+            self._pool.release_many(got.held)
+            raise
+        got.short = len(got.pairs) < len(chunk)
+        return got
+
+    def _fetch_into(self, chunk: list[WantedBlock], got: _Chunk) -> None:
         slots = self._pool.acquire_slots([w.key for w in chunk])
-        held += [w.key for w, s in zip(chunk, slots) if s is not None]
+        got.held += [w.key for w, s in zip(chunk, slots) if s is not None]
         missing = {
             tier: [w for w, s in zip(chunk, slots) if s is None and self._source(w) == tier]
             for tier in self._stores
         }
-        pairs: list[tuple[int, int]] = []
         with contextlib.ExitStack() as reads:  # payloads may view a store's memory until exit
             records: dict[BlockKey, Record | None] = {}
             for tier, wanted in missing.items():
                 if wanted:
                     found = reads.enter_context(self._stores[tier].reading([w.key for w in wanted]))
                     records.update(zip((w.key for w in wanted), found))
-            for want, slot in zip(chunk, slots):
+            for i, (want, slot) in enumerate(zip(chunk, slots)):
                 tier = "cpu"
                 if slot is None:
                     tier = self._source(want) or want.tier
@@ -143,11 +183,14 @@ class BlockLoader:
                     slot = None if record is None else self._promote_record(want, tier, record)
                     if slot is None:
                         self._metrics.add(tier, load_failures=1)
-                        break
-                    held.append(want.key)
-                pairs.append((want.block_id, slot))
-                by_tier[tier] = by_tier.get(tier, 0) + 1
-        return pairs
+                        # the pool's blocks after it are not needed: let them go
+                        rest = {w.key for w, s in zip(chunk[i + 1 :], slots[i + 1 :]) if s is not None}
+                        self._pool.release_many(list(rest))
+                        got.held[:] = [k for k in got.held if k not in rest]
+                        return
+                    got.held.append(want.key)
+                got.pairs.append((want.block_id, slot))
+                got.by_tier[tier] = got.by_tier.get(tier, 0) + 1
 
     def _source(self, want: WantedBlock) -> str | None:
         """The store to read a block from that is not in the pool (any more)."""

@@ -35,6 +35,7 @@ import hashlib
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -63,6 +64,10 @@ SAVE_WAIT_S = 5.0  # how long a save may wait for a pool slot before it is dropp
 DROP_WARNING_INTERVAL_S = 60.0
 STORE_PENDING_BYTES = 128 << 20  # LMDB puts accepted but not yet committed (two batches)
 _LOSSY_NAMESPACE = b"tiered-kv/lossy-codec"
+# The engine thread gives up the GIL at every device sync and lock wait; while the tier
+# threads run Python it can then wait a whole switch interval (CPython's default: 5 ms) to
+# get it back, several times a step. A manager lowers the process's interval to this.
+SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,6 +252,7 @@ class TierManager(KVConnector):
         try:
             if self._load_pool is not None:
                 self._load_pool.shutdown(wait=True)
+                self._loader.close()
             while self._deferred and time.monotonic() < deadline:
                 self._retry_deferred()
                 time.sleep(0.01)
@@ -318,6 +324,8 @@ class TierManager(KVConnector):
         self._load_pool = concurrent.futures.ThreadPoolExecutor(
             LOAD_WORKERS, thread_name_prefix="tiered-kv-load"
         )
+        if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
         if kv_cache.is_cuda:
             self._save_watcher = threading.Thread(
                 target=self._watch_saves, name="tiered-kv-save-watcher", daemon=True

@@ -1,0 +1,108 @@
+"""The worker side of a load: chunks read ahead on reader threads, restored in order,
+stopping at the first block that cannot be served, with every pool slot given back."""
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from engine.hashing import block_hash, root_hash
+from storage.base import BlockKey
+from storage.codecs import encode_block
+from storage.cpu_pool import CpuBlockPool
+from storage.lmdb_store import LmdbStore
+from tiered_kv import block_loader
+from tiered_kv.block_loader import BlockLoader, WantedBlock
+from tiered_kv.block_mover import BlockMover
+from tiered_kv.metrics import TierMetrics
+
+NS = bytes(32)
+SHAPE = (2, 2, 4, 1, 8)  # [L, 2, T, H, D]: 512 bytes of fp32 per block
+BLOCKS = 200
+
+
+def chain(n: int) -> list[tuple[BlockKey, bytes | None, tuple[int, ...]]]:
+    out, parent = [], root_hash(NS, None)
+    for i in range(n):
+        tokens = tuple(range(4 * i, 4 * i + 4))
+        h = block_hash(parent, tokens)
+        out.append((BlockKey(NS, h), None if i == 0 else parent, tokens))
+        parent = h
+    return out
+
+
+def make(tmp_path, bad: int | None = None):
+    blocks = chain(BLOCKS)
+    source = torch.randn(BLOCKS, *SHAPE)
+    store = LmdbStore(tmp_path / "disk", 64 << 20)
+    for i, (key, parent, tokens) in enumerate(blocks):
+        if i == bad:
+            tokens = (9, 9, 9, 9)  # does not hash to its key
+        store.put(key, encode_block(key, parent, tokens, source[i], "raw"))
+    store.flush()
+    pool = CpuBlockPool(400 * 512, block_nbytes=512, keep_clean=False)
+    cache = torch.zeros(BLOCKS + 8, *SHAPE)
+    metrics = TierMetrics(("cpu", "disk"), dict, lambda: None)
+    loader = BlockLoader(
+        pool, BlockMover(cache, pool.slab), {"disk": store}, metrics,
+        block_shape=SHAPE, dtype=torch.float32, promote=lambda tier: (),
+    )
+    # block i goes to engine block i + 3
+    wanted = [WantedBlock(k, i + 3, p, "disk") for i, (k, p, _) in enumerate(blocks)]
+    return loader, pool, store, cache, source, wanted
+
+
+def test_a_long_load_reads_ahead_and_restores_every_block_in_place(tmp_path, monkeypatch):
+    loader, pool, store, cache, source, wanted = make(tmp_path)
+    reads, active, lock = [], [0, 0], threading.Lock()  # active: now, most at once
+    fetch = loader._fetch
+
+    def slow_fetch(chunk):
+        with lock:
+            active[0] += 1
+            active[1] = max(active)
+        time.sleep(0.02)  # a slow disk: the next chunks are read meanwhile
+        try:
+            reads.append(len(chunk))
+            return fetch(chunk)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    monkeypatch.setattr(loader, "_fetch", slow_fetch)
+    result = loader.run("r", wanted)
+    assert result.loaded == BLOCKS and result.by_tier == {"disk": BLOCKS}
+    assert torch.equal(cache[3 : BLOCKS + 3], source)
+    assert sum(reads) == BLOCKS
+    assert 1 < active[1] <= block_loader.READ_AHEAD
+    assert pool.num_evictable() == pool.num_slots  # nothing left held
+    loader.close()
+    store.close()
+
+
+def test_a_bad_block_ends_the_load_there_and_chunks_read_past_it_are_let_go(tmp_path):
+    loader, pool, store, cache, source, wanted = make(tmp_path, bad=150)
+    result = loader.run("r", wanted)
+    assert result.loaded == 150
+    assert torch.equal(cache[3:153], source[:150])
+    assert pool.num_evictable() == pool.num_slots
+    loader.close()
+    store.close()
+
+
+def test_a_failing_read_loads_nothing_and_holds_nothing(tmp_path, monkeypatch):
+    loader, pool, store, cache, source, wanted = make(tmp_path)
+    calls = []
+
+    def reading(keys):
+        calls.append(keys)
+        if len(calls) == 3:
+            raise OSError("disk gone")
+        return LmdbStore.reading(store, keys)
+
+    monkeypatch.setattr(store, "reading", reading)
+    assert loader.run("r", wanted).loaded == 0
+    assert pool.num_evictable() == pool.num_slots
+    loader.close()
+    store.close()
