@@ -83,15 +83,18 @@ class KVConnector(abc.ABC):
     @abc.abstractmethod
     def get_num_matched_blocks(
         self, request_id: str, block_hashes: Sequence[bytes], num_computed_blocks: int
-    ) -> int:
+    ) -> int | None:
         """How many blocks, following the ``num_computed_blocks`` the engine already holds,
-        the connector can supply consecutively.
+        the connector can supply consecutively; ``None`` if it does not know yet.
 
         ``block_hashes`` is the chain of all the request's full blocks. The answer counts from
         ``block_hashes[num_computed_blocks]`` on and stops at the first missing block. The
         engine may use fewer (it always computes at least the last prompt token itself).
         Must be quick (index lookups, no reads of block data): it runs while the engine
-        schedules a step.
+        schedules a step. A lookup that needs the network runs elsewhere: answer ``None``
+        meanwhile, and the engine leaves the request waiting, schedules the ones behind
+        it, and asks again at a later step (after a :meth:`poll` with a timeout, which a
+        connector may end early when the lookup completes).
         """
 
     @abc.abstractmethod

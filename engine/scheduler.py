@@ -95,6 +95,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.loading: dict[str, _Load] = {}  # request id -> its load in flight
         self._aborted_loads: dict[str, _Load] = {}  # of finished requests, still in flight
+        self._lookups_pending = False  # the last schedule left requests the connector looks up
         self._requests: dict[str, Sequence] = {}
         self._hashing = config.enable_prefix_caching or connector is not None
 
@@ -107,7 +108,12 @@ class Scheduler:
 
     def has_pending_transfers(self) -> bool:
         """Loads not yet reported (also of aborted requests) or blocks held for saves."""
-        return bool(self.loading or self._aborted_loads or self.block_manager.num_held_blocks)
+        return bool(
+            self.loading
+            or self._aborted_loads
+            or self.block_manager.num_held_blocks
+            or self._lookups_pending
+        )
 
     def get(self, request_id: str) -> Sequence | None:
         return self._requests.get(request_id)
@@ -147,6 +153,7 @@ class Scheduler:
                 self._preempt(victim)
                 preempted.append(victim)
 
+        looking: list[Sequence] = []  # the connector is still looking up their blocks
         while (
             self.waiting
             and budget > 0
@@ -158,6 +165,9 @@ class Scheduler:
             max_hit_blocks = (seq.num_tokens - 1) // self.block_size  # the last token is computed
             gpu_hit = self.block_manager.find_cached_prefix(seq, max_hit_blocks)
             num_external = self._num_external(seq, len(gpu_hit), max_hit_blocks)
+            if num_external is None:  # asked again next step; the ones behind it go first
+                looking.append(self.waiting.popleft())
+                continue
             if num_external:
                 if not self._start_load(seq, gpu_hit, num_external):
                     break
@@ -171,6 +181,8 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(looking))  # back in front, in their order
+        self._lookups_pending = bool(looking)
         return SchedulerOutput(scheduled, preempted)
 
     def complete_step(self, output: SchedulerOutput) -> None:
@@ -231,8 +243,9 @@ class Scheduler:
         if self.connector is not None:
             self.connector.request_finished(seq.request_id)
 
-    def _num_external(self, seq: Sequence, num_hit_blocks: int, max_hit_blocks: int) -> int:
-        """How many blocks after the GPU hit to load through the connector."""
+    def _num_external(self, seq: Sequence, num_hit_blocks: int, max_hit_blocks: int) -> int | None:
+        """How many blocks after the GPU hit to load through the connector; None while the
+        connector is still looking."""
         if (
             self.connector is None
             or num_hit_blocks >= max_hit_blocks
@@ -242,6 +255,8 @@ class Scheduler:
         matched = self.connector.get_num_matched_blocks(
             seq.request_id, seq.hashes_of_full_blocks(), num_hit_blocks
         )
+        if matched is None:
+            return None
         return max(0, min(matched, max_hit_blocks - num_hit_blocks))
 
     def _admit(self, seq: Sequence, gpu_hit: list[int], budget: int) -> int | None:

@@ -51,7 +51,8 @@ class MemoryConnector(KVConnector):
     early would compute, or store, wrong KV.
 
     ``load_delay_polls`` / ``save_delay_polls``: polls that report nothing about a transfer
-    before the one that reports it. ``load_limit`` caps how many blocks a load fills (the
+    before the one that reports it. ``lookup_delay_steps``: how many times a request's
+    lookup answers ``None`` (still looking) before it answers. ``load_limit`` caps how many blocks a load fills (the
     rest keep the garbage); ``fail_loads`` fills none.
     """
 
@@ -63,6 +64,7 @@ class MemoryConnector(KVConnector):
         load_limit: int | None = None,
         load_delay_polls: int = 0,
         save_delay_polls: int = 0,
+        lookup_delay_steps: int = 0,
     ) -> None:
         self.store: dict[tuple[bytes, bytes], tuple[SavedBlock, torch.Tensor]] = (
             {} if store is None else store
@@ -70,6 +72,8 @@ class MemoryConnector(KVConnector):
         self.fail_loads = fail_loads
         self.load_limit = load_limit
         self.load_delay_polls = load_delay_polls
+        self.lookup_delay_steps = lookup_delay_steps
+        self.lookups_asked: dict[str, int] = {}
         self.save_delay_polls = save_delay_polls
         self.kv_cache: torch.Tensor | None = None
         self.namespace: bytes | None = None
@@ -91,7 +95,11 @@ class MemoryConnector(KVConnector):
     def register_kv_cache(self, kv_cache: torch.Tensor, namespace: bytes, block_size: int) -> None:
         self.kv_cache, self.namespace, self.block_size = kv_cache, namespace, block_size
 
-    def get_num_matched_blocks(self, request_id, block_hashes, num_computed_blocks) -> int:
+    def get_num_matched_blocks(self, request_id, block_hashes, num_computed_blocks) -> int | None:
+        self.lookups_asked[request_id] = self.lookups_asked.get(request_id, 0) + 1
+        if self.lookups_asked[request_id] <= self.lookup_delay_steps:
+            self.queries.append((request_id, len(block_hashes), num_computed_blocks))
+            return None  # still looking
         count = 0
         for h in block_hashes[num_computed_blocks:]:
             if (self.namespace, h) not in self.store:

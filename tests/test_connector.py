@@ -160,6 +160,34 @@ def test_a_request_loads_while_the_others_keep_decoding(reference, saved_store):
     assert stats.num_used_blocks == 0  # the last saves were reported, their blocks released
 
 
+def test_a_request_whose_lookup_is_pending_waits_and_the_ones_behind_it_run(
+    reference, saved_store
+):
+    conn = MemoryConnector(dict(saved_store), lookup_delay_steps=3)
+    with make_llm(conn) as llm:
+        engine = llm.engine
+        first = engine.add_request(PROMPTS[0], GREEDY)  # its lookup is slow
+        behind = engine.add_request("Hi.", GREEDY)  # no full block: nothing to look up
+        final, first_token_step, step = {}, {}, 0
+        while engine.has_unfinished_requests():
+            step += 1
+            for o in engine.step():
+                first_token_step.setdefault(o.request_id, step)
+                final[o.request_id] = o
+    assert first_token_step[behind] == 1  # not stuck behind the lookup
+    assert first_token_step[first] > 4  # asked at steps 1-4, loaded in step 4
+    assert conn.lookups_asked[first] == 4  # three "still looking", then the answer
+    assert final[first].token_ids == reference[0] and final[first].num_cached_tokens == 128
+
+
+def test_an_engine_with_only_pending_lookups_waits_on_poll_instead_of_failing(saved_store):
+    conn = MemoryConnector(dict(saved_store), lookup_delay_steps=2)
+    with make_llm(conn) as llm:
+        out = llm.generate(PROMPTS[0], GREEDY)[0]
+    assert out.num_cached_tokens == 128
+    assert [t for t in conn.polls if t > 0]  # the steps with nothing to run waited
+
+
 def test_a_partial_load_recomputes_the_rest(reference, saved_store):
     conn = MemoryConnector(dict(saved_store), load_limit=3)
     with make_llm(conn) as llm:
