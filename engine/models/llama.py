@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, KVScales, paged_attention
+from engine.fused_ops import add_rms_norm, rope_
 from engine.kv_cache import layer_view
 from engine.models.config import ModelConfig
 
@@ -35,11 +36,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in fp32, scale in the model dtype, as the reference implementation does.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``; normalized in fp32 and scaled in the model
+        dtype, as the reference implementation does. One kernel on CUDA."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -108,17 +110,6 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, blended, slowed)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x`` is ``[N, H, D]``; ``cos``/``sin`` are ``[N, D]``."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + _rotate_half(x) * sin
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -145,8 +136,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)  # [N, Hq, D]
-        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)  # [N, Hkv, D]
+        q, k = rope_(
+            q.view(n, self.num_heads, self.head_dim),  # [N, Hq, D]
+            k.view(n, self.num_kv_heads, self.head_dim),  # [N, Hkv, D]
+            cos, sin,
+        )
         v = v.view(n, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, layer_cache, meta, self.scale, scales)  # [N, Hq, D]
         return self.o_proj(out.reshape(n, -1))
@@ -175,9 +169,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype)
 
-    def forward(self, x, cos, sin, layer_cache, meta, scales) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_cache, meta, scales)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x, residual, cos, sin, layer_cache, meta, scales
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's output, not yet added to the residual stream, and that stream: the
+        add happens in the next norm, fused with it."""
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, layer_cache, meta, scales)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
@@ -215,10 +215,11 @@ class CausalLM(nn.Module):
             )
         x = self.embed_tokens(input_ids)  # [N, hidden]
         cos, sin = self.rotary(positions, meta.max_seq_len, x.dtype)  # [N, D] each
+        residual = None
         for i, layer in enumerate(self.layers):
             scales = kv_scales[i] if kv_scales is not None else KVScales()
-            x = layer(x, cos, sin, layer_view(kv_cache, i), meta, scales)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, layer_view(kv_cache, i), meta, scales)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, hidden] -> [M, vocab]
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
