@@ -233,6 +233,7 @@ def test_models_health_and_metrics(llm):
         'tiered_kv_request_finished_total{finish_reason="length"}',
         "tiered_kv_num_requests_running",  # engine
         "tiered_kv_num_requests_waiting",
+        "tiered_kv_num_requests_loading",
         "tiered_kv_kv_cache_usage_ratio",
         "tiered_kv_prefix_cache_hits_total",
     ):

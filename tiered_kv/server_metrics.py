@@ -124,6 +124,7 @@ class _EngineCollector:
             inflight,
             gauge("tiered_kv_num_requests_running", "Sequences the engine is running.", lambda s: s.num_running),
             gauge("tiered_kv_num_requests_waiting", "Sequences waiting in the engine's scheduler.", lambda s: s.num_waiting),
+            gauge("tiered_kv_num_requests_loading", "Sequences waiting for their KV to load from the tiers.", lambda s: s.num_loading),
             gauge("tiered_kv_kv_cache_usage_ratio", "Fraction of the engine's KV blocks in use.", lambda s: s.kv_usage),
             gauge("tiered_kv_gpu_cache_blocks", "KV blocks in the engine's pool.", lambda s: s.num_blocks),
             counter("tiered_kv_prefix_cache_queries", "Prompt tokens looked up in the engine's prefix cache.", lambda s: s.prefix_cache_queries),
