@@ -63,6 +63,16 @@ CASES = {
         transformers.MistralForCausalLM,
         dict(head_dim=32, sliding_window=None, num_key_value_heads=1),
     ),
+    "qwen3": (
+        transformers.Qwen3Config,
+        transformers.Qwen3ForCausalLM,
+        dict(head_dim=32, attention_bias=True, rope_theta=1000000.0),
+    ),
+    "phi3": (
+        transformers.Phi3Config,
+        transformers.Phi3ForCausalLM,
+        dict(sliding_window=None, pad_token_id=0),
+    ),
 }
 
 
@@ -249,6 +259,16 @@ def test_tiny_model_greedy_generation_varies(tmp_path, monkeypatch):
     assert len(set(out[-8:])) >= 3, out
 
 
+def test_partial_rotary_phi_is_refused_naming_the_setting():
+    from engine.models import ModelConfig
+    from engine.models.tiny import TINY_CONFIG
+
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        ModelConfig.from_hf(
+            {**TINY_CONFIG, "architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.75}
+        )
+
+
 @pytest.mark.parametrize(
     "extra",
     [
@@ -257,6 +277,8 @@ def test_tiny_model_greedy_generation_varies(tmp_path, monkeypatch):
         {"attention_bias": True, "mlp_bias": True},
         {"architectures": ["Qwen2ForCausalLM"]},
         {"architectures": ["MistralForCausalLM"], "head_dim": 32},
+        {"architectures": ["Qwen3ForCausalLM"], "attention_bias": True},
+        {"architectures": ["Phi3ForCausalLM"]},
     ],
 )
 def test_checkpoint_layout_covers_every_parameter_once(extra):

@@ -4,11 +4,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
+)
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _ROPE_KEYS = {
@@ -43,6 +48,8 @@ class ModelConfig:
     sliding_window: int | None = None
     o_proj_bias: bool = False  # Llama's attention_bias also covers o_proj; Qwen2's q/k/v bias does not
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before RoPE
+    fused_checkpoint: bool = False  # Phi-3: the checkpoint holds qkv_proj and gate_up_proj
 
     @property
     def q_size(self) -> int:
@@ -86,7 +93,12 @@ class ModelConfig:
         rope_theta, rope_scaling = _rope(hf)
 
         is_qwen2 = architecture == "Qwen2ForCausalLM"
-        if is_qwen2:
+        if architecture == "Phi3ForCausalLM" and float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ValueError(
+                f"config.json: partial_rotary_factor={hf['partial_rotary_factor']} is not "
+                "supported (RoPE over the whole head only)"
+            )
+        if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
             window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
         else:
             window = hf.get("sliding_window")
@@ -107,7 +119,9 @@ class ModelConfig:
             )
 
         attention_bias = True if is_qwen2 else bool(hf.get("attention_bias", False))
-        o_proj_bias = architecture == "LlamaForCausalLM" and attention_bias
+        if architecture == "Phi3ForCausalLM":
+            attention_bias = False
+        o_proj_bias = architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM") and attention_bias
         mlp_bias = architecture == "LlamaForCausalLM" and bool(hf.get("mlp_bias", False))
 
         eos: list[int] = []
@@ -138,6 +152,8 @@ class ModelConfig:
             sliding_window=window,
             o_proj_bias=o_proj_bias,
             mlp_bias=mlp_bias,
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            fused_checkpoint=architecture == "Phi3ForCausalLM",
         )
 
 

@@ -1,9 +1,10 @@
-"""Llama, Mistral and Qwen2 as one paged decoder.
+"""Llama, Mistral, Qwen2, Qwen3 and Phi-3 as one paged decoder.
 
-The three differ only in details the config carries: biases (Qwen2 on q/k/v, Llama
-optionally everywhere), tied embeddings, RoPE scaling. q/k/v are one matmul and gate/up
-another; the loader writes the checkpoint's separate tensors into row slices of the fused
-weights (see :meth:`CausalLM.checkpoint_layout`).
+They differ only in details the config carries: biases (Qwen2 on q/k/v, Llama and Qwen3
+optionally everywhere), an RMSNorm on each q and k head (Qwen3), tied embeddings, RoPE
+scaling. q/k/v are one matmul and gate/up another; the loader writes the checkpoint's
+separate tensors into row slices of the fused weights, or Phi-3's fused tensors as they
+are (see :meth:`CausalLM.checkpoint_layout`).
 """
 from __future__ import annotations
 
@@ -124,6 +125,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(
             config.q_size, config.hidden_size, bias=config.o_proj_bias, dtype=dtype
         )
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
 
     def forward(
         self,
@@ -136,11 +141,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q, k = rope_(
-            q.view(n, self.num_heads, self.head_dim),  # [N, Hq, D]
-            k.view(n, self.num_kv_heads, self.head_dim),  # [N, Hkv, D]
-            cos, sin,
-        )
+        q = q.view(n, self.num_heads, self.head_dim)  # [N, Hq, D]
+        k = k.view(n, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
+        if self.q_norm is not None:  # per head: rows of D
+            q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(k.shape)
+        q, k = rope_(q, k, cos, sin)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, layer_cache, meta, self.scale, scales)  # [N, Hq, D]
         return self.o_proj(out.reshape(n, -1))
@@ -239,22 +245,36 @@ class CausalLM(nn.Module):
             src, dst = f"model.layers.{i}", f"layers.{i}"
             kinds = ["weight"] + (["bias"] if c.attention_bias else [])
             for kind in kinds:
+                if c.fused_checkpoint:
+                    qkv = f"self_attn.qkv_proj.{kind}"
+                    shape = (q + 2 * kv, h) if kind == "weight" else (q + 2 * kv,)
+                    layout[f"{src}.{qkv}"] = WeightSlot(f"{dst}.{qkv}", shape)
+                    continue
                 for name, offset, rows in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
                     shape = (rows, h) if kind == "weight" else (rows,)
                     layout[f"{src}.self_attn.{name}_proj.{kind}"] = WeightSlot(
                         f"{dst}.self_attn.qkv_proj.{kind}", shape, offset
                     )
+            if c.qk_norm:
+                for norm in ("q_norm", "k_norm"):
+                    name = f"self_attn.{norm}.weight"
+                    layout[f"{src}.{name}"] = WeightSlot(f"{dst}.{name}", (c.head_dim,))
             o_proj = "self_attn.o_proj"
             layout[f"{src}.{o_proj}.weight"] = WeightSlot(f"{dst}.{o_proj}.weight", (h, q))
             if c.o_proj_bias:
                 layout[f"{src}.{o_proj}.bias"] = WeightSlot(f"{dst}.{o_proj}.bias", (h,))
             kinds = ["weight"] + (["bias"] if c.mlp_bias else [])
             for kind in kinds:
-                for name, offset in (("gate", 0), ("up", inter)):
-                    shape = (inter, h) if kind == "weight" else (inter,)
-                    layout[f"{src}.mlp.{name}_proj.{kind}"] = WeightSlot(
-                        f"{dst}.mlp.gate_up_proj.{kind}", shape, offset
-                    )
+                if c.fused_checkpoint:
+                    gate_up = f"mlp.gate_up_proj.{kind}"
+                    shape = (2 * inter, h) if kind == "weight" else (2 * inter,)
+                    layout[f"{src}.{gate_up}"] = WeightSlot(f"{dst}.{gate_up}", shape)
+                else:
+                    for name, offset in (("gate", 0), ("up", inter)):
+                        shape = (inter, h) if kind == "weight" else (inter,)
+                        layout[f"{src}.mlp.{name}_proj.{kind}"] = WeightSlot(
+                            f"{dst}.mlp.gate_up_proj.{kind}", shape, offset
+                        )
                 shape = (h, inter) if kind == "weight" else (h,)
                 down = f"mlp.down_proj.{kind}"
                 layout[f"{src}.{down}"] = WeightSlot(f"{dst}.{down}", shape)
