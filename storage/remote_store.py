@@ -7,19 +7,26 @@ is counted (``corrupt``) and is deleted from the server. Keys are::
     <prefix><namespace hex>:<block hash hex>        e.g. tkv:9f2c…:03ab…
 
 Network failures never fail a request. Every client error is caught, counted and turned
-into a miss (lookups) or a drop (stores). A circuit breaker keeps a dead server from
-costing a timeout per call::
+into a miss (lookups) or a drop (stores). ``timeout_s`` is the deadline of a whole call:
+connecting, sending and reading the whole reply (each socket wait is cut to the time left),
+so a server that answers slowly, byte by byte, holds a caller no longer than a dead one. A
+call past its deadline is a failure and its connection is closed, never returned to the
+pool in the middle of a reply. A circuit breaker (:mod:`storage.circuit_breaker`) keeps a
+dead server from costing a timeout per call::
 
     closed ──N consecutive failures──▶ open ──cooldown──▶ half-open ──probe ok──▶ closed
                                         ▲                    │
                                         └────probe fails─────┘
 
 While open, lookups are misses and stores are dropped without touching the network. After
-the cooldown one caller probes the server (a ``PING``); the client's pool reconnects by
-itself. Puts are synchronous (one pipelined round-trip per :meth:`RemoteStore.put_many`),
-so a put is visible as soon as it returns and :meth:`RemoteStore.flush` has nothing to wait
-for; callers that must not wait on the network (the engine thread) put from their own
-thread (the tier manager's remote writer).
+the cooldown the next call, whichever it is, probes the server (a ``PING`` before the call
+itself); the client's pool reconnects by itself. :attr:`RemoteStore.available` is true
+once a probe is due, so a caller that checks it first does not keep the breaker open.
+
+Puts are synchronous (one pipelined round-trip per :meth:`RemoteStore.put_many`), so a put
+is visible as soon as it returns and :meth:`RemoteStore.flush` has nothing to wait for;
+callers that must not wait on the network (the engine thread) put from their own thread
+(the tier manager's remote writer).
 
 Capacity is the server's business: configure ``maxmemory`` and ``maxmemory-policy
 allkeys-lru`` there (and optionally a TTL here). ``stats()`` reports the server's
@@ -43,6 +50,8 @@ from valkey.backoff import NoBackoff
 from valkey.retry import Retry
 
 from storage.base import DIGEST_SIZE, BlockKey, BlockStore, StoreStats
+from storage.call_deadline import CallDeadline, connection_class
+from storage.circuit_breaker import BreakerConfig, CircuitBreaker, Permit
 from storage.record import Record, RecordError, decode_record, encode_record
 
 logger = logging.getLogger(__name__)
@@ -87,64 +96,12 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
 
 
-@dataclasses.dataclass(frozen=True)
-class BreakerConfig:
-    """``failures`` consecutive failed calls open the breaker for ``cooldown_s`` seconds."""
-
-    failures: int = 3
-    cooldown_s: float = 5.0
-
-    def __post_init__(self) -> None:
-        if isinstance(self.failures, bool) or not isinstance(self.failures, int) or self.failures < 1:
-            raise ValueError(f"breaker failures must be an integer >= 1, got {self.failures!r}")
-        if not self.cooldown_s >= 0:
-            raise ValueError(f"breaker cooldown must be >= 0 seconds, got {self.cooldown_s!r}")
-
-
-class _Breaker:
-    """Consecutive-failure circuit breaker. Thread-safe."""
-
-    def __init__(self, config: BreakerConfig) -> None:
-        self._config = config
-        self._lock = threading.Lock()
-        self._failures = 0
-        self._open_until = 0.0
-        self._probing = False
-
-    def allow(self) -> bool | None:
-        """``True``: call the server. ``None``: the caller is the half-open probe.
-        ``False``: the breaker is open, do not touch the network."""
-        with self._lock:
-            if self._failures < self._config.failures:
-                return True
-            if self._probing or time.monotonic() < self._open_until:
-                return False
-            self._probing = True
-            return None
-
-    def success(self) -> None:
-        with self._lock:
-            self._failures = 0
-            self._probing = False
-
-    def failure(self) -> None:
-        with self._lock:
-            self._failures += 1
-            self._probing = False
-            if self._failures >= self._config.failures:
-                self._open_until = time.monotonic() + self._config.cooldown_s
-
-    @property
-    def is_open(self) -> bool:
-        with self._lock:
-            return self._failures >= self._config.failures
-
-
 class RemoteStore(BlockStore[Record]):
     """Records in a Valkey/Redis server under ``prefix``. See the module docstring.
 
-    ``timeout_s`` bounds connecting and each reply; ``ttl_s`` (``None``: none) expires keys
-    on the server; ``max_connections`` sizes the client's connection pool;
+    ``timeout_s`` is the deadline of each call as a whole (connect, send, the whole reply);
+    ``ttl_s`` (``None``: none) expires keys on the server; ``breaker`` sets when the
+    breaker opens and for how long; ``max_connections`` sizes the client's connection pool;
     ``stats_interval_s`` is how long the server-side part of :meth:`stats` is reused.
     """
 
@@ -171,9 +128,13 @@ class RemoteStore(BlockStore[Record]):
         self.prefix = prefix
         self._prefix = prefix.encode("ascii")
         self._ttl = ttl_s
-        self._breaker = _Breaker(breaker or BreakerConfig())
+        self._timeout = timeout_s
+        self._breaker = CircuitBreaker(breaker or BreakerConfig())
+        self._deadline = CallDeadline()
         self._client = valkey.Valkey.from_url(
             url,
+            connection_class=connection_class(url),
+            call_deadline=self._deadline,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             max_connections=max_connections,
@@ -205,23 +166,33 @@ class RemoteStore(BlockStore[Record]):
     # ------------------------------------------------------------------ the network
 
     def _call(self, fn, what: str):
-        """Run ``fn(client)`` behind the breaker; ``(True, result)`` or ``(False, None)``."""
+        """Run ``fn(client)`` behind the breaker and within the deadline; ``(True, result)``
+        or ``(False, None)``."""
         if self._closed:
             return False, None
-        allowed = self._breaker.allow()
-        if allowed is False:
+        permit = self._breaker.allow()
+        if permit is Permit.REFUSED:
             return False, None
+        self._deadline.at = time.monotonic() + self._timeout
+        ok, result, error = False, None, None
         try:
-            if allowed is None:  # half-open: one cheap probe before the real call
+            if permit is Permit.PROBE:  # half-open: one cheap probe before the real call
                 self._client.ping()
             result = fn(self._client)
+            ok = True
         except Exception as e:  # noqa: BLE001 - any client error is a miss or a drop, never a failure
-            self._breaker.failure()
-            if self._breaker.is_open:
-                logger.warning("remote tier: %s failed (%s); breaker open", what, e)
-            return False, None
-        self._breaker.success()
-        return True, result
+            error = e
+        finally:
+            self._deadline.at = None
+            changed = self._breaker.record(permit, ok)
+        if changed and ok:
+            logger.info("remote tier: the server answers again; breaker closed")
+        elif changed:
+            logger.warning(
+                "remote tier: %s failed (%s); breaker open for %.1f s",
+                what, error, self._breaker.config.cooldown_s,
+            )
+        return ok, result
 
     def _pipeline(self, ops, what: str):
         def run(client):
@@ -233,8 +204,9 @@ class RemoteStore(BlockStore[Record]):
 
     @property
     def available(self) -> bool:
-        """``False`` while the breaker is open."""
-        return not self._breaker.is_open
+        """``False`` while the breaker is open and no probe is due: a call now would be a
+        miss or a drop without touching the network."""
+        return self._breaker.available
 
     # ------------------------------------------------------------------ BlockStore
 

@@ -1,10 +1,14 @@
-"""A throwaway Valkey/Redis server for the remote-tier tests: its own process on a free
-loopback port, no persistence, in a temporary directory."""
+"""Servers for the remote-tier tests: a throwaway Valkey/Redis server (its own process on a
+free loopback port, no persistence, in a temporary directory) and :class:`DripServer`, a
+fake one that answers slowly."""
 from __future__ import annotations
 
+import select
 import shutil
+import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -58,6 +62,15 @@ class RedisServer:
                 time.sleep(0.05)
         client.close()
 
+    def pause(self) -> None:
+        """SIGSTOP: the server keeps its connections and its port but answers nothing."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.kill()
@@ -67,3 +80,96 @@ class RedisServer:
     def client(self) -> valkey.Valkey:
         return valkey.Valkey(port=self.port)
 
+
+
+class DripServer:
+    """A fake server on loopback that is alive but slow: it answers the client's connection
+    handshake (``CLIENT``, ``SELECT``, ``PING``) at once, and to any other command starts a
+    valid-looking reply (a 64 KiB bulk string) that it sends one byte every ``interval_s``,
+    for at most ``drip_for_s`` seconds, then hangs up.
+
+    ``accepted`` counts connections; ``hung_up_by_client`` counts those the client closed
+    while a reply was still dripping."""
+
+    def __init__(self, interval_s: float = 0.05, drip_for_s: float = 3.0) -> None:
+        self.interval_s = interval_s
+        self.drip_for_s = drip_for_s
+        self.accepted = 0
+        self.hung_up_by_client = 0
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._listener = socket.socket()
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen()
+        self._listener.settimeout(0.05)
+        self.port = self._listener.getsockname()[1]
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        self._stopping.set()
+        for t in list(self._threads):
+            t.join(timeout=5)
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            with self._lock:
+                self.accepted += 1
+            t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("rb") as commands:
+            try:
+                while not self._stopping.is_set():
+                    command = _read_command(commands)
+                    if command is None:
+                        return
+                    name = command[0].upper()
+                    if name in (b"CLIENT", b"SELECT"):
+                        conn.sendall(b"+OK\r\n")
+                    elif name == b"PING":
+                        conn.sendall(b"+PONG\r\n")
+                    else:
+                        self._drip(conn)
+                        return
+            except OSError:
+                return
+
+    def _drip(self, conn: socket.socket) -> None:
+        reply = b"$65536\r\n" + b"x" * 65536 + b"\r\n"
+        end = time.monotonic() + self.drip_for_s
+        for i in range(len(reply)):
+            if self._stopping.is_set() or time.monotonic() > end:
+                return
+            try:
+                readable, _, _ = select.select([conn], [], [], self.interval_s)
+                if readable and not conn.recv(1 << 16):  # b"": the client hung up
+                    raise ConnectionResetError
+                conn.sendall(reply[i : i + 1])
+            except OSError:
+                with self._lock:
+                    self.hung_up_by_client += 1
+                return
+
+
+def _read_command(commands) -> list[bytes] | None:
+    """One RESP command (an array of bulk strings); ``None`` when the client hung up."""
+    header = commands.readline()
+    if not header.startswith(b"*"):
+        return None
+    args = []
+    for _ in range(int(header[1:])):
+        length = int(commands.readline()[1:])
+        args.append(commands.read(length + 2)[:-2])
+    return args

@@ -8,7 +8,7 @@ import uuid
 import pytest
 import torch
 
-from redis_server import RedisServer, server_binary
+from redis_server import DripServer, RedisServer, server_binary
 from storage.base import BlockKey
 from storage.record import Record, encode_record
 from storage.remote_store import BreakerConfig, RemoteStore, parse_remote_url, redact_url
@@ -90,15 +90,83 @@ def test_unreachable_server_is_misses_and_drops_and_breaker_skips_the_network(tm
         server.start()  # same port
         deadline = time.monotonic() + 10
         while not s.available and time.monotonic() < deadline:
-            s.contains(key(0))  # after the cooldown, the half-open probe reconnects
-            time.sleep(0.05)
+            time.sleep(0.05)  # until the cooldown has passed and a probe is due
         assert s.available
         r = record(0)
-        assert s.put(key(0), r)  # a fresh, empty server: store again
+        assert s.put(key(0), r)  # the probe reconnects; a fresh, empty server: store again
         assert encode_record(s.get(key(0))) == encode_record(r)
     finally:
         s.close()
         server.stop()
+
+
+@pytest.fixture
+def private_server(tmp_path):
+    """A server of this test's own, to stop, pause or restart."""
+    binary = server_binary()
+    if binary is None:
+        pytest.skip("no valkey-server or redis-server binary (CI installs redis-server)")
+    server = RedisServer(binary, tmp_path)
+    server.start()
+    yield server
+    server.resume()
+    server.stop()
+
+
+def test_a_paused_server_opens_the_breaker_and_a_probe_closes_it(private_server):
+    s = store(private_server.url, breaker=BreakerConfig(failures=2, cooldown_s=1.0))
+    try:
+        r = record(0)
+        assert s.put(key(0), r) and s.get(key(0)) is not None
+        private_server.pause()  # connections stay open, replies never come
+        assert s.get(key(0)) is None and s.contains(key(0)) is False
+        opened_at = time.monotonic()
+        assert not s.available
+        start = time.perf_counter()
+        for _ in range(50):  # open: misses without touching the network
+            assert s.get(key(0)) is None
+        assert time.perf_counter() - start < 0.5
+        while not s.available:  # half-open: callers that check first are let through
+            assert time.monotonic() - opened_at < 5
+            time.sleep(0.02)
+        assert s.get(key(0)) is None  # the probe times out: open for another cooldown
+        assert not s.available
+        private_server.resume()
+        resumed_at = time.monotonic()
+        while not s.available:
+            assert time.monotonic() - resumed_at < 5
+            time.sleep(0.02)
+        assert encode_record(s.get(key(0))) == encode_record(r)  # the probe closes it
+        assert s.available
+        assert s.stats().hits == 2
+    finally:
+        s.close()
+
+
+def test_a_server_that_drips_its_reply_costs_one_timeout_per_call():
+    drip = DripServer(interval_s=0.05, drip_for_s=3.0)
+    timeout = 0.2
+    s = store(drip.url, timeout_s=timeout, breaker=BreakerConfig(failures=4, cooldown_s=60))
+    calls = [
+        ("contains", lambda: s.contains(key(0)), False),
+        ("longest_prefix", lambda: s.longest_prefix([key(0), key(1)]), 0),
+        ("get", lambda: s.get(key(0)), None),
+        ("put", lambda: s.put(key(0), record(0)), False),
+    ]
+    try:
+        for name, call, miss in calls:
+            start = time.perf_counter()
+            assert call() == miss, name
+            assert time.perf_counter() - start < 2 * timeout, name
+        assert not s.available  # each overrun counted as a failure
+        # Each call's connection was closed by the client, not pooled with a reply half read.
+        deadline = time.monotonic() + 2
+        while drip.hung_up_by_client < len(calls) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert drip.accepted == drip.hung_up_by_client == len(calls)
+    finally:
+        s.close()
+        drip.stop()
 
 
 def test_urls():

@@ -2,6 +2,8 @@
 their prefixes, tenants (cache salts) stay apart, and a dead server only costs hits."""
 from __future__ import annotations
 
+import functools
+import time
 import uuid
 
 import pytest
@@ -9,8 +11,10 @@ import pytest
 from engine import LLM
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
 from redis_server import RedisServer, server_binary
+from storage.circuit_breaker import BreakerConfig
+from storage.remote_store import RemoteStore
 from test_tier_manager import BLOCK, FLUSH, GREEDY, PROMPTS, hit_tokens, make_llm
-from tiered_kv import TierConfig
+from tiered_kv import TierConfig, tier_manager
 
 
 @pytest.fixture(scope="module")
@@ -151,4 +155,52 @@ def test_server_restart_resumes_hits(tmp_path, reference):
             hit = b.generate(PROMPTS[0], GREEDY)[0]
         assert hit.num_cached_tokens == hit_tokens(PROMPTS[0]) and hit.token_ids == reference[0]
     finally:
+        server.stop()
+
+
+def test_hits_resume_after_the_server_was_frozen(tmp_path, reference, monkeypatch, caplog):
+    """SIGSTOP the server under a read-only engine (no writes to probe for it): lookups time
+    out, the breaker opens, requests are recomputed; after SIGCONT the lookup itself probes
+    and the hits come back."""
+    binary = server_binary()
+    if binary is None:
+        pytest.skip("no valkey-server or redis-server binary (CI installs redis-server)")
+    server = RedisServer(binary, tmp_path)
+    server.start()
+    breaker = BreakerConfig(failures=2, cooldown_s=0.5)
+    monkeypatch.setattr(
+        tier_manager, "RemoteStore", functools.partial(RemoteStore, breaker=breaker)
+    )
+    writer = remote(server.url, remote_timeout_s=0.2)
+    reader = TierConfig(
+        remote_url=server.url, remote_prefix=writer.remote_prefix, remote_timeout_s=0.2,
+        remote_write_policy="read-only", cpu_bytes=0,
+    )
+
+    def cached_tokens(llm: LLM) -> int:
+        """Serve PROMPTS[0], then FLUSH so that the engine's own cache cannot serve it next."""
+        out = llm.generate(PROMPTS[0], GREEDY)[0]
+        assert out.token_ids == reference[0]
+        llm.generate(FLUSH, GREEDY)
+        return out.num_cached_tokens
+
+    try:
+        with make_llm(writer) as a:
+            a.generate(PROMPTS[0], GREEDY)
+            assert a.engine.connector.flush(30)
+        with make_llm(reader) as b:
+            assert cached_tokens(b) == hit_tokens(PROMPTS[0])
+            server.pause()
+            assert [cached_tokens(b) for _ in range(3)] == [0, 0, 0]  # recomputed, not failed
+            assert "breaker open" in caplog.text
+            server.resume()
+            resumed = time.monotonic()
+            cached = cached_tokens(b)
+            while cached == 0 and time.monotonic() - resumed < 5:
+                cached = cached_tokens(b)
+            stats = b.engine.connector.stats()
+        assert cached == hit_tokens(PROMPTS[0]), "no remote hits 5 s after the server came back"
+        assert stats["remote"]["hit_blocks"] == 2 * hit_tokens(PROMPTS[0]) // BLOCK
+    finally:
+        server.resume()
         server.stop()

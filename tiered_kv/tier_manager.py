@@ -379,7 +379,7 @@ class TierManager(KVConnector):
             if cached is not None and cached[0] == rest:
                 run = cached[1]
             else:
-                run = self._remote.longest_prefix(list(rest)) if self._remote.available else 0
+                run = self._remote.longest_prefix(list(rest))  # the store's breaker gates it
                 self._remote_runs[request_id] = (rest, run)
             tiers += ["remote"] * run
         self._lookups[request_id] = _Lookup(tuple(block_hashes), num_computed_blocks, tuple(tiers))

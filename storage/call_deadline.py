@@ -1,0 +1,103 @@
+"""Valkey/Redis connections whose calls have a deadline for the whole call.
+
+The client's socket timeouts bound each wait, not a call: a server that drips a reply one
+byte at a time never lets a single read time out. Here the thread making a call sets its
+deadline (:class:`CallDeadline`), and every wait of a connection it uses (connecting,
+sending, each read) is cut to the time left; past the deadline the next wait raises
+``socket.timeout``, which the client turns into a ``TimeoutError`` after closing the
+connection, so a connection is never returned to its pool in the middle of a reply::
+
+    deadline.at = time.monotonic() + timeout_s
+    try:
+        client.get(...)            # connect ─ send ─ read … read  all before deadline.at
+    finally:
+        deadline.at = None
+
+A pooled connection has one user at a time, so the deadline is the calling thread's.
+Not bounded by it: resolving the host name, and a TLS handshake (the socket timeout alone).
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from urllib.parse import urlsplit
+
+import valkey
+
+
+class CallDeadline(threading.local):
+    """The deadline of the remote call this thread is making (``at``; ``None``: none)."""
+
+    at: float | None = None
+
+    def wait_s(self, timeout: float | None) -> float | None:
+        """How long one socket operation may wait: ``timeout`` cut to the time left.
+        Raises ``socket.timeout`` once the deadline has passed."""
+        if self.at is None or timeout == 0:  # 0: a non-blocking poll
+            return timeout
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise socket.timeout("remote call deadline passed")
+        return left if timeout is None else min(timeout, left)
+
+
+class _DeadlineSocket:
+    """A connected socket whose blocking operations end at the calling thread's deadline.
+    The client sets its own timeouts on it; each wait is the smaller of that and the time left."""
+
+    def __init__(self, sock: socket.socket, deadline: CallDeadline) -> None:
+        self._sock = sock
+        self._deadline = deadline
+        self._timeout = sock.gettimeout()
+
+    def settimeout(self, timeout: float | None) -> None:
+        self._timeout = timeout
+
+    def gettimeout(self) -> float | None:
+        return self._timeout
+
+    def recv(self, *args):
+        self._sock.settimeout(self._deadline.wait_s(self._timeout))
+        return self._sock.recv(*args)
+
+    def recv_into(self, *args):
+        self._sock.settimeout(self._deadline.wait_s(self._timeout))
+        return self._sock.recv_into(*args)
+
+    def sendall(self, data) -> None:
+        self._sock.settimeout(self._deadline.wait_s(self._timeout))
+        self._sock.sendall(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self._sock, name)
+
+
+class _Deadlined:
+    """Makes a valkey connection class connect within, and talk through sockets bound by,
+    the ``call_deadline`` of the thread using it (a pooled connection has one user at a time)."""
+
+    def __init__(self, *, call_deadline: CallDeadline, **kwargs) -> None:
+        self._call_deadline = call_deadline
+        super().__init__(**kwargs)
+        self._connect_timeout = self.socket_connect_timeout
+
+    def _connect(self):
+        self.socket_connect_timeout = self._call_deadline.wait_s(self._connect_timeout)
+        return _DeadlineSocket(super()._connect(), self._call_deadline)
+
+
+class DeadlineConnection(_Deadlined, valkey.Connection):
+    pass
+
+
+class DeadlineSSLConnection(_Deadlined, valkey.SSLConnection):
+    pass
+
+
+def connection_class(url: str) -> type[valkey.Connection]:
+    """The connection class for a ``redis``/``valkey`` (TCP) or ``rediss``/``valkeys`` (TLS)
+    URL; build the pool with ``call_deadline=`` a :class:`CallDeadline`."""
+    if urlsplit(url).scheme in ("rediss", "valkeys"):
+        return DeadlineSSLConnection
+    return DeadlineConnection
