@@ -3,6 +3,7 @@ their prefixes, tenants (cache salts) stay apart, and a dead server only costs h
 from __future__ import annotations
 
 import functools
+import threading
 import time
 import uuid
 
@@ -204,3 +205,37 @@ def test_hits_resume_after_the_server_was_frozen(tmp_path, reference, monkeypatc
     finally:
         server.resume()
         server.stop()
+
+
+def test_a_slow_remote_lookup_holds_only_its_request(redis_server, reference, monkeypatch):
+    """The lookup runs on a lookup thread: while it hangs, another request keeps getting
+    tokens, and once it answers, its request hits the remote tier."""
+    tiers = remote(redis_server.url, cpu_bytes=4 << 20)
+    with make_llm(tiers) as a:
+        a.generate(PROMPTS[0], GREEDY)
+        assert a.engine.connector.flush(30)
+    entered, release = threading.Event(), threading.Event()
+    longest_prefix = RemoteStore.longest_prefix
+
+    def slow_longest_prefix(self, keys):
+        entered.set()
+        release.wait(30)
+        return longest_prefix(self, keys)
+
+    monkeypatch.setattr(RemoteStore, "longest_prefix", slow_longest_prefix)
+    with make_llm(tiers) as b:
+        engine = b.engine
+        other = engine.add_request([7, 8, 9], GREEDY)  # no full block: nothing to look up
+        waiting = engine.add_request(PROMPTS[0], GREEDY)
+        tokens, outputs = {other: 0, waiting: 0}, {}
+        while not entered.is_set() or tokens[other] < GREEDY.max_tokens:
+            for out in engine.step():
+                tokens[out.request_id] = len(out.token_ids)
+                outputs[out.request_id] = out
+        assert tokens[waiting] == 0  # still looking while the other one finished
+        release.set()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs[out.request_id] = out
+    assert outputs[waiting].token_ids == reference[0]
+    assert outputs[waiting].num_cached_tokens == hit_tokens(PROMPTS[0])

@@ -60,6 +60,7 @@ from tiered_kv.pool_writer import PoolWriter
 logger = logging.getLogger(__name__)
 
 LOAD_WORKERS = 2  # requests loaded at once
+LOOKUP_WORKERS = 2  # remote lookups in flight at once
 SAVE_WAIT_S = 5.0  # how long a save may wait for a pool slot before it is dropped
 DROP_WARNING_INTERVAL_S = 60.0
 STORE_PENDING_BYTES = 128 << 20  # LMDB puts accepted but not yet committed (two batches)
@@ -176,7 +177,9 @@ class TierManager(KVConnector):
         self._lookups: dict[str, _Lookup] = {}
         # request id -> (keys asked of the remote tier, its answer): a repeated lookup of a
         # request the engine could not schedule yet costs no further round-trip.
-        self._remote_runs: dict[str, tuple[tuple[BlockKey, ...], int]] = {}
+        # Remote lookups by request: the keys asked about and the lookup's future.
+        self._remote_runs: dict[str, tuple[tuple[BlockKey, ...], concurrent.futures.Future]] = {}
+        self._lookup_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._loads_in_flight: set[concurrent.futures.Future[LoadResult]] = set()
         self._deferred: collections.deque[tuple[SavedBlock, float]] = collections.deque()
         self._deferred_lock = threading.RLock()  # the engine's saves vs. a flush's retries
@@ -214,6 +217,9 @@ class TierManager(KVConnector):
             stores["disk"] = self._disk
         if self._remote is not None:
             stores["remote"] = self._remote
+            self._lookup_pool = concurrent.futures.ThreadPoolExecutor(
+                LOOKUP_WORKERS, thread_name_prefix="tiered-kv-lookup"
+            )
         return stores
 
     def stats(self) -> dict[str, dict[str, int | float]]:
@@ -250,6 +256,8 @@ class TierManager(KVConnector):
         atexit.unregister(self.close)
         deadline = time.monotonic() + self.config.flush_timeout_s
         try:
+            if self._lookup_pool is not None:
+                self._lookup_pool.shutdown(wait=True)
             if self._load_pool is not None:
                 self._load_pool.shutdown(wait=True)
                 self._loader.close()
@@ -313,6 +321,9 @@ class TierManager(KVConnector):
             ))
         if self._remote is not None:
             stores["remote"] = self._remote
+            self._lookup_pool = concurrent.futures.ThreadPoolExecutor(
+                LOOKUP_WORKERS, thread_name_prefix="tiered-kv-lookup"
+            )
             if config.remote_write_policy == "write-through":
                 self._writers.append(
                     PoolWriter(self._pool, self._remote, self._codec, self.metrics, "remote")
@@ -344,7 +355,7 @@ class TierManager(KVConnector):
 
     def get_num_matched_blocks(
         self, request_id: str, block_hashes: Sequence[bytes], num_computed_blocks: int
-    ) -> int:
+    ) -> int | None:
         if self._kv_cache is None or self._closed:
             return 0
         keys = [BlockKey(self._namespace, h) for h in block_hashes[num_computed_blocks:]]
@@ -375,12 +386,9 @@ class TierManager(KVConnector):
         if self._remote is not None and len(tiers) < len(keys):
             rest = tuple(keys[len(tiers):])
             remote_lookups = len(rest)
-            cached = self._remote_runs.get(request_id)
-            if cached is not None and cached[0] == rest:
-                run = cached[1]
-            else:
-                run = self._remote.longest_prefix(list(rest))  # the store's breaker gates it
-                self._remote_runs[request_id] = (rest, run)
+            run = self._remote_run(request_id, rest)
+            if run is None:
+                return None  # the engine asks again at a later step
             tiers += ["remote"] * run
         self._lookups[request_id] = _Lookup(tuple(block_hashes), num_computed_blocks, tuple(tiers))
         if not repeated:
@@ -391,6 +399,27 @@ class TierManager(KVConnector):
             if self._remote is not None:
                 self.metrics.add("remote", lookups=remote_lookups)
         return len(tiers)
+
+    def _remote_run(self, request_id: str, rest: tuple[BlockKey, ...]) -> int | None:
+        """How many leading ``rest`` blocks the remote tier holds; ``None`` while the lookup
+        (one pipelined round-trip, gated by the store's breaker) runs on a lookup thread."""
+        entry = self._remote_runs.get(request_id)
+        if entry is None or entry[0] != rest:
+            future = self._lookup_pool.submit(self._remote.longest_prefix, list(rest))
+            future.add_done_callback(self._lookup_done)
+            self._remote_runs[request_id] = (rest, future)
+            return None
+        if not entry[1].done():
+            return None
+        try:
+            return entry[1].result()
+        except Exception:  # the store turns its errors into misses; anything else is a bug
+            logger.exception("remote lookup for %s failed", request_id)
+            return 0
+
+    def _lookup_done(self, future: concurrent.futures.Future[int]) -> None:
+        with self._finished:  # ends a poll(timeout) of an engine with nothing else to run
+            self._finished.notify_all()
 
     def start_load(
         self, request_id: str, block_hashes: Sequence[bytes], block_ids: Sequence[int]
