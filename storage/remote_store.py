@@ -30,8 +30,10 @@ callers that must not wait on the network (the engine thread) put from their own
 
 Capacity is the server's business: configure ``maxmemory`` and ``maxmemory-policy
 allkeys-lru`` there (and optionally a TTL here). ``stats()`` reports the server's
-``used_memory`` and ``maxmemory``, and ``entries`` counts this prefix's keys by ``SCAN``
-(cached for ``stats_interval_s``, since a scan walks the whole keyspace).
+``used_memory`` and ``maxmemory``, and ``entries`` counts this prefix's keys by ``SCAN``.
+A scan walks the whole keyspace, so ``stats()`` never runs one itself: it returns the last
+figures and, at most every ``stats_interval_s`` (a minute), starts a refresh in the
+background.
 
 Cluster mode (Valkey/Redis Cluster) is not supported yet: the URL is a single server, with
 optional replicas behind it managed by the operator. See ``docs/scale_out.md``.
@@ -102,7 +104,8 @@ class RemoteStore(BlockStore[Record]):
     ``timeout_s`` is the deadline of each call as a whole (connect, send, the whole reply);
     ``ttl_s`` (``None``: none) expires keys on the server; ``breaker`` sets when the
     breaker opens and for how long; ``max_connections`` sizes the client's connection pool;
-    ``stats_interval_s`` is how long the server-side part of :meth:`stats` is reused.
+    ``stats_interval_s``: at most how often :meth:`stats` refreshes its server-side part in
+    the background (0: on every call, on the caller's thread).
     """
 
     tier = "remote"
@@ -116,7 +119,7 @@ class RemoteStore(BlockStore[Record]):
         ttl_s: int | None = None,
         breaker: BreakerConfig | None = None,
         max_connections: int = 16,
-        stats_interval_s: float = 10.0,
+        stats_interval_s: float = 60.0,
     ) -> None:
         self.url = parse_remote_url(url)
         if not prefix or _GLOB_CHARS & set(prefix):
@@ -145,6 +148,7 @@ class RemoteStore(BlockStore[Record]):
         self._lock = threading.Lock()
         self._stats = StoreStats(tier=self.tier)
         self._server_stats_at = -float("inf")
+        self._refreshing = False  # a background refresh of the server-side stats is running
         self._closed = False
 
     # ------------------------------------------------------------------ keys
@@ -323,12 +327,33 @@ class RemoteStore(BlockStore[Record]):
                 cursor = None
 
     def stats(self) -> StoreStats:
+        """The counters, and the server's key count and memory as of the last refresh. A
+        refresh (a ``SCAN`` of the whole keyspace) is due every ``stats_interval_s`` and runs
+        on a background thread, so this never waits on the server; with an interval of 0 it
+        runs here, every call."""
         now = time.monotonic()
-        if now - self._server_stats_at >= self._stats_interval and self.available:
-            self._refresh_server_stats()
-            self._server_stats_at = now
+        with self._lock:
+            due = now - self._server_stats_at >= self._stats_interval and not self._refreshing
+            if due:
+                self._server_stats_at = now
+                self._refreshing = self._stats_interval > 0
+        if due and self._stats_interval <= 0:
+            if self.available:
+                self._refresh_server_stats()
+        elif due:
+            threading.Thread(
+                target=self._refresh_in_background, name="tiered-kv-remote-stats", daemon=True
+            ).start()
         with self._lock:
             return dataclasses.replace(self._stats)
+
+    def _refresh_in_background(self) -> None:
+        try:
+            if not self._closed and self.available:
+                self._refresh_server_stats()
+        finally:
+            with self._lock:
+                self._refreshing = False
 
     def _refresh_server_stats(self) -> None:
         ok, info = self._call(lambda c: c.info("memory"), "info")

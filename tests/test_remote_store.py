@@ -27,7 +27,8 @@ def record(i: int) -> Record:
 
 def store(url: str, **kw) -> RemoteStore:
     kw.setdefault("timeout_s", 0.2)
-    return RemoteStore(url, prefix=f"t-{uuid.uuid4().hex}:", stats_interval_s=0, **kw)
+    kw.setdefault("stats_interval_s", 0)  # fresh server-side stats on every call
+    return RemoteStore(url, prefix=f"t-{uuid.uuid4().hex}:", **kw)
 
 
 def test_corrupt_record_is_a_counted_miss_and_deleted(redis_server):
@@ -187,3 +188,31 @@ def test_bad_prefix_and_ttl(redis_server):
         RemoteStore(redis_server.url, prefix="a*")
     with pytest.raises(ValueError):
         RemoteStore(redis_server.url, ttl_s=0)
+
+
+def test_stats_never_scan_on_the_callers_thread(redis_server, monkeypatch):
+    """/metrics reads stats on the event loop: a SCAN of millions of keys must not run
+    there. The count is refreshed in the background, at most once per interval."""
+    s = store(redis_server.url, stats_interval_s=60)
+    for i in range(5):
+        assert s.put(key(i), record(i))
+    scans = []
+    keys = RemoteStore.keys
+
+    def slow_keys(self, namespace=None):
+        scans.append(time.monotonic())
+        time.sleep(1.0)  # a big keyspace
+        return keys(self, namespace)
+
+    monkeypatch.setattr(RemoteStore, "keys", slow_keys)
+    start = time.monotonic()
+    first = s.stats()
+    second = s.stats()
+    assert time.monotonic() - start < 0.5  # neither call waited for the scan
+    assert first.entries == second.entries == 0  # nothing counted yet
+    deadline = time.monotonic() + 10
+    while s.stats().entries != 5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert s.stats().entries == 5
+    assert len(scans) == 1  # one refresh in the interval, however often stats() was read
+    s.close()

@@ -42,7 +42,7 @@ class TierConfig:
     ``rediss://``, ``valkey://``, ``valkeys://``; ``None``: no remote tier).
     ``remote_write_policy``: ``write-through`` queues every stored block for the remote
     tier too (from its own writer thread); ``read-only`` only reads what others stored.
-    ``remote_timeout_s``: connect and reply timeout of each remote call.
+    ``remote_timeout_s``: the deadline of each remote call as a whole (connect, send, reply).
     ``remote_ttl_s``: expire remote keys after this many seconds (``None``: the server's
     ``maxmemory-policy`` alone decides what goes).
     ``remote_prefix``: the prefix of this deployment's keys on the server.
