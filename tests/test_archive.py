@@ -1,17 +1,30 @@
 from __future__ import annotations
 
 import hashlib
+import struct
+import tracemalloc
 from pathlib import Path
 
 import pytest
+import torch
+import zstandard
 
 from storage.base import BlockKey
-from tiered_kv.archive import ArchiveError, ArchiveWriter, check_archive, read_archive
+from storage.record import Record, encode_record
+from tiered_kv.archive import (
+    FLAG_ZSTD, MAGIC, VERSION, ArchiveError, ArchiveWriter, check_archive, read_archive,
+)
 
-ITEMS = [
-    (BlockKey(hashlib.sha256(b"ns").digest(), hashlib.sha256(bytes([i])).digest()), bytes([i]) * (100 + i))
-    for i in range(20)
-]
+
+def item(i: int) -> tuple[BlockKey, bytes]:
+    key = BlockKey(hashlib.sha256(b"ns").digest(), hashlib.sha256(bytes([i])).digest())
+    payload = bytes([i]) * (100 + i)
+    return key, encode_record(
+        Record(key, None, tuple(range(16)), "raw", torch.uint8, (len(payload),), payload, 1)
+    )
+
+
+ITEMS = [item(i) for i in range(20)]
 
 
 def write(path: Path, items=ITEMS, compress: bool = False) -> Path:
@@ -57,7 +70,7 @@ def test_every_truncation_is_detected(tmp_path: Path, compress: bool):
         (lambda d: b"NOTARCHV" + d[8:], "bad magic"),
         (lambda d: d[:8] + b"\x02\x00" + d[10:], "archive version 2"),
         (lambda d: d[:10] + b"\x04\x00" + d[12:], "unknown archive flags"),
-        (lambda d: d[:500] + bytes([d[500] ^ 1]) + d[501:], "checksum mismatch"),
+        (lambda d: d[:-21] + bytes([d[-21] ^ 1]) + d[-20:], "checksum mismatch"),  # a record's
         (lambda d: d + b"\x00", "bytes after the end"),
     ],
 )
@@ -71,3 +84,25 @@ def test_damage_is_detected(tmp_path: Path, damage, message):
 def test_refuses_an_empty_record(tmp_path: Path):
     with open(tmp_path / "a", "wb") as f, pytest.raises(ValueError):
         ArchiveWriter(f).add(ITEMS[0][0], b"")
+
+
+@pytest.mark.parametrize("declared", ["zeros", "another length"])
+def test_a_forged_record_length_is_refused_before_it_is_read(tmp_path: Path, declared: str):
+    length = 256 << 20  # 256 MiB of zeros: about 8 KiB of zstd
+    key, record = ITEMS[0]
+    with open(tmp_path / "bomb", "wb") as f:
+        f.write(struct.pack("<8sHH", MAGIC, VERSION, FLAG_ZSTD))
+        body = zstandard.ZstdCompressor().stream_writer(f, closefd=False)
+        body.write(struct.pack("<I", length) + key.to_bytes())
+        body.write(record if declared == "another length" else b"")
+        for _ in range(length // (16 << 20)):
+            body.write(bytes(16 << 20))
+        body.close()
+    tracemalloc.start()
+    try:
+        with pytest.raises(ArchiveError, match="not a record of 268435456 bytes"):
+            check_archive(tmp_path / "bomb")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20

@@ -284,6 +284,54 @@ def test_corrupt_zstd_planes_raise_codec_error(spec):
         codec.decode(bytes(bad), torch.bfloat16, SHAPE)
 
 
+BOMBS = [
+    "a frame declaring more",
+    "a frame without a content size",
+    "the plane's frame, then a bomb",
+    "the plane's frame twice",
+    "a frame without a content size, then a bomb",
+    "a skippable frame",
+]
+
+
+def bomb_frame(kind: str, plane_len: int) -> bytes:
+    """A stored plane that would expand far past ``plane_len`` bytes (64 MiB of zeros
+    compress to about 2 KiB), or that is not one frame of exactly the plane's size."""
+    bomb = zstandard.ZstdCompressor().compress(bytes(64 << 20))
+    unsized = zstandard.ZstdCompressor(write_content_size=False)
+    plane = zstandard.ZstdCompressor().compress(bytes(plane_len))
+    return {
+        "a frame declaring more": bomb,
+        "a frame without a content size": unsized.compress(bytes(64 << 20)),
+        "the plane's frame, then a bomb": plane + bomb,
+        "the plane's frame twice": plane + plane,
+        "a frame without a content size, then a bomb": unsized.compress(bytes(plane_len)) + bomb,
+        "a skippable frame": struct.pack("<II", 0x184D2A50, plane_len - 9) + bytes(plane_len - 9),
+    }[kind]
+
+
+@pytest.mark.parametrize("bomb", BOMBS)
+def test_zstd_bomb_in_a_record_is_refused_without_expanding(bomb: str):
+    import tracemalloc
+
+    kv = make_kv(dtype=torch.bfloat16)
+    good = encode_block(key(1), None, range(16), kv, "zstd")
+    planes = get_codec("zstd").inner.layout(torch.bfloat16, SHAPE)[0].nbytes // 2
+    lengths = struct.unpack_from("<2I", good.payload)
+    forged = bomb_frame(bomb, planes)
+    payload = struct.pack("<2I", len(forged), lengths[1]) + forged + good.payload[8 + lengths[0] :]
+    record = Record(key(1), None, good.token_ids, "zstd", torch.bfloat16, SHAPE, payload)
+    stored = decode_record(encode_record(record), expected_key=key(1))  # checksum and all
+    tracemalloc.start()
+    try:
+        with pytest.raises(CodecError, match="zstd"):
+            decode_block(stored)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * planes + (1 << 20)
+
+
 @pytest.mark.parametrize("spec", LOSSLESS + LOSSY)
 def test_random_corruption_never_raises_anything_else(spec):
     codec = get_codec(spec)

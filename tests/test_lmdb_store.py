@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import random
 import stat
@@ -11,6 +13,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import lmdb
@@ -663,3 +666,282 @@ def test_writer_killed_at_random_moments(tmp_path: Path) -> None:
     assert [r.problems for r in results if r.problems] == []
     assert sum(r.killed for r in results) >= 30
     assert sum(r.flushed is not None for r in results) >= 10
+
+
+# ---------------------------------------------------------------- a damaged data file
+
+
+def damage_meta(field_offset: int) -> Callable[[Path], None]:
+    """Overwrite four bytes of meta page 0 (16: magic, 20: version)."""
+
+    def damage(data: Path) -> None:
+        with open(data, "r+b") as f:
+            f.seek(field_offset)
+            f.write(b"\xff\xff\xff\x7f")
+
+    return damage
+
+
+def truncate_to(fraction: float) -> Callable[[Path], None]:
+    def damage(data: Path) -> None:
+        os.truncate(data, int(data.stat().st_size * fraction) // 4096 * 4096 + 10)
+
+    return damage
+
+
+DAMAGE = {
+    "truncated to a half": truncate_to(0.5),
+    "truncated to a tenth": truncate_to(0.1),
+    "truncated to one page": lambda data: os.truncate(data, 4096),
+    "bad magic": damage_meta(16),
+    "bad version": damage_meta(20),
+}
+
+OPEN_DAMAGED = """
+import json, sys
+from storage.lmdb_store import LmdbStore
+from storage.base import StoreError
+out = {}
+for readonly in (False, True):
+    try:
+        LmdbStore(sys.argv[1], None, readonly=readonly).close()
+        out[str(readonly)] = "opened"
+    except StoreError as e:
+        out[str(readonly)] = f"{type(e).__name__}: {e}"
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_data_file_is_refused_before_it_is_mapped(path: Path, damage: str) -> None:
+    with LmdbStore(path, 16 << 20) as store:
+        for i in range(80):
+            put(store, i, size=6000)
+    DAMAGE[damage](path / "data.mdb")
+    before = sorted(os.listdir(path))
+    child = subprocess.run(  # a SIGBUS would kill the test run: open it in a child
+        [sys.executable, "-c", OPEN_DAMAGED, str(path)],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )
+    assert child.returncode == 0, child.stderr
+    for readonly, outcome in json.loads(child.stdout).items():
+        assert outcome.startswith("DamagedStore: ") and "data.mdb is damaged" in outcome, (
+            readonly, outcome,
+        )
+    assert sorted(os.listdir(path)) == before
+
+
+def test_replace_damaged_moves_the_store_aside_and_starts_empty(path: Path) -> None:
+    from storage.lmdb_store import DamagedStore
+
+    with LmdbStore(path, 16 << 20) as store:
+        for i in range(40):
+            put(store, i, size=6000)
+    truncate_to(0.5)(path / "data.mdb")
+    damaged_bytes = (path / "data.mdb").read_bytes()
+    with pytest.raises(DamagedStore):
+        LmdbStore(path, None)
+    with LmdbStore(path, None, replace_damaged=True) as store:
+        aside = store.moved_aside
+        assert aside is not None and aside.name.startswith(f"{path.name}.damaged-")
+        assert store.capacity_bytes == 16 << 20 and store.stats().entries == 0
+        put(store, 1)
+        assert store.flush()
+    assert (aside / "data.mdb").read_bytes() == damaged_bytes
+    assert stat.S_IMODE(path.stat().st_mode) == 0o700
+    with LmdbStore(path, None, replace_damaged=True) as store:
+        assert store.moved_aside is None and same(store.get(key(1)), record(1))
+
+
+def test_full_check_reads_every_page_before_mapping(path: Path) -> None:
+    from storage.lmdb_store import DamagedStore
+
+    with LmdbStore(path, 16 << 20) as store:
+        for i in range(200):
+            put(store, i, size=300)  # small records: the records db has branch pages
+    with LmdbStore(path, readonly=True, full_check=True) as store:
+        assert store.stats().entries == 200
+    # Every branch page (flags 0x01) claims more node pointers than it has room for.
+    data = bytearray((path / "data.mdb").read_bytes())
+    for at in range(2 * 4096, len(data), 4096):
+        if int.from_bytes(data[at + 10 : at + 12], "little") == 0x01:
+            data[at + 12 : at + 14] = (4000).to_bytes(2, "little")  # mp_lower past mp_upper
+    (path / "data.mdb").write_bytes(bytes(data))
+    for readonly in (True, False):
+        with pytest.raises(DamagedStore, match="page"):
+            LmdbStore(path, None, readonly=readonly, full_check=True)
+
+
+def test_repair_scans_the_pages_when_no_meta_page_is_left(path: Path, tmp_path: Path) -> None:
+    sizes = {i: 200 if i % 3 else 9000 for i in range(50)}  # inline and overflow values
+    with LmdbStore(path, 16 << 20) as store:
+        for i, size in sizes.items():
+            put(store, i, size=size)
+    data = bytearray((path / "data.mdb").read_bytes())
+    data[data.find(record(6, 9000).payload) + 100] ^= 1  # rot in place: no good copy left
+    data[16:20] = data[4096 + 16 : 4096 + 20] = bytes(4)  # both meta pages' magic numbers
+    (path / "data.mdb").write_bytes(bytes(data))
+    result = LmdbStore.repair(path, tmp_path / "fixed")
+    assert (result.salvaged, result.skipped, result.moved_aside) == (49, 1, None)
+    assert any("scanning" in problem for problem in result.problems)
+    with LmdbStore(tmp_path / "fixed", readonly=True) as fixed:
+        assert all(same(fixed.get(key(i)), record(i, size)) for i, size in sizes.items() if i != 6)
+        assert fixed.stats().entries == 49
+
+
+# ---------------------------------------------------------------- a full or failing disk
+
+
+class FailingDisk:
+    """Makes the store's write commits fail as LMDB does on a full or failing disk.
+
+    ``room`` bytes of records fit; a commit that would leave more raises ``error``
+    (``room=None``: every write commit fails). Deleting records frees room at once.
+    """
+
+    def __init__(self, store: LmdbStore, monkeypatch, error: Exception, room: int | None) -> None:
+        self.error, self.room = error, room
+        self.records = store._dbs[b"records"]
+        self.on_disk = store.stats().bytes_used
+        self.failed = 0
+        env = store._env
+        disk = self
+
+        class Txn:
+            def __init__(self, txn) -> None:
+                self.txn, self.delta = txn, 0
+
+            def __getattr__(self, name):
+                return getattr(self.txn, name)
+
+            def __enter__(self):
+                self.txn.__enter__()
+                return self
+
+            def put(self, k, v, db=None, **kw):
+                if db is disk.records:
+                    old = self.txn.get(k, db=db)
+                    self.delta += len(v) - (len(old) if old is not None else 0)
+                return self.txn.put(k, v, db=db, **kw)
+
+            def delete(self, k, db=None, **kw):
+                if db is disk.records:
+                    old = self.txn.get(k, db=db)
+                    self.delta -= len(old) if old is not None else 0
+                return self.txn.delete(k, db=db, **kw)
+
+            def __exit__(self, kind, exc, tb):
+                if kind is None and disk.full(self.delta):
+                    disk.failed += 1
+                    self.txn.abort()
+                    raise disk.error
+                if kind is None:
+                    disk.on_disk += self.delta
+                return self.txn.__exit__(kind, exc, tb)
+
+        class Env:
+            def __getattr__(self, name):
+                return getattr(env, name)
+
+            def begin(self, **kw):
+                txn = env.begin(**kw)
+                return Txn(txn) if kw.get("write") else txn
+
+        monkeypatch.setattr(store, "_env", Env())
+
+    def full(self, delta: int) -> bool:
+        return self.room is None or (delta > 0 and self.on_disk + delta > self.room)
+
+
+def disk_error(code: int) -> lmdb.Error:
+    """What py-lmdb raises when ``mdb_txn_commit`` fails with ``code``."""
+    kind = lmdb.DiskError if code == errno.ENOSPC else lmdb.Error
+    error = kind(f"mdb_txn_commit: {os.strerror(code)}")
+    error.code = code
+    return error
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
+def test_full_disk_evicts_and_retries(path: Path, monkeypatch, caplog, code: int) -> None:
+    caplog.set_level(logging.INFO, logger="storage")
+    evicted: list[BlockKey] = []
+    with LmdbStore(path, 16 << 20, on_evict=evicted.append) as store:
+        disk = FailingDisk(store, monkeypatch, disk_error(code), room=200_000)
+        for i in range(60):
+            put(store, i, size=10_000)
+            if i % 5 == 4:
+                assert store.flush(timeout=10)
+        assert disk.failed and evicted and store.stats().evictions == len(evicted)
+        assert not store.degraded and store.stats().dropped == 0
+        assert store.stats().bytes_used <= 200_000
+        assert all(same(store.get(key(i)), record(i, 10_000)) for i in range(55, 60))
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    with LmdbStore(path, 16 << 20) as store:
+        assert sorted(store.keys()) == sorted(key(i) for i in range(60) if key(i) not in evicted)
+
+
+def test_failing_disk_degrades_the_store_with_one_warning(
+    path: Path, monkeypatch, caplog
+) -> None:
+    caplog.set_level(logging.INFO, logger="storage")
+    gone: list[BlockKey] = []
+    with LmdbStore(path, 16 << 20, on_evict=gone.append) as store:
+        for i in range(5):
+            put(store, i)
+        assert store.flush() and not store.degraded
+        disk = FailingDisk(store, monkeypatch, disk_error(errno.EIO), room=None)
+        for i in range(5, 45):
+            put(store, i)
+            if i % 10 == 4:
+                assert store.flush(timeout=10) is False  # what it was asked to keep is lost
+        assert store.flush(timeout=10)  # nothing more was lost since
+        stats = store.stats()
+        assert store.degraded and stats.write_errors >= 4 and stats.dropped == 40
+        assert sorted(gone) == sorted(key(i) for i in range(5, 45))
+        # The evictions tried to make room failed too, and were undone.
+        assert stats.evictions == 0
+        assert all(same(store.get(key(i)), record(i)) for i in range(5))
+        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1 and "degraded" in warnings[0].getMessage()
+
+        disk.room = 1 << 30  # the disk has room again
+        put(store, 99)
+        assert store.flush(timeout=10) and not store.degraded
+        assert same(store.get(key(99)), record(99))
+    with LmdbStore(path, 16 << 20) as store:
+        assert sorted(store.keys()) == sorted([key(i) for i in range(5)] + [key(99)])
+
+
+# ---------------------------------------------------------------- file modes
+
+
+def test_an_existing_store_directory_is_made_private(path: Path, tmp_path: Path) -> None:
+    LmdbStore(path, 1 << 20).close()
+    os.chmod(path, 0o755)
+    with LmdbStore(path, readonly=True) as store:  # a reader changes nothing
+        store.stats()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o755
+    with LmdbStore(path, None) as store:
+        put(store, 1)
+        store.flush()
+        store.copy_compacted(tmp_path / "copy")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o700
+    for name in ("data.mdb", DESCRIPTOR_NAME):
+        assert stat.S_IMODE((tmp_path / "copy" / name).stat().st_mode) == 0o600, name
+    LmdbStore(path, None).compact_and_close()
+    assert stat.S_IMODE((path / "data.mdb").stat().st_mode) == 0o600
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
+def test_a_store_directory_of_another_user_is_left_alone_with_one_warning(
+    path: Path, caplog
+) -> None:
+    LmdbStore(path, 1 << 20).close()
+    os.chmod(path, 0o750)
+    os.chown(path, 65534, -1)
+    with LmdbStore(path, None) as store:
+        put(store, 1)
+        store.flush()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o750
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "0700" in warnings[0].getMessage()

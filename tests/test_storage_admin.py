@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 import struct
 import subprocess
 import sys
@@ -213,6 +215,20 @@ def test_export_import_round_trip_is_byte_exact(store_dir: Path, tmp_path: Path,
     assert records(tmp_path / "restored") == records(store_dir)
     with LmdbStore(tmp_path / "restored", readonly=True) as store:
         assert store.capacity_bytes == 32 << 20
+
+
+def test_exported_archives_are_private(store_dir: Path, tmp_path: Path):
+    umask = os.umask(0o022)  # what most shells have: 0644 for a plain open()
+    try:
+        ok_json("export", store_dir, tmp_path / "kv.tkv", "--compress")
+        stale = tmp_path / ".again.tkv.tmp"  # the leftover of an export cut short
+        stale.write_bytes(b"partial")
+        ok_json("export", store_dir, tmp_path / "again.tkv")
+    finally:
+        os.umask(umask)
+    for name in ("kv.tkv", "again.tkv"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o600, name
+    assert not stale.exists()
 
 
 def test_export_one_namespace_into_an_existing_store(store_dir: Path, tmp_path: Path):

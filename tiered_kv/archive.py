@@ -12,12 +12,17 @@ Layout (little-endian)::
 The hash covers the header and the uncompressed body up to and including the count, so a
 truncated or damaged archive is detected as a whole. Records are kept byte for byte as the
 store holds them, with their own checksums. Reading and writing are streamed: memory use
-is one record, whatever the archive's size.
+is one record, whatever the archive's size. A reader checks that a record's own header
+declares the length N before reading the rest of it, so a forged length (a few KiB of
+zstd that expand to a gigabyte of zeros) is refused at once, not read.
+:func:`write_archive` creates the file 0600 (records hold users' prompts as KV) and only
+under its name once it is complete.
 """
 from __future__ import annotations
 
+import os
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
@@ -25,6 +30,7 @@ import xxhash
 import zstandard
 
 from storage.base import KEY_SIZE, BlockKey
+from storage.record import MAGIC as RECORD_MAGIC
 
 MAGIC = b"TKVARCHV"
 VERSION = 1
@@ -33,6 +39,8 @@ MAX_RECORD_BYTES = 1 << 30  # larger lengths are damage, not records
 _HEADER = struct.Struct("<8sHH")
 _LENGTH = struct.Struct("<I")
 _TRAILER = struct.Struct("<QQ")
+_RECORD_HEAD = struct.Struct("<4sHHIQ")  # a record's magic, version, flags, H and P lengths
+_RECORD_CHECKSUM = 8
 
 
 class ArchiveError(ValueError):
@@ -79,6 +87,33 @@ class ArchiveWriter:
         if self._compressor is not None:
             self._compressor.close()
         return ArchiveSummary(self.records, self.record_bytes)
+
+
+def write_archive(
+    path: str | Path, records: Iterable[tuple[BlockKey, bytes]], *, compress: bool = False
+) -> ArchiveSummary:
+    """Write ``records`` to a new archive at ``path``, readable by its owner only.
+
+    The archive is written under a temporary name, fsynced and renamed, so a failure
+    (an exception from ``records`` included) leaves no plausible-looking file.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)  # a leftover keeps its old mode: start afresh
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            writer = ArchiveWriter(file, compress=compress)
+            for key, data in records:
+                writer.add(key, data)
+            summary = writer.finish()
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return summary
 
 
 class _Counting:
@@ -128,7 +163,7 @@ def read_archive(
                 if length > MAX_RECORD_BYTES:
                     raise ArchiveError(f"damaged (record {count} claims {length} bytes)")
                 kb = _read_exact(body, KEY_SIZE, "record key")
-                data = _read_exact(body, length, "record")
+                data = _read_record(body, length, count)
                 digest.update(kb)
                 digest.update(data)
                 count += 1
@@ -156,6 +191,15 @@ def check_archive(
         records += 1
         nbytes += len(data)
     return ArchiveSummary(records, nbytes)
+
+
+def _read_record(stream, length: int, index: int) -> bytes:
+    """A record of ``length`` bytes whose own header says it is that long."""
+    head = _read_exact(stream, min(length, _RECORD_HEAD.size), "record")
+    magic, _, _, header_len, payload_len = _RECORD_HEAD.unpack(head.ljust(_RECORD_HEAD.size, b"\0"))
+    if magic != RECORD_MAGIC or header_len + payload_len + _RECORD_CHECKSUM != length:
+        raise ArchiveError(f"damaged (record {index} is not a record of {length} bytes)")
+    return head + _read_exact(stream, length - len(head), "record")
 
 
 def _read_exact(stream, size: int, what: str) -> bytes:

@@ -10,21 +10,24 @@ Commands:
     gc DIR                 evict blocks unused for a while, or down to a size (alias: evict)
     compact DIR            rewrite the data file without its free pages
     export DIR ARCHIVE     write records (all, or one namespace) to a portable archive
+                           (created 0600)
     import ARCHIVE DIR     check an archive, then add its valid records to a store
     clear DIR --namespace  delete every record of one namespace
+    repair DIR [--out DST] salvage the readable records of a damaged store into a fresh one
 
 Read-only commands (stats, ls, verify, tree, export, ``gc --dry-run``, ``compact
 --output``) open the store read-only, so they work while a server writes to it. Commands
-that change a store (gc, clear, import, compact in place) need the writer lock, so they
-refuse to run while a server holds the directory. Every command takes ``--json``. Errors
-are one line on stderr and exit code 2.
+that change a store (gc, clear, import, compact in place, repair) need the writer lock, so
+they refuse to run while a server holds the directory. Every command takes ``--json``.
+Errors are one line on stderr and exit code 2. Before LMDB maps ``data.mdb``, every
+command checks the pages LMDB could reach (only the meta pages if a server keeps
+committing meanwhile): a damaged file is an error naming ``repair``, never a crash.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import json
-import os
 import re
 import time
 from contextlib import contextmanager
@@ -41,9 +44,9 @@ from rich.table import Table
 from rich.tree import Tree
 
 from storage.base import BlockKey, StoreError
-from storage.lmdb_store import DESCRIPTOR_NAME, LmdbStore, StoreInfo
+from storage.lmdb_store import DESCRIPTOR_NAME, DamagedStore, LmdbStore, StoreInfo
 from storage.record import RecordError, decode_record
-from tiered_kv.archive import ArchiveError, ArchiveWriter, check_archive, read_archive
+from tiered_kv.archive import ArchiveError, check_archive, read_archive, write_archive
 from tiered_kv.units import format_age, format_size, parse_duration, parse_size
 
 app = typer.Typer(help="Administer a KV cache directory.", no_args_is_help=True)
@@ -62,18 +65,23 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(EXIT_ERROR)
 
 
+def _fail_store(error: StoreError, path: Path) -> typer.Exit:
+    if isinstance(error, DamagedStore):
+        return _fail(f"{error}; `tiered-kv storage repair {path}` salvages the readable records")
+    return _fail(str(error))
+
+
 @contextmanager
 def _open(path: Path, *, readonly: bool = True, capacity: int | None = None):
+    """The store, its data file checked page by page first; errors as one line."""
     if readonly and not path.exists():
         raise _fail(f"{path}: no such KV cache directory")
     try:
-        store = LmdbStore(path, capacity, readonly=readonly)
+        store = LmdbStore(path, capacity, readonly=readonly, full_check=True)
     except StoreError as e:
-        raise _fail(str(e)) from None
-    try:
+        raise _fail_store(e, path) from None
+    with _closing(store, path):
         yield store
-    finally:
-        store.close()
 
 
 def _info_dict(info: StoreInfo) -> dict:
@@ -203,13 +211,13 @@ def verify(path: Dir, as_json: AsJson = False) -> None:
     quarantine on its next read.
     """
     with _open(path):
-        pass  # a clean error, and nothing created, if this is not a store
+        pass  # a clean error, and nothing created, if this is not a store or is damaged
     try:
-        store = LmdbStore(path, None)
+        store = LmdbStore(path, None)  # checked just above
     except StoreError:
         store = None
     readonly = store is None
-    with (_open(path) if readonly else _closing(store)) as opened:
+    with (_open(path) if readonly else _closing(store, path)) as opened:
         total = opened.stats().entries
         with _progress("verifying", total) as bar:
             task = bar.add_task("", total=total)
@@ -229,9 +237,11 @@ def verify(path: Dir, as_json: AsJson = False) -> None:
 
 
 @contextmanager
-def _closing(store: LmdbStore):
+def _closing(store: LmdbStore, path: Path):
     try:
         yield store
+    except StoreError as e:  # the file turned out damaged while reading it
+        raise _fail_store(e, path) from None
     finally:
         store.close()
 
@@ -248,20 +258,24 @@ def _open_writer(path: Path, purpose: str, capacity: int | None = None, *, inste
     """The store opened for writing, or a clean error saying who holds the writer lock."""
     if capacity is None:
         with _open(path):
-            pass  # a clean error, and nothing created, if this is not a store
+            pass  # a clean error, and nothing created, if this is not a store or is damaged
     try:
-        store = LmdbStore(path, capacity)
+        store = LmdbStore(path, capacity, full_check=capacity is not None)
     except StoreError as e:
-        holder = re.search(r"already open for writing \((by pid \S+)\)", str(e))
-        if holder:
-            raise _fail(
-                f"{path} is held by a running server ({holder.group(1)}); "
-                f"{purpose} needs the writer lock: stop the server first"
-                + (f", or {instead}" if instead else "")
-            ) from None
-        raise _fail(str(e)) from None
-    with _closing(store):
+        raise _writer_error(e, path, purpose, instead) from None
+    with _closing(store, path):
         yield store
+
+
+def _writer_error(error: StoreError, path: Path, purpose: str, instead: str = "") -> typer.Exit:
+    holder = re.search(r"already open for writing \((by pid \S+)\)", str(error))
+    if holder:
+        return _fail(
+            f"{path} is held by a running server ({holder.group(1)}); "
+            f"{purpose} needs the writer lock: stop the server first"
+            + (f", or {instead}" if instead else "")
+        )
+    return _fail_store(error, path)
 
 
 def _resolve_namespace(store: LmdbStore, text: str) -> bytes:
@@ -619,29 +633,28 @@ def export(
     """
     if archive.exists():
         raise _fail(f"{archive} exists; refusing to overwrite it")
-    tmp = archive.with_name(f".{archive.name}.tmp")
     bad = 0
     with _open(path) as store:
         ns = _resolve_namespace(store, namespace) if namespace else None
         total = sum(1 for _ in store.metadata(ns)) if ns else store.stats().entries
+
+        def verified(bar: Progress, task):
+            nonlocal bad
+            for key, data in store.raw_records(ns):
+                bar.advance(task)
+                try:
+                    decode_record(data, expected_key=key)
+                except RecordError:
+                    bad += 1
+                    continue
+                yield key, data
+
         try:
-            with open(tmp, "wb") as file, _progress("exporting", total) as bar:
-                task = bar.add_task("", total=total)
-                writer = ArchiveWriter(file, compress=compress)
-                for key, data in store.raw_records(ns):
-                    bar.advance(task)
-                    try:
-                        decode_record(data, expected_key=key)
-                    except RecordError:
-                        bad += 1
-                        continue
-                    writer.add(key, data)
-                summary = writer.finish()
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(tmp, archive)
+            with _progress("exporting", total) as bar:
+                summary = write_archive(
+                    archive, verified(bar, bar.add_task("", total=total)), compress=compress
+                )
         except OSError as e:
-            tmp.unlink(missing_ok=True)
             raise _fail(f"cannot write {archive}: {e}") from None
     fields = {
         "archive": str(archive),
@@ -750,3 +763,56 @@ def clear(
         removed = _delete(store, [m.key for m in victims], "deleting")
     fields = {"namespace": ns.hex(), "deleted_blocks": removed, "deleted_bytes": nbytes}
     _print_fields(f"clear {path}", fields, as_json)
+
+
+# ---------------------------------------------------------------------------- repair
+
+
+@app.command("repair")
+def repair_(
+    path: Dir,
+    out_dir: Annotated[
+        Path | None,
+        typer.Option("--out", "-o", help="Write the salvaged store here (a new directory) and "
+                     "leave DIR as it is. Without it DIR is replaced, and the damaged store kept "
+                     "as DIR.damaged-TIME."),
+    ] = None,
+    size: Annotated[
+        str | None, typer.Option("--size", help="Budget of the new store (default: DIR's).")
+    ] = None,
+    as_json: AsJson = False,
+) -> None:
+    """Salvage the readable records of a damaged store into a fresh one.
+
+    data.mdb is read page by page, never mapped, so no damage can crash it; every record
+    is checked against its key and checksum, and what cannot be read or fails is skipped
+    and counted. Needs the writer lock: stop the server first.
+    """
+    if not path.is_dir():
+        raise _fail(f"{path}: no such KV cache directory")
+    try:
+        capacity = parse_size(size) if size is not None else None
+    except ValueError as e:
+        raise _fail(str(e)) from None
+    try:
+        with _progress("salvaging", 0) as bar:
+            task = bar.add_task("", total=None)
+            result = LmdbStore.repair(
+                path, out_dir, capacity_bytes=capacity,
+                progress=lambda n: bar.advance(task, n),
+                expected=lambda n: bar.update(task, total=n),
+            )
+    except StoreError as e:
+        raise _writer_error(e, path, "repair") from None
+    fields = {
+        "path": str(path),
+        "output": str(result.output),
+        "moved_aside": str(result.moved_aside) if result.moved_aside else None,
+        "salvaged": result.salvaged,
+        "skipped": result.skipped,
+        "evicted_for_room": result.evicted,
+        "problems": len(result.problems),
+    }
+    _print_fields(f"repair {path}", fields, as_json)
+    if result.problems and not as_json:
+        err.print(f"first problem: {result.problems[0]}", highlight=False)

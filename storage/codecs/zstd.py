@@ -12,6 +12,11 @@ compressed on its own. Payload::
 A plane whose stored length equals its raw length is stored as-is (zstd did not make it
 smaller); a shorter one is a single zstd frame that carries its content size. ``P`` and the
 raw plane lengths follow from the inner codec's layout for the record's dtype and shape.
+
+Decoding is bounded by those lengths: a frame must declare exactly its plane's size and
+fill its stored length, and is decompressed into at most that size, so a crafted payload
+cannot make the decoder allocate more than the block the record declares. (That the
+declared dtype and shape are the engine's is the loader's check.)
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from storage.codecs.base import Codec, CodecError, TensorCodec, as_byte_array
 
 DEFAULT_LEVEL = 1
 MIN_LEVEL, MAX_LEVEL = 1, 19
+_FRAME_MAGIC = b"\x28\xb5\x2f\xfd"  # 0xFD2FB528, little-endian
 
 
 class ZstdCodec(Codec):
@@ -98,35 +104,56 @@ class ZstdCodec(Codec):
                 f"{self.name} payload is {src.size} bytes, its header accounts for "
                 f"{header + sum(lengths)}"
             )
+        # Every frame is checked before anything is allocated for the block.
+        plane_lens = [s.nbytes // s.itemsize for s in layout for _ in range(s.itemsize)]
+        chunks: list[np.ndarray] = []
+        pos = header
+        for stored, plane_len in zip(lengths, plane_lens):
+            chunks.append(src[pos : pos + stored])
+            pos += stored
+            self._check_frame(chunks[-1], plane_len)
         out = np.empty(sum(s.nbytes for s in layout), dtype=np.uint8)
         dctx = self._decompressor()
-        lengths_iter = iter(lengths)
-        pos, offset = header, 0
+        planes = iter(chunks)
+        offset = 0
         for section in layout:
             # [n, w]: column i is byte plane i
             dst = out[offset : offset + section.nbytes].reshape(-1, section.itemsize)
             offset += section.nbytes
-            plane_len = dst.shape[0]
             for i in range(section.itemsize):
-                stored = next(lengths_iter)
-                chunk = src[pos : pos + stored]
-                pos += stored
-                dst[:, i] = self._plane(dctx, chunk, plane_len)
+                dst[:, i] = self._plane(dctx, next(planes), dst.shape[0])
         return self.inner.decode_array(out, dtype, shape, device)
 
-    def _plane(self, dctx: zstandard.ZstdDecompressor, chunk: np.ndarray, plane_len: int) -> np.ndarray:
+    def _check_frame(self, chunk: np.ndarray, plane_len: int) -> None:
+        """A stored plane is the plane itself, or one zstd frame that declares exactly the
+        plane's size: a frame that could expand further (a zstd bomb) is refused unread."""
         if chunk.size == plane_len:
-            return chunk
+            return
         if chunk.size > plane_len:
             raise CodecError(f"{self.name}: a plane of {plane_len} bytes is stored in {chunk.size}")
+        if bytes(chunk[:4]) != _FRAME_MAGIC:
+            raise CodecError(f"{self.name}: corrupt zstd frame: not a zstd frame")
         try:
-            # Checked first so a forged header cannot make us allocate more than the plane.
-            declared = zstandard.frame_content_size(chunk)
-            if declared != plane_len:
-                raise CodecError(
-                    f"{self.name}: zstd frame declares {declared} bytes, the plane is {plane_len}"
-                )
-            data = dctx.decompress(chunk)
+            params = zstandard.get_frame_parameters(chunk)
+        except zstandard.ZstdError as e:
+            raise CodecError(f"{self.name}: corrupt zstd frame: {e}") from None
+        if params.content_size == zstandard.CONTENTSIZE_UNKNOWN:
+            raise CodecError(f"{self.name}: zstd frame without a content size")
+        if params.content_size != plane_len:
+            raise CodecError(
+                f"{self.name}: zstd frame declares {params.content_size} bytes, "
+                f"the plane is {plane_len}"
+            )
+        if params.dict_id:
+            raise CodecError(f"{self.name}: zstd frame needs dictionary {params.dict_id}")
+
+    def _plane(self, dctx: zstandard.ZstdDecompressor, chunk: np.ndarray, plane_len: int) -> np.ndarray:
+        """A plane checked by :meth:`_check_frame`, decompressed into at most its size."""
+        if chunk.size == plane_len:
+            return chunk
+        try:
+            # One frame filling the chunk: bytes after it would be a second, unchecked frame.
+            data = dctx.decompress(chunk, max_output_size=plane_len, allow_extra_data=False)
         except zstandard.ZstdError as e:
             raise CodecError(f"{self.name}: corrupt zstd frame: {e}") from None
         if len(data) != plane_len:

@@ -1,0 +1,397 @@
+"""Administration of a disk store: verify, quarantine, listings, compaction, repair.
+
+:class:`Admin` is a part of :class:`storage.lmdb_store.LmdbStore` (it uses the store's
+environment, lock and read helpers). Everything here reads committed data in short read
+transactions, so it works on a read-only store while a server writes, unless it says
+otherwise; :meth:`Admin.repair` works on a directory whose data file LMDB must not map.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import lmdb
+
+from storage.base import KEY_SIZE, BlockKey, StoreError
+from storage.lmdb_committer import META, QUARANTINE_HEAD
+from storage.lmdb_file import Found, salvage
+from storage.lmdb_layout import (
+    DATA_NAME, DB_META, DB_QUARANTINE, DB_RECORDS, DESCRIPTOR_NAME, KEYS_CHUNK, StoreDescriptor,
+    fsync_dir, lock_writer, make_file_private, move_aside,
+)
+from storage.record import MAGIC, Record, RecordError, decode_record
+
+_REPAIR_BATCH = 256  # records per put_many: one writer transaction each
+
+
+class QuarantineEntry(NamedTuple):
+    """A record moved aside because it failed verification."""
+
+    key: BlockKey
+    reason: str
+    quarantined_ns: int
+    nbytes: int  # size of the bad record; only its first QUARANTINE_KEEP_BYTES are kept
+    head: bytes
+
+
+class VerifyResult(NamedTuple):
+    """What :meth:`Admin.verify` found."""
+
+    checked: int
+    ok: int
+    corrupt: int
+    quarantined: int  # 0 for a read-only store, which can only report
+    bytes_checked: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreInfo:
+    """The descriptor plus what the environment reports, for the admin CLI."""
+
+    path: str
+    readonly: bool
+    descriptor: StoreDescriptor
+    entries: int
+    bytes_used: int
+    quarantined: int
+    data_file_bytes: int  # allocated on disk (the map is sparse)
+    map_size: int
+    last_page: int
+    page_size: int
+    reader_pids: tuple[int, ...]  # other processes holding a slot in the reader table
+
+
+class RecordMeta(NamedTuple):
+    """A committed record's metadata, as the ``meta`` db holds it (no record bytes read)."""
+
+    key: BlockKey
+    last_access_ns: int  # 0 when unknown (metadata rebuilt after a crash)
+    nbytes: int
+    created_ns: int
+
+
+class RepairResult(NamedTuple):
+    """What :func:`repair` salvaged."""
+
+    output: Path  # the repaired store
+    moved_aside: Path | None  # where the damaged store went (a repair in place)
+    salvaged: int
+    skipped: int  # found, but unreadable or failing verification
+    evicted: int  # salvaged, then evicted to fit the budget
+    problems: tuple[str, ...]  # what could not be read (the first hundred)
+
+
+class Admin:
+    """Admin operations of :class:`~storage.lmdb_store.LmdbStore` (see the module docstring)."""
+
+    def quarantined(self) -> Iterator[QuarantineEntry]:
+        """Records moved aside because they failed verification, with the reason."""
+        self._check_open()
+        last: bytes | None = None
+        while True:
+            batch: list[tuple[bytes, bytes]] = []
+            with self._lmdb_errors(), self._env.begin(db=self._dbs[DB_QUARANTINE]) as txn:
+                cursor = txn.cursor()
+                more = cursor.set_range(last) if last is not None else cursor.first()
+                if more and last is not None and cursor.key() == last:
+                    more = cursor.next()
+                while more and len(batch) < KEYS_CHUNK:
+                    batch.append(cursor.item())
+                    more = cursor.next()
+            for kb, value in batch:
+                yield _unpack_quarantine(kb, value)
+            if not more or not batch:
+                return
+            last = batch[-1][0]
+
+    def clear_quarantine(self) -> int:
+        """Forget every quarantined record; returns how many there were."""
+        self._check_writable()
+        self._check_open()
+        with self._lmdb_errors(), self._env.begin(write=True) as txn:
+            count = txn.stat(self._dbs[DB_QUARANTINE])["entries"]
+            txn.drop(self._dbs[DB_QUARANTINE], delete=False)
+        return count
+
+    def verify(self, progress: Callable[[int], None] | None = None) -> VerifyResult:
+        """Read and check every committed record; quarantine the bad ones (when writable).
+
+        ``progress(n)`` is called after every ``n`` records read.
+        """
+        checked = ok = nbytes = 0
+        bad: list[tuple[bytes, RecordError]] = []
+        for kb, data in self._committed_records(None):
+            checked += 1
+            nbytes += len(data)
+            try:
+                decode_record(data, expected_key=BlockKey.from_bytes(kb))
+                ok += 1
+            except RecordError as e:
+                bad.append((kb, e))
+            if progress is not None:
+                progress(1)
+        with self._lock:
+            gone = [kb for kb, error in bad if self._corrupt_locked(kb, error)]
+        self._notify_gone(gone)
+        if gone:
+            self.flush()
+        return VerifyResult(checked, ok, len(bad), len(gone), nbytes)
+
+    def namespaces(self) -> list[bytes]:
+        """The namespaces of committed records, in one read transaction (one seek each)."""
+        self._check_open()
+        found: list[bytes] = []
+        with self._lmdb_errors(), self._env.begin(db=self._dbs[DB_RECORDS]) as txn:
+            cursor = txn.cursor()
+            more = cursor.first()
+            while more:
+                kb = cursor.key()
+                if len(kb) != KEY_SIZE:
+                    more = cursor.next()
+                    continue
+                namespace = kb[: KEY_SIZE // 2]
+                found.append(namespace)
+                after = int.from_bytes(namespace, "big") + 1
+                if after >> (8 * len(namespace)):
+                    break
+                more = cursor.set_range(after.to_bytes(len(namespace), "big"))
+        return found
+
+    def metadata(self, namespace: bytes | None = None) -> Iterator[RecordMeta]:
+        """Committed records' metadata in key order, each chunk from its own read transaction."""
+        self._check_open()
+        prefix = namespace or b""
+        last: bytes | None = None
+        while True:
+            chunk: list[RecordMeta] = []
+            with self._lmdb_errors(), self._env.begin(db=self._dbs[DB_META]) as txn:
+                cursor = txn.cursor()
+                more = cursor.set_range(last if last is not None else prefix)
+                if more and last is not None and cursor.key() == last:
+                    more = cursor.next()
+                while more and len(chunk) < KEYS_CHUNK:
+                    kb, value = cursor.item()
+                    if not kb.startswith(prefix):
+                        more = False
+                        break
+                    last = kb
+                    if len(kb) == KEY_SIZE and len(value) == META.size:
+                        chunk.append(RecordMeta(BlockKey.from_bytes(kb), *META.unpack(value)))
+                    more = cursor.next()
+            yield from chunk
+            if not more:
+                return
+
+    def raw_records(self, namespace: bytes | None = None) -> Iterator[tuple[BlockKey, bytes]]:
+        """Committed records exactly as stored (not verified), one short read transaction each.
+
+        For export and inspection: pending operations of this process are not seen.
+        """
+        self._check_open()
+        for kb, data in self._committed_records(namespace):
+            yield BlockKey.from_bytes(kb), data
+
+    def _committed_records(self, namespace: bytes | None) -> Iterator[tuple[bytes, bytes]]:
+        for chunk in self._committed_key_chunks(namespace):
+            for kb in chunk:
+                with self._lmdb_errors(), self._env.begin(
+                    db=self._dbs[DB_RECORDS], buffers=True
+                ) as txn:
+                    buf = txn.get(kb)
+                    data = bytes(buf) if buf is not None else None
+                if data is not None:  # else removed since the chunk was listed
+                    yield kb, data
+
+    def copy_compacted(self, dest: str | os.PathLike[str]) -> None:
+        """Write a compacted copy of the store (descriptor and data) into the new directory
+        ``dest``, from one read snapshot; this store stays usable, and a writer may go on."""
+        self._check_open()
+        self.flush()
+        dest = Path(dest)
+        try:
+            dest.mkdir(mode=0o700)
+        except OSError as e:
+            raise StoreError(f"cannot create {dest}: {e}") from None
+        try:
+            self.descriptor.save(dest)
+            self._env.copy(str(dest), compact=True)
+            make_file_private(dest / DATA_NAME)
+            fsync_dir(dest)
+        except (OSError, lmdb.Error) as e:
+            for name in (DESCRIPTOR_NAME, DATA_NAME):  # what this call created, nothing else
+                (dest / name).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                dest.rmdir()
+            raise StoreError(f"cannot copy {self.path} to {dest}: {e}") from None
+
+    def compact_and_close(self) -> None:
+        """Replace the data file by a compacted copy, then close the store.
+
+        Needs the writer lock (a store opened for writing) and no other process with the
+        environment open: a reader would keep using the old file.
+        """
+        self._check_writable()
+        others = self.info().reader_pids
+        if others:
+            raise StoreError(
+                f"{self.path} is open in other processes (pids {', '.join(map(str, others))}); "
+                "compacting in place needs it idle"
+            )
+        tmp = self.path / ".compact.tmp"
+        if tmp.exists():
+            for leftover in tmp.iterdir():
+                leftover.unlink()
+            tmp.rmdir()
+        self.flush()
+        self._stop_writer()
+        self._mark_closed()
+        try:
+            tmp.mkdir(mode=0o700)
+            self._env.copy(str(tmp), compact=True)
+            make_file_private(tmp / DATA_NAME)
+            fd = os.open(tmp / DATA_NAME, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self._env.close()
+            self._env = None
+            os.replace(tmp / DATA_NAME, self.path / DATA_NAME)
+            fsync_dir(self.path)
+            tmp.rmdir()
+        except (OSError, lmdb.Error) as e:
+            raise StoreError(f"cannot compact {self.path}: {e}") from None
+        finally:
+            self._release()
+
+    def info(self) -> StoreInfo:
+        """The descriptor and the environment's own figures."""
+        self._check_open()
+        stats = self.stats()
+        with self._lmdb_errors():
+            env_info, env_stat = self._env.info(), self._env.stat()
+            with self._env.begin() as txn:
+                quarantined = txn.stat(self._dbs[DB_QUARANTINE])["entries"]
+            readers = self._env.readers().splitlines()[1:]  # a header, then "pid thread txnid"
+        return StoreInfo(
+            path=str(self.path),
+            readonly=self.readonly,
+            descriptor=self.descriptor,
+            entries=stats.entries,
+            bytes_used=stats.bytes_used,
+            quarantined=quarantined,
+            data_file_bytes=(self.path / DATA_NAME).stat().st_blocks * 512,
+            map_size=env_info["map_size"],
+            last_page=env_info["last_pgno"],
+            page_size=env_stat["psize"],
+            reader_pids=tuple(sorted({int(line.split()[0]) for line in readers} - {os.getpid()})),
+        )
+
+    @classmethod
+    def repair(
+        cls,
+        source: str | os.PathLike[str],
+        dest: str | os.PathLike[str] | None = None,
+        *,
+        capacity_bytes: int | None = None,
+        progress: Callable[[int], None] | None = None,
+        expected: Callable[[int | None], None] | None = None,
+    ) -> RepairResult:
+        """Salvage the readable records of a (damaged) store into a fresh one.
+
+        ``source``'s data file is read page by page with ``pread``, never mapped (see
+        :class:`storage.lmdb_file.Salvage`); every record found is checked against its key
+        and checksum, and what cannot be read or fails is skipped. ``dest`` must be missing
+        or empty; without it the repair is in place: the fresh store is built beside
+        ``source``, which is then moved to ``<source>.damaged-<time>`` and replaced. The
+        fresh store's budget is ``capacity_bytes``, or the one ``source`` records.
+        ``expected(n)`` is told how many records the source claims (``None`` if unknown),
+        ``progress(1)`` each one read. Needs ``source``'s writer lock: no server may hold it.
+        """
+        source = Path(source)
+        if not (source / DESCRIPTOR_NAME).exists() or not (source / DATA_NAME).exists():
+            raise StoreError(f"{source} is not a tiered-kv disk store with data to repair")
+        lock_fd = lock_writer(source)
+        try:
+            if capacity_bytes is None:
+                try:
+                    capacity_bytes = StoreDescriptor.load(source).capacity_bytes
+                except StoreError as e:
+                    raise StoreError(f"{e}; give the new store's size") from None
+            target = source.with_name(f"{source.name}.repairing") if dest is None else Path(dest)
+            if target.exists() and (not target.is_dir() or any(target.iterdir())):
+                raise StoreError(f"{target} exists and is not empty; repair writes a new store")
+            try:
+                with salvage(source, DB_RECORDS) as found:
+                    with cls(target, capacity_bytes, sync=False) as fresh:
+                        if expected is not None:
+                            expected(found.expected)
+                        salvaged, skipped = _copy_verified(found.entries(), fresh, progress)
+                        fresh.flush()
+                        evicted = fresh.stats().evictions
+            except BaseException:
+                shutil.rmtree(target, ignore_errors=True)  # what this call created
+                raise
+            moved = None
+            if dest is None:
+                moved = move_aside(source)
+                try:
+                    os.rename(target, source)
+                    fsync_dir(source.parent)
+                except OSError as e:
+                    raise StoreError(f"cannot move {target} to {source}: {e}") from None
+                target = source
+        finally:
+            os.close(lock_fd)
+        return RepairResult(target, moved, salvaged, skipped, evicted, tuple(found.problems))
+
+
+def _copy_verified(
+    entries: Iterator[Found], fresh: Admin, progress: Callable[[int], None] | None
+) -> tuple[int, int]:
+    """Put the first good record found for each key into ``fresh``: (salvaged, skipped),
+    skipped counting the keys for which none was good."""
+    salvaged: set[bytes] = set()
+    failed: set[bytes] = set()
+    batch: list[tuple[BlockKey, Record]] = []
+    for kb, value, scanned in entries:
+        if progress is not None:
+            progress(1)
+        if kb in salvaged or scanned and (value is None or not value.startswith(MAGIC)):
+            continue  # had already, or (found by scanning) an entry of another db
+        key = BlockKey.from_bytes(kb)
+        try:
+            batch.append((key, decode_record(value or b"", expected_key=key)))  # None: unreadable
+        except RecordError:
+            failed.add(kb)
+            continue
+        salvaged.add(kb)
+        if len(batch) >= _REPAIR_BATCH:
+            _put(fresh, batch, salvaged, failed)
+            batch = []
+    _put(fresh, batch, salvaged, failed)
+    return len(salvaged), len(failed - salvaged)
+
+
+def _put(
+    fresh: Admin, batch: list[tuple[BlockKey, Record]], salvaged: set[bytes], failed: set[bytes]
+) -> None:
+    for (key, _), accepted in zip(batch, fresh.put_many(batch)):
+        if not accepted:  # larger than the fresh store takes
+            salvaged.discard(key.to_bytes())
+            failed.add(key.to_bytes())
+
+
+def _unpack_quarantine(kb: bytes, value: bytes) -> QuarantineEntry:
+    when, size, why_len = QUARANTINE_HEAD.unpack_from(value)
+    start = QUARANTINE_HEAD.size
+    reason = value[start : start + why_len].decode("utf-8", "replace")
+    return QuarantineEntry(
+        BlockKey.from_bytes(kb), reason, when, size, bytes(value[start + why_len :])
+    )
+

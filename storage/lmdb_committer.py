@@ -1,0 +1,325 @@
+"""The disk tier's committer: pending operations and the writer thread that commits them.
+
+``put`` and ``delete`` never touch LMDB: they record the newest operation on each key in a
+map of *pending* operations and wake the writer thread, which takes up to one batch
+(``max_batch_items`` keys, ``max_batch_bytes``), writes it with the batched access times
+in one write transaction, commits, and retires the entries no newer operation replaced.
+
+:class:`Committer` is a part of :class:`storage.lmdb_store.LmdbStore`: it uses the store's
+lock and conditions (``_lock``, ``_work``, ``_progress``), its LRU index (``_index``,
+``_used``, ``_touched``), its counters (``_stats``), ``_env`` and ``_dbs``. A failed
+commit goes to :class:`storage.lmdb_recovery.Recovery`.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import logging
+import struct
+import threading
+import time
+from typing import NamedTuple
+
+import lmdb
+
+from storage.base import KEY_SIZE, BlockKey
+from storage.lmdb_layout import (
+    DB_INFO, DB_META, DB_QUARANTINE, DB_RECORDS, INFO_BYTES_USED, META, U64,
+)
+
+logger = logging.getLogger("storage.lmdb_store")
+
+QUARANTINE_HEAD = struct.Struct("<QQH")  # quarantined ns, original size, reason length
+# Enough of a bad record to read its header (key, shape, codec, token ids) offline.
+QUARANTINE_KEEP_BYTES = 4096
+
+
+class Op(enum.Enum):
+    PUT = "put"
+    DELETE = "delete"
+    QUARANTINE = "quarantine"
+
+
+@dataclasses.dataclass(slots=True)
+class Pending:
+    """The newest not-yet-committed operation on one key.
+
+    ``seq`` numbers the latest change; ``first_seq`` the oldest change not yet covered by a
+    commit (what ``flush`` waits for). While the writer holds a snapshot of the entry
+    (``queued`` false), a new change goes to ``next_first`` and re-queues the key.
+    """
+
+    op: Op
+    data: bytes | None
+    reason: str
+    seq: int
+    first_seq: int
+    put_ns: int
+    created_ns: int
+    queued: bool = True
+    next_first: int | None = None
+
+
+class Snap(NamedTuple):
+    """What the writer commits for one key: a copy of its pending entry at ``seq``."""
+
+    key: bytes
+    seq: int
+    op: Op
+    data: bytes | None
+    reason: str
+    put_ns: int
+    created_ns: int
+
+
+class Committer:
+    """Pending operations, the writer thread and its write transactions (a part of
+    :class:`~storage.lmdb_store.LmdbStore`; see the module docstring)."""
+
+    def _init_committer(self) -> None:
+        self._pending: dict[bytes, Pending] = {}
+        self._queue: collections.deque[bytes] = collections.deque()
+        self._pending_bytes = 0
+        self._seq = 0
+        self._lost = 0  # accepted puts that were never committed
+        self._lost_reported = 0  # ... as of the last flush
+        self._writer: threading.Thread | None = None
+        self._writer_ident: int | None = None
+        self._disk_bytes = 0  # committed bytes as the writer thread knows them
+
+    def _start_writer(self) -> None:
+        self._writer = threading.Thread(
+            target=self._run, name=f"lmdb-writer:{self.path.name}", daemon=True
+        )
+        self._writer.start()
+
+    def _stop_writer(self) -> None:
+        """Commit what is pending and join the writer thread; no put is taken after."""
+        with self._lock:
+            self._closing = True
+            self._work.notify()
+        if self._writer is not None:
+            self._writer.join()
+
+    # ------------------------------------------------------------------ pending operations
+
+    def _enqueue_locked(
+        self, kb: bytes, op: Op, data: bytes | None, *, reason: str = "", created_ns: int = 0
+    ) -> Pending:
+        self._seq += 1
+        seq = self._seq
+        entry = self._pending.get(kb)
+        if entry is None:
+            entry = Pending(op, data, reason, seq, seq, time.time_ns(), created_ns)
+            self._pending[kb] = entry
+            self._queue.append(kb)
+        else:
+            self._pending_bytes -= len(entry.data) if entry.data is not None else 0
+            entry.op, entry.data, entry.reason, entry.seq = op, data, reason, seq
+            entry.put_ns, entry.created_ns = time.time_ns(), created_ns
+            if not entry.queued:  # the writer holds an older snapshot of it
+                entry.queued = True
+                if entry.next_first is None:
+                    entry.next_first = seq
+                self._queue.append(kb)
+        self._pending_bytes += len(data) if data is not None else 0
+        self._work.notify()
+        return entry
+
+    def _wait_for_room_locked(self, nbytes: int) -> None:
+        """Backpressure: block while the pending puts would exceed ``max_pending_bytes``."""
+        if threading.get_ident() == self._writer_ident:
+            return  # an on_evict callback on the writer thread: waiting would deadlock
+        while (
+            self._pending_bytes
+            and self._pending_bytes + nbytes > self._max_pending_bytes
+            and not self._closing
+        ):
+            self._progress.wait()
+
+    def _wait_committed_locked(self, target: int, deadline: float | None) -> bool:
+        """Wait until every change numbered ``target`` or lower is committed or given up."""
+        self._work.notify()
+        while any(entry.first_seq <= target for entry in self._pending.values()):
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return False
+            self._progress.wait(remaining)
+        return True
+
+    def _take_lost_locked(self) -> int:
+        """Accepted puts given up since the last call (what ``flush`` reports)."""
+        lost = self._lost - self._lost_reported
+        self._lost_reported = self._lost
+        return lost
+
+    # ------------------------------------------------------------------ writer thread
+
+    def _run(self) -> None:
+        self._writer_ident = threading.get_ident()
+        next_reader_check = time.monotonic() + self._reader_check_interval
+        next_touch_flush = time.monotonic() + self._access_flush_interval
+        while True:
+            with self._lock:
+                while not self._queue and not self._closing:
+                    now = time.monotonic()
+                    if self._touched and now >= next_touch_flush:
+                        break
+                    if now >= next_reader_check:
+                        break
+                    wake = next_reader_check
+                    if self._touched:
+                        wake = min(wake, next_touch_flush)
+                    self._work.wait(wake - now)
+                snaps = self._take_batch_locked()
+                touches: dict[bytes, int] = {}
+                now = time.monotonic()
+                if self._touched and (snaps or self._closing or now >= next_touch_flush):
+                    touches, self._touched = self._touched, {}
+                    next_touch_flush = now + self._access_flush_interval
+                done = self._closing and not self._queue
+            if snaps or touches:
+                gone: list[bytes] = []
+                try:
+                    self._commit(snaps, touches, gone)
+                except Exception:
+                    logger.exception("%s: writer failed; dropping a batch", self.path)
+                    self._abandon(snaps, gone)
+                self._notify_gone(gone)
+            if time.monotonic() >= next_reader_check:
+                self._reclaim_readers()
+                next_reader_check = time.monotonic() + self._reader_check_interval
+            if done:
+                return
+
+    def _take_batch_locked(self) -> list[Snap]:
+        snaps: list[Snap] = []
+        nbytes = 0
+        while self._queue and len(snaps) < self._max_batch_items:
+            kb = self._queue[0]
+            entry = self._pending.get(kb)
+            if entry is None or not entry.queued:
+                self._queue.popleft()  # a stale position: the key was taken or finished
+                continue
+            size = len(entry.data) if entry.data is not None else 0
+            if snaps and nbytes + size > self._max_batch_bytes:
+                break
+            self._queue.popleft()
+            snaps.append(self._snapshot_locked(kb, entry))
+            nbytes += size
+        return snaps
+
+    @staticmethod
+    def _snapshot_locked(kb: bytes, entry: Pending) -> Snap:
+        entry.queued = False
+        entry.next_first = None
+        return Snap(kb, entry.seq, entry.op, entry.data, entry.reason, entry.put_ns,
+                    entry.created_ns)
+
+    def _commit(self, snaps: list[Snap], touches: dict[bytes, int], gone: list[bytes]) -> None:
+        """Commit ``snaps``; a failed commit is recovered from, or its puts dropped.
+
+        Keys that leave the store on the way are appended to ``gone``.
+        """
+        batch_keys = {s.key for s in snaps}
+        work = [snaps]
+        while work:
+            part = work.pop()
+            try:
+                self._write_txn(part, touches)
+            except lmdb.MapFullError as e:
+                touches = {}
+                work.extend(reversed(self._recover_map_full(part, batch_keys, e, gone)))
+                continue
+            except lmdb.Error as e:
+                touches = {}  # access times are a hint; give them up before records
+                if not self._recover_write_error(part, batch_keys, e, gone):
+                    self._abandon(part, gone)
+                continue
+            touches = {}
+            self._wrote(part)
+
+    def _write_txn(self, snaps: list[Snap], touches: dict[bytes, int]) -> None:
+        records, meta = self._dbs[DB_RECORDS], self._dbs[DB_META]
+        quarantine, info = self._dbs[DB_QUARANTINE], self._dbs[DB_INFO]
+        used = self._disk_bytes
+        with self._env.begin(write=True) as txn:
+            for kb, access_ns in touches.items():
+                old = txn.get(kb, db=meta)
+                if old is not None:
+                    _, size, created_ns = META.unpack(old)
+                    txn.put(kb, META.pack(access_ns, size, created_ns), db=meta)
+            # As few calls per key as possible: each one drops and retakes the GIL.
+            for s in snaps:
+                if s.op is Op.PUT:
+                    txn.put(s.key, s.data, db=records)
+                    new = META.pack(s.put_ns, len(s.data), s.created_ns)
+                    used += len(s.data) - meta_size(txn.replace(s.key, new, db=meta))
+                    continue
+                if s.op is Op.QUARANTINE:
+                    bad = txn.get(s.key, db=records)
+                    if bad is not None:
+                        txn.put(s.key, pack_quarantine(s.reason, bad), db=quarantine)
+                txn.delete(s.key, db=records)
+                used -= meta_size(txn.pop(s.key, db=meta))
+            txn.put(INFO_BYTES_USED, U64.pack(used), db=info)
+        self._disk_bytes = used
+
+    def _wrote(self, snaps: list[Snap]) -> None:
+        """``snaps`` are committed: count them and retire their pending entries."""
+        with self._lock:
+            written = sum(len(s.data) for s in snaps if s.op is Op.PUT)
+            if written:
+                self._stats.bytes_written += written
+                self._writes_resumed_locked()
+            self._finish_locked(snaps)
+
+    def _finish_locked(self, snaps: list[Snap]) -> None:
+        for s in snaps:
+            entry = self._pending.get(s.key)
+            if entry is None:
+                continue
+            if entry.seq == s.seq:
+                del self._pending[s.key]
+                self._pending_bytes -= len(entry.data) if entry.data is not None else 0
+            else:
+                entry.first_seq = entry.next_first if entry.next_first is not None else entry.seq
+        self._progress.notify_all()
+
+    def _abandon(self, snaps: list[Snap], gone: list[bytes]) -> None:
+        """Give up on ``snaps`` after a failed commit: their puts are dropped, never
+        half-done, and counted for the next ``flush`` to report."""
+        with self._lock:
+            for s in snaps:
+                entry = self._pending.get(s.key)
+                if s.op is Op.PUT and entry is not None and entry.seq == s.seq:
+                    self._stats.dropped += 1
+                    self._lost += 1
+                    size = self._index.pop(s.key, None)
+                    if size is not None:
+                        self._used -= size
+                        gone.append(s.key)
+            self._finish_locked(snaps)
+
+    def _reclaim_readers(self) -> None:
+        stale = self._env.reader_check()
+        if stale:
+            logger.info("%s: reclaimed %d stale reader slots", self.path, stale)
+
+
+def short_key(kb: bytes) -> str:
+    return BlockKey.from_bytes(kb).short() if len(kb) == KEY_SIZE else kb.hex()[:20]
+
+
+def meta_size(value: bytes | None) -> int:
+    return META.unpack(value)[1] if value is not None else 0
+
+
+def pack_quarantine(reason: str, bad: bytes) -> bytes:
+    why = reason.encode("utf-8", "replace")[:1024]
+    return (
+        QUARANTINE_HEAD.pack(time.time_ns(), len(bad), len(why))
+        + why
+        + bytes(bad[:QUARANTINE_KEEP_BYTES])
+    )

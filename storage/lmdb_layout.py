@@ -1,0 +1,407 @@
+"""The disk tier's directory: its layout, descriptor, writer lock, and opening it.
+
+Layout (created 0700)::
+
+    <dir>/tiered_kv.json   descriptor: format name, store version, capacity, map size...
+    <dir>/writer.lock      flock()ed by the one process that may write
+    <dir>/data.mdb         LMDB data file (a sparse map reserved up front)
+    <dir>/lock.mdb         LMDB reader table, shared by the writer and read-only admin tools
+
+:func:`open_for_writing` and :func:`open_for_reading` check the directory and, with
+:mod:`storage.lmdb_file`, ``data.mdb`` before LMDB maps it, then open the environment with
+every option set on purpose.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import json
+import logging
+import os
+import stat
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import lmdb
+
+from storage.base import StoreError
+from storage.lmdb_file import DATA_NAME, DamagedStore, check_data_file, check_structure
+from storage.record import FORMAT_VERSION as RECORD_FORMAT_VERSION
+
+logger = logging.getLogger(__name__)
+
+FORMAT_NAME = "tiered-kv-lmdb"
+STORE_VERSION = 1
+DESCRIPTOR_NAME = "tiered_kv.json"
+LOCK_NAME = "writer.lock"
+_DESCRIPTOR_TMP = ".tiered_kv.json.tmp"
+# What a directory may hold and still count as empty: leftovers of a creation cut short.
+_CREATION_LEFTOVERS = frozenset({LOCK_NAME, _DESCRIPTOR_TMP})
+
+DB_RECORDS = b"records"
+DB_META = b"meta"
+DB_QUARANTINE = b"quarantine"
+DB_INFO = b"info"
+DB_NAMES = (DB_RECORDS, DB_META, DB_QUARANTINE, DB_INFO)
+
+MiB = 1 << 20
+DEFAULT_MAX_READERS = 256
+KEYS_CHUNK = 1024  # keys listed per read transaction: short ones keep old pages reusable
+META = struct.Struct("<QQQ")  # meta db: last access ns, encoded size, created ns
+U64 = struct.Struct("<Q")
+INFO_BYTES_USED = b"bytes_used"
+# LMDB errors that mean the file itself is bad, as opposed to a limit or a busy resource.
+_DAMAGE = (
+    lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.VersionMismatchError,
+    lmdb.PanicError,
+)
+
+
+def default_map_size(capacity_bytes: int) -> int:
+    """Address space reserved for ``capacity_bytes`` of records.
+
+    Twice the budget plus 64 MiB: overflow pages round every record up to whole pages,
+    pages freed by a commit are reusable only two commits later (copy-on-write keeps the
+    previous snapshot intact), and the B-trees and free list need room of their own.
+    """
+    return -(-(2 * capacity_bytes + 64 * MiB) // MiB) * MiB
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreDescriptor:
+    """The contents of ``tiered_kv.json``."""
+
+    format: str
+    version: int
+    created_ns: int
+    capacity_bytes: int
+    map_size: int
+    record_format_version: int = RECORD_FORMAT_VERSION
+    lmdb_version: str = ".".join(map(str, lmdb.version()))
+
+    def to_json(self) -> str:
+        fields = dataclasses.asdict(self)
+        fields["created"] = time.strftime(
+            "%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created_ns / 1e9)
+        )
+        return json.dumps(fields, indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def load(cls, path: Path) -> StoreDescriptor:
+        """Read and check a store's descriptor; :class:`StoreError` if it is not ours."""
+        where = path / DESCRIPTOR_NAME
+        try:
+            fields = json.loads(where.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise StoreError(f"{where}: unreadable store descriptor ({e})") from None
+        if not isinstance(fields, dict) or fields.get("format") != FORMAT_NAME:
+            raise StoreError(f"{path} is not a tiered-kv disk store ({where} names another format)")
+        version = fields.get("version")
+        if not isinstance(version, int):
+            raise StoreError(f"{where}: the store version is missing")
+        if version > STORE_VERSION:
+            raise StoreError(
+                f"{path} was written by a newer tiered-kv (store version {version}; this build "
+                f"reads up to {STORE_VERSION}); upgrade tiered-kv or use another directory"
+            )
+        try:
+            return cls(
+                format=FORMAT_NAME,
+                version=version,
+                created_ns=int(fields["created_ns"]),
+                capacity_bytes=int(fields["capacity_bytes"]),
+                map_size=int(fields["map_size"]),
+                record_format_version=int(fields.get("record_format_version", 1)),
+                lmdb_version=str(fields.get("lmdb_version", "")),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise StoreError(f"{where}: malformed store descriptor ({e})") from None
+
+    def save(self, path: Path) -> None:
+        """Replace the descriptor atomically (write, fsync, rename, fsync the directory)."""
+        tmp = path / _DESCRIPTOR_TMP
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, self.to_json().encode("utf-8"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path / DESCRIPTOR_NAME)
+        fsync_dir(path)
+
+
+def prepare_directory(path: Path) -> None:
+    """Create the store directory (0700) if it is missing; check that we can write it."""
+    if path.exists() and not path.is_dir():
+        raise StoreError(f"{path} exists and is not a directory")
+    if not path.exists():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise StoreError(f"cannot create the store directory {path}: {e}") from None
+        os.chmod(path, 0o700)
+    if not os.access(path, os.W_OK | os.X_OK) or os.statvfs(path).f_flag & os.ST_RDONLY:
+        raise StoreError(f"{path} is not writable; open it with readonly=True to read it")
+
+
+def make_private(path: Path) -> None:
+    """Tighten a store directory that others can read to 0700 (a cache holds other users'
+    prompts as KV), or warn if it is not ours to change."""
+    st = path.stat()
+    mode = stat.S_IMODE(st.st_mode)
+    if not mode & 0o077:
+        return
+    if st.st_uid != os.geteuid():
+        logger.warning(
+            "%s is accessible to other users (mode %o) and owned by uid %d, not us: "
+            "leaving its mode; make it 0700", path, mode, st.st_uid,
+        )
+        return
+    try:
+        os.chmod(path, 0o700)
+    except OSError as e:
+        logger.warning("%s is accessible to other users (mode %o): %s", path, mode, e.strerror)
+        return
+    logger.info("%s was accessible to other users (mode %o); made it 0700", path, mode)
+
+
+def check_is_store(path: Path) -> None:
+    """:class:`StoreError` unless ``path`` holds a store of ours or nothing at all."""
+    if (path / DESCRIPTOR_NAME).exists():
+        StoreDescriptor.load(path)
+        return
+    try:
+        others = set(os.listdir(path)) - _CREATION_LEFTOVERS
+    except OSError as e:
+        raise StoreError(f"cannot list {path}: {e}") from None
+    if others:
+        raise StoreError(
+            f"{path} is not empty and has no {DESCRIPTOR_NAME}: not a tiered-kv disk store; "
+            "refusing to use it"
+        )
+
+
+def lock_writer(path: Path) -> int:
+    """Take the store's writer lock; returns the descriptor whose closing releases it."""
+    try:
+        fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise StoreError(f"cannot open {path / LOCK_NAME}: {e}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        os.close(fd)
+        if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+            raise StoreError(
+                f"{path} is already open for writing (by pid {holder}); only one writer "
+                "may open a store; use readonly=True to read it meanwhile"
+            ) from None
+        raise StoreError(f"cannot lock {path / LOCK_NAME}: {e}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+    return fd
+
+
+def open_env(
+    path: Path, *, readonly: bool, sync: bool, map_size: int, max_readers: int
+) -> lmdb.Environment:
+    """The store's LMDB environment, every option set on purpose."""
+    try:
+        return lmdb.open(
+            str(path),
+            subdir=True,  # data.mdb and lock.mdb live in the store directory
+            readonly=readonly,  # admin readers map the file read-only, never write
+            create=False,  # we create the directory ourselves: 0700, descriptor first
+            mode=0o700,  # LMDB drops the x bits: data and lock files are 0600
+            map_size=map_size,  # sparse, reserved once; a full map evicts, never resizes
+            max_dbs=len(DB_NAMES),  # records, meta, quarantine, info
+            sync=sync,  # fsync each commit; with False, flush()/close() fsync
+            metasync=sync,  # the meta page makes a commit durable: sync it too
+            map_async=False,  # only meaningful with writemap, which we do not use
+            writemap=False,  # read-only map: no stray writes, ENOSPC instead of SIGBUS
+            readahead=True,  # records are 0.25-2 MiB runs of pages, always read whole
+            meminit=True,  # never write stale heap bytes into page slack on disk
+            max_readers=max_readers,  # concurrent read txns of the server and admin tools
+            max_spare_txns=1,  # reuse one reset read txn instead of a reader-table scan
+            lock=True,  # a writer process and read-only admin processes share the env
+            # lib_version stays unset: an existing file picks its own engine, and
+            # py-lmdb releases before 3.0 do not know the argument.
+        )
+    except lmdb.Error as e:
+        raise StoreError(f"{path}: cannot open the LMDB environment: {e}") from None
+
+
+def move_aside(path: Path) -> Path:
+    """Rename a (damaged) store directory to ``<dir>.damaged-<UTC time>``; returns the new
+    name. The directory is kept whole for ``tiered-kv storage repair``."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    aside = path.with_name(f"{path.name}.damaged-{stamp}")
+    suffix = 1
+    while aside.exists():
+        suffix += 1
+        aside = path.with_name(f"{path.name}.damaged-{stamp}-{suffix}")
+    try:
+        os.rename(path, aside)
+        fsync_dir(path.parent)
+    except OSError as e:
+        raise StoreError(f"cannot move {path} aside to {aside}: {e}") from None
+    return aside
+
+
+def make_file_private(path: Path) -> None:
+    """Owner-only access to a file that LMDB created with the umask's mode (its copies)."""
+    os.chmod(path, 0o600)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Opened(NamedTuple):
+    """An open store: its descriptor, environment and databases, and the writer lock's
+    descriptor (``None`` for a reader); closing it releases the lock."""
+
+    descriptor: StoreDescriptor
+    env: lmdb.Environment
+    dbs: dict[bytes, Any]
+    lock_fd: int | None
+
+
+def open_for_writing(
+    path: Path, capacity_bytes: int | None, *, map_size: int | None, max_readers: int,
+    sync: bool, full_check: bool,
+) -> Opened:
+    """Create or reopen the store at ``path`` under its writer lock.
+
+    ``capacity_bytes=None`` keeps the recorded budget. :class:`DamagedStore` if
+    ``data.mdb`` is damaged (``full_check``: every page checked, else its meta pages).
+    """
+    prepare_directory(path)
+    check_is_store(path)
+    lock_fd = lock_writer(path)
+    env = None
+    try:
+        check_is_store(path)  # again, now that no other writer can be creating it
+        make_private(path)
+        check_file(path, full_check)
+        old = StoreDescriptor.load(path) if (path / DESCRIPTOR_NAME).exists() else None
+        if capacity_bytes is None:
+            if old is None:
+                raise StoreError(f"{path}: a new store needs capacity_bytes")
+            capacity_bytes = old.capacity_bytes
+        if map_size is None:
+            map_size = max(default_map_size(capacity_bytes), old.map_size if old else 0)
+        descriptor = StoreDescriptor(
+            format=FORMAT_NAME,
+            version=STORE_VERSION,
+            created_ns=old.created_ns if old else time.time_ns(),
+            capacity_bytes=capacity_bytes,
+            map_size=map_size,
+        )
+        if descriptor != old:
+            try:
+                descriptor.save(path)
+            except OSError as e:
+                raise StoreError(f"{path}: cannot write the store descriptor: {e}") from None
+        env = open_env(path, readonly=False, sync=sync, map_size=map_size, max_readers=max_readers)
+        env.reader_check()
+        with lmdb_errors(path), env.begin(write=True) as txn:
+            dbs = {name: env.open_db(name, txn=txn) for name in DB_NAMES}
+            stored = txn.get(b"format", db=dbs[DB_INFO])
+            if stored is None:
+                txn.put(b"format", FORMAT_NAME.encode(), db=dbs[DB_INFO])
+                txn.put(b"version", str(STORE_VERSION).encode(), db=dbs[DB_INFO])
+                txn.put(b"created_ns", U64.pack(descriptor.created_ns), db=dbs[DB_INFO])
+            elif stored != FORMAT_NAME.encode():
+                raise StoreError(f"{path}: the LMDB environment is not a tiered-kv store")
+        with lmdb_errors(path):
+            _match_meta_to_records(path, env, dbs)
+    except BaseException:
+        if env is not None:
+            env.close()
+        os.close(lock_fd)
+        raise
+    return Opened(descriptor, env, dbs, lock_fd)
+
+
+def open_for_reading(
+    path: Path, *, map_size: int | None, sync: bool, full_check: bool
+) -> Opened:
+    """Open an existing store read-only; works while a writer has it."""
+    if not path.is_dir():
+        raise StoreError(f"no store at {path}")
+    if not (path / DESCRIPTOR_NAME).exists():
+        raise StoreError(f"{path} is not a tiered-kv disk store (no {DESCRIPTOR_NAME})")
+    descriptor = StoreDescriptor.load(path)
+    if not (path / DATA_NAME).exists():
+        raise StoreError(f"{path}: the store has no data yet (never opened by a writer)")
+    check_file(path, full_check)
+    # The writer's map size, so that this map always covers what the writer can commit.
+    env = open_env(
+        path, readonly=True, sync=sync, map_size=max(descriptor.map_size, map_size or 0),
+        max_readers=DEFAULT_MAX_READERS,
+    )
+    try:
+        env.reader_check()
+        # Without a txn: a handle opened in a read txn dies with it.
+        dbs = {name: env.open_db(name, create=False) for name in DB_NAMES}
+    except lmdb.NotFoundError as e:
+        env.close()
+        raise StoreError(f"{path}: incomplete store ({e})") from None
+    except lmdb.Error as e:
+        env.close()
+        raise DamagedStore(f"{path / DATA_NAME} is damaged ({e})") from None
+    return Opened(descriptor, env, dbs, None)
+
+
+def check_file(path: Path, full: bool) -> None:
+    """Before LMDB maps ``data.mdb``: its meta pages and size, and with ``full`` every
+    page LMDB could reach. :class:`DamagedStore` if it must not be mapped."""
+    if check_data_file(path) is not None and full:
+        problems = check_structure(path)  # None: a writer kept committing; the metas are fine
+        if problems:
+            more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+            raise DamagedStore(f"{path / DATA_NAME} is damaged: {problems[0]}{more}")
+
+
+@contextlib.contextmanager
+def lmdb_errors(path: Path) -> Iterator[None]:
+    """LMDB errors as store errors: a damaged file as :class:`DamagedStore`."""
+    try:
+        yield
+    except _DAMAGE as e:
+        raise DamagedStore(f"{path / DATA_NAME} is damaged ({e})") from None
+    except lmdb.Error as e:
+        raise StoreError(f"{path}: {e}") from None
+
+
+def _match_meta_to_records(path: Path, env: lmdb.Environment, dbs: dict[bytes, Any]) -> None:
+    """After a crash between the two, rebuild the ``meta`` db from ``records``."""
+    records, meta = dbs[DB_RECORDS], dbs[DB_META]
+    with env.begin() as txn:
+        if txn.stat(records)["entries"] == txn.stat(meta)["entries"]:
+            return
+    with env.begin(write=True, buffers=True) as txn:
+        sizes = {bytes(k): len(v) for k, v in txn.cursor(db=records)}
+        stale = [bytes(k) for k in txn.cursor(db=meta).iternext(values=False)]
+        for key in stale:
+            if key not in sizes:
+                txn.delete(key, db=meta)
+        for key, size in sizes.items():
+            if txn.get(key, db=meta) is None:
+                txn.put(key, META.pack(0, size, 0), db=meta)  # unknown access: evict first
+        txn.put(INFO_BYTES_USED, U64.pack(sum(sizes.values())), db=dbs[DB_INFO])
+    logger.warning("%s: metadata disagreed with records; rebuilt it", path)
