@@ -126,7 +126,8 @@ class BlockStore(abc.ABC, Generic[V]):
         """A snapshot of the store's counters and occupancy."""
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until everything put so far is durable; ``False`` if ``timeout`` passed first."""
+        """Wait until everything put so far is durable; ``False`` if ``timeout`` passed first,
+        or if something put since the previous flush could not be made durable."""
         return True
 
     def close(self) -> None:

@@ -161,3 +161,27 @@ def test_a_corrupt_record_is_recomputed_and_counted(tmp_path, reference):
         stats = llm.engine.connector.stats()["disk"]
     assert again.token_ids == want and again.num_cached_tokens == full_hit(prompt)
     assert stats["hit_blocks"] == full_hit(prompt) // BLOCK and stats["corrupt"] == 0
+
+
+def test_a_truncated_store_is_moved_aside_and_the_engine_serves_on(tmp_path, reference, caplog):
+    path = tmp_path / "kv"
+    tiers = TierConfig(kv_cache_dir=path, cpu_bytes=0, disk_bytes=64 << 20)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompt = max(PROMPTS, key=len)
+    want = reference[PROMPTS.index(prompt)]
+    with build_llm("tiny", tiers, max_model_len=512, device="cpu") as llm:
+        llm.generate(prompt, params)
+    data = path / "data.mdb"
+    with open(data, "r+b") as f:  # a crash of the file system, a copy cut short
+        f.truncate(data.stat().st_size // 3)
+
+    with caplog.at_level("WARNING"), build_llm(
+        "tiny", tiers, max_model_len=512, device="cpu"
+    ) as llm:
+        out = llm.generate(prompt, params)[0]
+        moved = llm.engine.connector.stores()["disk"].moved_aside
+    assert out.token_ids == want and out.num_cached_tokens == 0  # served, recomputed
+    assert moved is not None and moved.name.startswith("kv.damaged-") and moved.is_dir()
+    assert any("moved it to" in r.getMessage() for r in caplog.records)
+    with build_llm("tiny", tiers, max_model_len=512, device="cpu") as llm:  # the new store works
+        assert llm.generate(prompt, params)[0].num_cached_tokens == full_hit(prompt)

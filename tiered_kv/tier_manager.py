@@ -158,6 +158,7 @@ class TierManager(KVConnector):
             self._disk = LmdbStore(
                 config.cache_path, config.disk_bytes, sync=config.sync,
                 max_pending_bytes=STORE_PENDING_BYTES,
+                replace_damaged=True,  # a damaged file is moved aside: serve, never crash
             )
         if config.has_remote:
             self._remote = RemoteStore(
