@@ -5,6 +5,10 @@ threads talk to it only through a command queue (add, abort, stop); it answers e
 on that request's ``asyncio.Queue`` via ``loop.call_soon_threadsafe``. While no request is
 unfinished the thread blocks on the command queue, so an idle engine costs nothing, and
 the model forward never runs on the event loop.
+
+A request that fails on its own (adding it, sampling or detokenizing it raised) raises
+:class:`RequestFailedError` from its generator; the engine thread and the other requests
+go on. Only a failed step as a whole (the model forward) stops the engine.
 """
 from __future__ import annotations
 
@@ -52,6 +56,10 @@ class _Stop:
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped (shut down, or a step raised); no request can run."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed on this one request (the cause is in the log); it runs on."""
 
 
 class AsyncLLM:
@@ -113,8 +121,9 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request until it finishes.
 
-        Raises ``ValueError`` for an invalid request (as :meth:`LLMEngine.add_request` does)
-        and :class:`EngineDeadError` once the engine has stopped.
+        Raises ``ValueError`` for an invalid request (as :meth:`LLMEngine.add_request` does),
+        :class:`RequestFailedError` when the engine fails on this request, and
+        :class:`EngineDeadError` once the engine has stopped.
         """
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -140,6 +149,8 @@ class AsyncLLM:
                     finished = True
                     raise item
                 finished = item.finished
+                if item.finish_reason == "error":
+                    raise RequestFailedError(f"the engine failed on request {request_id}")
                 yield item
                 if finished:
                     return
@@ -214,6 +225,10 @@ class AsyncLLM:
             )
         except ValueError as e:
             _send(command, e)
+            return
+        except Exception:
+            logger.exception("adding request %s failed", command.request_id)
+            _send(command, RequestFailedError(f"the engine failed on request {command.request_id}"))
             return
         self._streams[command.request_id] = command
 

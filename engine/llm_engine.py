@@ -4,12 +4,16 @@ A step is three calls: the scheduler picks the tokens to compute, the model runn
 them and samples, and post-processing appends the samples, detokenizes, checks the stop
 conditions and finishes requests (freeing their blocks). Not thread-safe: one thread drives
 an engine (:class:`engine.async_engine.AsyncLLM` runs it on its own thread).
+
+A request whose sampling or detokenization raises is finished alone with
+``finish_reason="error"``; the step goes on with the others.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import itertools
+import logging
 import time
 from collections.abc import Sequence as Seq
 
@@ -30,12 +34,13 @@ from engine.kv_cache import (
 from engine.model_runner import ModelRunner
 from engine.models import LoadedModel, load_model
 from engine.outputs import RequestOutput
-from engine.sampler import Sample, SamplingParams
+from engine.sampler import Sample, SampleError, SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.stats import EngineStats, NvmlTelemetry, StatsCollector
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
+logger = logging.getLogger(__name__)
 
 DETOKENIZER_CONTEXT = 4  # prompt tokens decoded before the first output token
 TRANSFER_WAIT_S = 0.05  # how long a step with nothing to run waits for the connector
@@ -137,7 +142,8 @@ class LLMEngine:
         add_special_tokens: bool = True,
     ) -> str:
         """Queue a request (text or token ids); returns its id. Raises ``ValueError`` for a
-        prompt that is empty, has an invalid token id or does not fit ``max_model_len``."""
+        prompt that is empty, is not valid Unicode (a lone surrogate), has an invalid token id
+        or does not fit ``max_model_len``."""
         if self._closed:
             raise RuntimeError("the engine is closed")
         params = params or SamplingParams()
@@ -148,6 +154,8 @@ class LLMEngine:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         if isinstance(prompt, str):
+            if not _is_unicode(prompt):
+                raise ValueError("the prompt is not valid Unicode: it holds a lone surrogate")
             text: str | None = prompt
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         else:
@@ -171,8 +179,9 @@ class LLMEngine:
             prompt=text,
             cache_salt=cache_salt,
         )
+        text_state = _TextState(self._detokenizer(token_ids, params))
         self.scheduler.add(seq)
-        self._texts[request_id] = _TextState(self._detokenizer(token_ids, params))
+        self._texts[request_id] = text_state
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -211,8 +220,15 @@ class LLMEngine:
         now = time.perf_counter()
         outputs = []
         for (seq, _), sample in zip(plan.scheduled, samples):
-            if sample is not None:
+            if sample is None:
+                continue
+            if isinstance(sample, SampleError):
+                outputs.append(self._fail(seq, sample.error))
+                continue
+            try:
                 outputs.append(self._append(seq, sample, now))
+            except Exception as e:
+                outputs.append(self._fail(seq, e))
         return outputs
 
     def stats(self) -> EngineStats:
@@ -325,6 +341,23 @@ class LLMEngine:
             del self._texts[seq.request_id]
         return self._output(seq, state)
 
+    def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
+        """Finish a request whose sampling or detokenization raised, and only it: its output
+        has ``finish_reason="error"`` and the text already sent."""
+        logger.error("request %s failed", seq.request_id, exc_info=error)
+        self.scheduler.finish(seq, "error")  # a no-op if it finished before raising
+        state = self._texts.pop(seq.request_id, None)
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            text=state.text[: state.num_sent_chars] if state is not None else "",
+            delta_text="",
+            num_cached_tokens=seq.num_cached_tokens or 0,
+            finish_reason="error",
+        )
+
     def _output(self, seq: Sequence, state: _TextState) -> RequestOutput:
         text = state.text
         if not seq.is_finished and seq.params.stop:
@@ -353,6 +386,14 @@ def _find_stop(text: str, stops: Seq[str], searched_from: int) -> tuple[int, str
         if i >= 0 and (best is None or i < best[0]):
             best = (i, stop)
     return best
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_token_id(value: object, vocab_size: int) -> bool:

@@ -10,7 +10,7 @@ import torch
 from engine.attention import AttentionMetadata, KVScales
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheSpec, fp8_scales_from_cache
-from engine.sampler import Sample, Sampler, SamplingRow
+from engine.sampler import Sample, SampleError, Sampler, SamplingRow
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 
@@ -61,8 +61,9 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     @torch.inference_mode()
-    def run(self, output: SchedulerOutput) -> list[Sample | None]:
-        """Forward the step; a sample for each scheduled sequence that completes its tokens."""
+    def run(self, output: SchedulerOutput) -> list[Sample | SampleError | None]:
+        """Forward the step; a sample (or the error sampling it raised) for each scheduled
+        sequence that completes its tokens."""
         if self.kv_cache is None:
             raise RuntimeError("init_kv_cache() must be called before run()")
         items = output.scheduled
@@ -79,7 +80,7 @@ class ModelRunner:
         hidden = self.model(
             batch.input_ids, batch.positions, self.kv_cache, batch.meta, self.kv_scales
         )
-        results: list[Sample | None] = [None] * len(items)
+        results: list[Sample | SampleError | None] = [None] * len(items)
         if not sampled:
             return results
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [M, vocab] float32

@@ -21,7 +21,7 @@ class RequestOutput:
     text: str
     delta_text: str
     num_cached_tokens: int  # prompt tokens not computed: GPU prefix hit + connector-loaded
-    finish_reason: str | None  # "stop", "length" or "abort"; None while running
+    finish_reason: str | None  # "stop", "length", "abort" or "error"; None while running
     stop_reason: str | int | None = None  # the stop string or stop token id, if one ended it
     logprobs: list[float] | None = None  # of each chosen token, when asked for
     top_logprobs: list[dict[int, float]] | None = None  # when asked for logprobs=k > 0

@@ -9,13 +9,19 @@ from typing import NamedTuple
 import torch
 
 _MAX_SEED = 2**63 - 1
+# Below this temperature sampling is greedy, as in vLLM: the distribution is one-hot in all
+# but name, and a temperature past float32's range (1e-40 is 0 there) would divide by zero.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request (names and defaults as in vLLM).
 
-    - ``temperature=0`` is greedy. ``top_k=None`` and ``top_p=1.0`` disable those filters.
+    - ``temperature=0`` is greedy, and so is any temperature below ``GREEDY_TEMPERATURE``
+      (1e-5). ``top_k=None`` and ``top_p=1.0`` disable those filters; a ``top_k`` of the
+      vocabulary's size or more keeps every token, and the most likely token always survives
+      ``top_p``.
     - ``seed`` gives the request its own random generator, so its samples do not depend on
       what else is in the batch. Without a seed the engine derives one from its own seed
       and the order in which requests arrive.
@@ -81,7 +87,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def wants_logprobs(self) -> bool:
@@ -109,62 +115,95 @@ class Sample(NamedTuple):
     top_logprobs: dict[int, float] | None  # None unless logprobs=k with k > 0
 
 
+class SampleError(NamedTuple):
+    """Sampling this row raised: only its request fails."""
+
+    error: Exception
+
+
 class Sampler:
     """Greedy, temperature, top-k and top-p sampling of a batch with per-request generators."""
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sample]:
-        """``logits``: ``[M, vocab]`` float32, one row per entry of ``rows``; may be modified."""
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sample | SampleError]:
+        """``logits``: ``[M, vocab]`` float32, one row per entry of ``rows``; may be modified.
+
+        A batch that raises is sampled again row by row, so that only the rows that raise on
+        their own fail (as a :class:`SampleError`). The others are drawn again then, so a
+        seeded row's token may differ from the one the batch would have given it.
+        """
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(rows)} requests")
         if not rows:
             return []
-        logprob_rows = [i for i, r in enumerate(rows) if r.params.wants_logprobs]
-        logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
+        try:
+            return _sample(logits, rows)
+        except Exception:
+            return [_sample_alone(logits[i : i + 1], row) for i, row in enumerate(rows)]
 
-        for i, row in enumerate(rows):
-            if row.suppressed_token_ids:
-                logits[i, list(row.suppressed_token_ids)] = float("-inf")
 
-        token_ids = logits.argmax(dim=-1)  # [M]; kept for greedy rows
-        random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-        if random_rows:
-            probs = _filtered_probs(logits[random_rows], [rows[i].params for i in random_rows])
-            for j, i in enumerate(random_rows):
-                token_ids[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
+def _sample_alone(logits: torch.Tensor, row: SamplingRow) -> Sample | SampleError:
+    try:
+        return _sample(logits, [row])[0]
+    except Exception as e:
+        return SampleError(e)
 
-        chosen = token_ids.tolist()
-        samples = [Sample(t, None, None) for t in chosen]
-        if logprobs is not None:
-            picked = logprobs.gather(1, token_ids[logprob_rows, None]).squeeze(1).tolist()
-            for j, i in enumerate(logprob_rows):
-                k = rows[i].params.num_top_logprobs
-                top = None
-                if k:
-                    values, ids = logprobs[j].topk(min(k, logprobs.shape[1]))
-                    top = dict(zip(ids.tolist(), values.tolist()))
-                samples[i] = Sample(chosen[i], picked[j], top)
-        return samples
+
+def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sample]:
+    logprob_rows = [i for i, r in enumerate(rows) if r.params.wants_logprobs]
+    logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
+
+    for i, row in enumerate(rows):
+        if row.suppressed_token_ids:
+            logits[i, list(row.suppressed_token_ids)] = float("-inf")
+
+    token_ids = logits.argmax(dim=-1)  # [M]; kept for greedy rows
+    random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+    if random_rows:
+        probs = _filtered_probs(logits[random_rows], [rows[i].params for i in random_rows])
+        for j, i in enumerate(random_rows):
+            token_ids[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
+
+    chosen = token_ids.tolist()
+    samples = [Sample(t, None, None) for t in chosen]
+    if logprobs is not None:
+        picked = logprobs.gather(1, token_ids[logprob_rows, None]).squeeze(1).tolist()
+        for j, i in enumerate(logprob_rows):
+            k = rows[i].params.num_top_logprobs
+            top = None
+            if k:
+                values, ids = logprobs[j].topk(min(k, logprobs.shape[1]))
+                top = dict(zip(ids.tolist(), values.tolist()))
+            samples[i] = Sample(chosen[i], picked[j], top)
+    return samples
 
 
 def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Probabilities after temperature, top-k and top-p (applied in that order). [R, vocab]."""
-    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
-    logits = logits / temperature.to(logits.device)[:, None]
-    if all(p.top_k is None and p.top_p == 1.0 for p in params):
-        return torch.softmax(logits, dim=-1)
+    """Probabilities after temperature, top-k and top-p (applied in that order). [R, vocab].
 
-    vocab = logits.shape[1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, vocab]
-    rank = torch.arange(vocab, device=logits.device)[None, :]
-    top_k = torch.tensor([p.top_k or vocab for p in params], device=logits.device)[:, None]
-    sorted_logits.masked_fill_(rank >= top_k, float("-inf"))
-    sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
-    # Drop a token when the more likely ones already reach top_p; the first always stays.
-    before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    sorted_logits.masked_fill_(before >= top_p[:, None], float("-inf"))
-    filtered = torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
-    return torch.softmax(filtered, dim=-1)
+    A row without a finite logit (every token suppressed) has no distribution; it gets its
+    argmax, as a greedy row does, rather than NaNs that ``multinomial`` rejects.
+    """
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+    scaled = logits / temperature.to(logits.device)[:, None]
+    if all(p.top_k is None and p.top_p == 1.0 for p in params):
+        probs = torch.softmax(scaled, dim=-1)
+    else:
+        vocab = scaled.shape[1]
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [R, vocab]
+        rank = torch.arange(vocab, device=scaled.device)[None, :]
+        top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=scaled.device)
+        sorted_logits.masked_fill_(rank >= top_k[:, None], float("-inf"))
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        top_p = torch.tensor([p.top_p for p in params], dtype=scaled.dtype, device=scaled.device)
+        # Drop a token when the more likely ones already reach top_p; the first always stays
+        # (a top_p below float32's smallest number is 0, which would drop it too).
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_logits.masked_fill_((before >= top_p[:, None]) & (rank > 0), float("-inf"))
+        filtered = torch.full_like(scaled, float("-inf")).scatter_(1, order, sorted_logits)
+        probs = torch.softmax(filtered, dim=-1)
+    empty = probs.isnan().any(dim=-1, keepdim=True)  # [R, 1]
+    argmax = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(empty, argmax, probs)
 
 
 def _is_int(value: object, minimum: int) -> bool:

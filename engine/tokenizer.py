@@ -7,6 +7,7 @@ optional) and ``chat_template.jinja`` (newer checkpoints keep the template there
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 from pathlib import Path
 from typing import Any, Iterable
@@ -92,11 +93,20 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for: the length of the vocabulary's longest
+        entry (byte-level entries have a character per byte, so this bounds the text too)."""
+        return max(map(len, self._backend.get_vocab(with_added_tokens=True)), default=1)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer's post-processor
         adds (a BOS for Llama). Encode a rendered chat prompt with ``add_special_tokens=False``:
-        chat templates write their own BOS."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        chat templates write their own BOS.
+
+        Releases the GIL while it runs (``encode_batch`` does, ``encode`` does not), so a long
+        prompt tokenized on a worker thread does not stall the other threads."""
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -6,7 +6,8 @@ import time
 import pytest
 
 from engine import LLM, AsyncLLM, SamplingParams
-from engine.async_engine import EngineDeadError
+from engine.async_engine import EngineDeadError, RequestFailedError
+from engine.llm_engine import LLMEngine
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -118,6 +119,56 @@ def test_invalid_requests_raise_in_the_consumer(fresh):
             )
 
     asyncio.run(main())
+
+
+def test_a_request_that_fails_in_the_engine_fails_alone(fresh, monkeypatch):
+    """Detokenizing the marked request raises on its third token: it fails, the request
+    running beside it and the next one do not, and the engine runs on."""
+    marked = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True, seed=13)
+    real = LLMEngine._detokenizer
+
+    def detokenizer(self, prompt_token_ids, params):
+        detokenizer = real(self, prompt_token_ids, params)
+        if params == marked:
+            add, count = detokenizer.add, [0]
+
+            def failing_add(token_id):
+                count[0] += 1
+                if count[0] == 3:
+                    raise RuntimeError("detokenizer broke")
+                return add(token_id)
+
+            detokenizer.add = failing_add
+        return detokenizer
+
+    monkeypatch.setattr(LLMEngine, "_detokenizer", detokenizer)
+
+    async def main():
+        seen = []
+
+        async def failing():
+            async for out in fresh.generate("fail me", marked):
+                seen.append(out)
+
+        both = await asyncio.gather(
+            failing(), collect(fresh, "beside it", ENDLESS), return_exceptions=True
+        )
+        return seen, both, await collect(fresh, "after it")
+
+    seen, (failed, beside), after = asyncio.run(main())
+    assert isinstance(failed, RequestFailedError) and len(seen) == 2
+    assert beside[-1].finish_reason == "length" and len(beside[-1].token_ids) == 200
+    assert after[-1].finish_reason == "length" and fresh.is_running
+    assert wait_idle(fresh).num_used_blocks == 0
+
+
+def test_a_prompt_that_is_not_unicode_is_refused(fresh):
+    async def main():
+        with pytest.raises(ValueError, match="lone surrogate"):
+            await collect(fresh, "bad \ud800 text")
+        return await collect(fresh, "good text")
+
+    assert asyncio.run(main())[-1].finished and fresh.is_running
 
 
 def test_shutdown_aborts_streams_and_refuses_new_requests():

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine import LLM
-from engine.sampler import Sampler, SamplingParams, SamplingRow
+import engine.sampler
+from engine.sampler import Sample, SampleError, Sampler, SamplingParams, SamplingRow
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
 
 VOCAB = 50
@@ -92,6 +93,47 @@ def test_logprobs_are_raw_log_softmax_of_the_chosen_token():
     top = out[1].top_logprobs
     assert list(top) == ref[1].topk(3).indices.tolist()
     assert list(top.values()) == pytest.approx(ref[1].topk(3).values.tolist(), abs=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-40, 9e-6])
+def test_temperatures_below_1e_5_are_greedy(temperature):
+    x = logits(3)
+    params = SamplingParams(temperature=temperature, top_p=0.5, top_k=3)
+    assert params.is_greedy
+    out = Sampler()(x.clone(), [row(params)] * 3)
+    assert [s.token_id for s in out] == x.argmax(-1).tolist()
+
+
+def test_extreme_filters_keep_the_most_likely_token():
+    x = logits()
+    best = x[0].argmax().item()
+    assert set(draw(SamplingParams(top_p=1e-300), x, 20)) == {best}  # 0.0 in float32
+    assert len(set(draw(SamplingParams(temperature=5.0, top_k=2**63), x, 100))) > 10  # as if off
+
+
+def test_a_row_with_every_token_suppressed_gets_its_argmax():
+    x = logits(2)
+    everything = range(VOCAB)
+    rows = [row(SamplingParams(), suppressed=everything), row(SamplingParams(temperature=0.0))]
+    out = Sampler()(x.clone(), rows)
+    assert out[0] == Sample(0, None, None)  # argmax of all -inf, as for a greedy row
+    assert out[1].token_id == x[1].argmax().item()
+
+
+def test_a_row_that_raises_fails_alone(monkeypatch):
+    cursed = SamplingParams(temperature=0.5, seed=13)
+    real = engine.sampler._filtered_probs
+
+    def filtered_probs(logits, params):
+        if cursed in params:
+            raise RuntimeError("cursed row")
+        return real(logits, params)
+
+    monkeypatch.setattr(engine.sampler, "_filtered_probs", filtered_probs)
+    x = logits(3)
+    out = Sampler()(x.clone(), [row(SamplingParams()), row(cursed), row(SamplingParams(temperature=0.0))])
+    assert isinstance(out[0], Sample) and out[2].token_id == x[2].argmax().item()
+    assert isinstance(out[1], SampleError) and str(out[1].error) == "cursed row"
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,8 @@ def test_defaults_persist_kv_out_of_the_box():
     tiers = c.tier_config()
     assert tiers.kv_cache_dir == "./kv_cache" and tiers.cpu_bytes == GiB and tiers.disk_bytes == 8 * GiB
     assert c.max_inflight == c.max_num_seqs + c.max_queue_len
+    assert c.max_request_body_bytes == 8 << 20
+    assert ServeConfig.load(environ={"TIERED_KV_MAX_REQUEST_BODY_MIB": "0.5"}).max_request_body_bytes == 1 << 19
 
 
 def test_flags_beat_environment_beat_yaml(tmp_path):
@@ -74,6 +76,8 @@ def test_config_file_from_environment_and_its_errors(tmp_path):
         ({"port": 0}, "--port"),
         ({"port": 70000}, "--port"),
         ({"max_queue_len": -1}, "--max-queue-len"),
+        ({"max_request_body_mib": 0}, "--max-request-body-mib"),
+        ({"max_request_body_mib": float("inf")}, "--max-request-body-mib"),
         ({"log_level": "loud"}, "--log-level"),
         ({"block_size": 12}, "--block-size"),
         ({"max_num_seqs": 0}, "--max-num-seqs"),

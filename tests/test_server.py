@@ -3,21 +3,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 
-import httpx
 import pytest
 
+import engine.sampler
 from engine import AsyncLLM
+from engine.llm_engine import LLMEngine
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
+from server_testing import BLOCK, GREEDY, MAX_MODEL_LEN, assert_error, run, sse_events
 from tiered_kv import TierConfig, TierManager
-from tiered_kv.serve_config import ServeConfig
-from tiered_kv.server import create_app
 
-BLOCK = 16
-MAX_MODEL_LEN = 256
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 3  # ~136 tokens: 8 full blocks
-GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -31,48 +27,6 @@ def llm(tmp_path_factory):
     )
     yield llm
     llm.shutdown()
-
-
-def config(**overrides) -> ServeConfig:
-    return ServeConfig(max_model_len=MAX_MODEL_LEN, block_size=BLOCK, **overrides)
-
-
-@contextlib.asynccontextmanager
-async def client(llm, **overrides):
-    app = create_app(config(**overrides), llm)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as c:
-            c.app = app
-            yield c
-
-
-def run(llm, test, **overrides):
-    async def main():
-        async with client(llm, **overrides) as c:
-            return await test(c)
-
-    return asyncio.run(main())
-
-
-def sse_events(text: str) -> list:
-    assert text.endswith("data: [DONE]\n\n")
-    events = text.split("\n\n")
-    assert events[-1] == ""
-    payloads = [e.removeprefix("data: ") for e in events[:-1]]
-    assert all(e.startswith("data: ") for e in events[:-1])
-    assert payloads[-1] == "[DONE]"
-    return [json.loads(p) for p in payloads[:-1]]
-
-
-def assert_error(response: httpx.Response, status: int, param: str | None = None, code: str | None = None):
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    if param is not None:
-        assert error["param"] == param
-    if code is not None:
-        assert error["code"] == code
 
 
 # ---------------------------------------------------------------- completions and chat
@@ -273,6 +227,102 @@ def test_invalid_requests_get_400_in_openai_shape(llm):
     assert_error(bad_id, 400)
     assert_error(penalty, 400, param="presence_penalty")
     assert_error(zero, 400, param="max_tokens")
+
+
+def test_extreme_sampling_values_are_clamped_or_refused(llm):
+    """As vLLM: temperatures below 1e-5 are greedy, a top_k past the vocabulary is off, the
+    most likely token survives any top_p, and values out of range are 400s. None of them
+    stops the engine."""
+    body = {"prompt": LONG_PROMPT, "max_tokens": 4, "ignore_eos": True}
+    accepted = [
+        {"temperature": 1e-300}, {"temperature": 1e-40}, {"top_p": 1e-300, "seed": 1},
+        {"top_k": 2**63 - 1}, {"top_k": -1}, {"top_k": 0},
+    ]
+    refused = [
+        ("temperature", -0.5), ("temperature", 2.5), ("top_p", 0), ("top_p", 1.5), ("top_k", -2),
+        ("top_k", 2**63), ("max_tokens", 2**64), ("min_tokens", 5), ("seed", 2**63),
+        ("stop_token_ids", [2**64]),
+    ]
+
+    async def test(c):
+        greedy = await c.post("/v1/completions", json={**body, "temperature": 0})
+        ok = [await c.post("/v1/completions", json={**body, **extra}) for extra in accepted]
+        bad = [await c.post("/v1/completions", json={**body, name: value}) for name, value in refused]
+        return greedy, ok, bad, await c.get("/health")
+
+    greedy, ok, bad, health = run(llm, test)
+    assert all(r.status_code == 200 for r in ok), [r.text for r in ok]
+    text = greedy.json()["choices"][0]["text"]
+    assert [r.json()["choices"][0]["text"] for r in ok[:3]] == [text] * 3  # all three are greedy
+    for response, (name, _) in zip(bad, refused):
+        assert_error(response, 400, param=name)
+    assert health.status_code == 200 and llm.is_running
+
+
+def test_a_request_that_fails_in_the_engine_gets_500_and_the_engine_runs_on(llm, monkeypatch):
+    """Sampling the requests with seed 13 raises: they get a 500 that does not repeat the
+    exception, while a request sampled in the same batch and the ones after succeed."""
+    real = engine.sampler._filtered_probs
+
+    def filtered_probs(logits, params):
+        if any(p.seed == 13 for p in params):
+            raise RuntimeError("secret detail")
+        return real(logits, params)
+
+    monkeypatch.setattr(engine.sampler, "_filtered_probs", filtered_probs)
+    body = {"prompt": LONG_PROMPT, "max_tokens": 8, "ignore_eos": True, "temperature": 1.0}
+    messages = [{"role": "user", "content": "Hi"}]
+
+    async def test(c):
+        failed, beside = await asyncio.gather(
+            c.post("/v1/completions", json={**body, "seed": 13}),
+            c.post("/v1/completions", json={**body, "seed": 14}),
+        )
+        chat = await c.post("/v1/chat/completions", json={"messages": messages, **body, "seed": 13})
+        after = await c.post("/v1/completions", json={**body, "seed": 14})
+        return failed, chat, beside, after, await c.get("/health"), await c.get("/metrics")
+
+    failed, chat, beside, after, health, metrics = run(llm, test)
+    for response in (failed, chat):
+        assert_error(response, 500)
+        assert response.json()["error"]["type"] == "server_error"
+        assert "secret" not in response.text
+    assert beside.status_code == after.status_code == health.status_code == 200
+    assert beside.json()["choices"][0]["text"] == after.json()["choices"][0]["text"]  # same seed
+    assert 'tiered_kv_request_finished_total{finish_reason="error"} 2.0' in metrics.text
+
+
+def test_a_stream_that_fails_ends_with_an_error_event(llm, monkeypatch):
+    """Detokenizing the request with seed 15 raises at its third token, after the 200 went out."""
+    real = LLMEngine._detokenizer
+
+    def detokenizer(self, prompt_token_ids, params):
+        detokenizer = real(self, prompt_token_ids, params)
+        if params.seed == 15:
+            add, count = detokenizer.add, [0]
+
+            def failing_add(token_id):
+                count[0] += 1
+                if count[0] == 3:
+                    raise RuntimeError("secret detail")
+                return add(token_id)
+
+            detokenizer.add = failing_add
+        return detokenizer
+
+    monkeypatch.setattr(LLMEngine, "_detokenizer", detokenizer)
+
+    async def test(c):
+        body = {"prompt": "x", **GREEDY}
+        streamed = await c.post("/v1/completions", json={**body, "stream": True, "seed": 15})
+        return streamed, await c.post("/v1/completions", json={**body, "seed": 16})
+
+    streamed, after = run(llm, test)
+    assert streamed.status_code == 200
+    *chunks, last = sse_events(streamed.text)
+    assert chunks and all(c["object"] == "text_completion" for c in chunks)
+    assert last["error"]["type"] == "server_error" and "secret" not in streamed.text
+    assert after.status_code == 200 and llm.is_running
 
 
 def test_unknown_model_is_404(llm):

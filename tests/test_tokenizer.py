@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 import tokenizers
@@ -88,6 +90,27 @@ def test_special_tokens(tok):
     assert ids == [260, ord("h"), ord("i"), END_ID]
     assert tok.decode(ids) == "hi"
     assert tok.decode(ids, skip_special_tokens=False) == "<|user|>hi<|end|>"
+
+
+def test_max_token_chars_bounds_the_text_of_a_token(tok):
+    assert tok.max_token_chars == len("<|assistant|>")
+    for text in [*TEXTS, "<|assistant|>" * 3]:
+        assert len(text) <= len(tok.encode(text, add_special_tokens=False)) * tok.max_token_chars
+
+
+def test_encode_lets_other_threads_run(tok):
+    """The server tokenizes on a worker thread; that keeps it responsive only if ``encode``
+    releases the GIL (a long prompt takes a while)."""
+    text = "hello world " * 10_000
+    encoded = threading.Event()
+    thread = threading.Thread(target=lambda: (tok.encode(text), encoded.set()))
+    ticks = 0
+    thread.start()
+    while not encoded.is_set():
+        time.sleep(0.001)
+        ticks += 1
+    thread.join()
+    assert ticks >= 5
 
 
 # --- chat templates ----------------------------------------------------------------------

@@ -50,6 +50,9 @@ def serve(
         "Retry-After. (default: 256)",
         rich_help_panel=_SERVER,
     ),
+    max_request_body_mib: Optional[float] = typer.Option(
+        None, help="Largest request body in MiB; larger ones get 413. (default: 8)", rich_help_panel=_SERVER
+    ),
     log_level: Optional[str] = typer.Option(
         None, help="critical, error, warning, info or debug. (default: info)", rich_help_panel=_SERVER
     ),

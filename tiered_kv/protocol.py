@@ -3,15 +3,20 @@
 Requests accept the fields OpenAI clients send; unknown fields are ignored (as OpenAI and
 vLLM do). Fields this server cannot honour (``n > 1``, ``echo``, penalties, tools...) are
 refused by :meth:`to_sampling_params` with a :class:`RequestError` naming the parameter.
+Sampling values follow vLLM's rules (``temperature`` in [0, 2], ``top_p`` in (0, 1],
+``top_k`` -1 or 0 for off or at least 1, ``max_tokens`` at least 1); integers must fit int64.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.sampler import SamplingParams
+
+MAX_INT = 2**63 - 1  # larger integers are refused, as vLLM refuses seeds beyond int64
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
 
 
 class RequestError(Exception):
@@ -40,7 +45,14 @@ class RequestError(Exception):
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    """OpenAI's error shape. A lone surrogate (from the request) in ``message`` or ``param`` is
+    written as its escape: the body must encode as UTF-8."""
+    param = _utf8(param) if param is not None else None
+    return {"error": {"message": _utf8(message), "type": type, "param": param, "code": code}}
+
+
+def _utf8(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class _Request(BaseModel):
@@ -55,10 +67,10 @@ class _SamplingFields(_Request):
     """Fields shared by both routes."""
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_INT)  # -1 and 0: off
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     n: int = 1
@@ -70,9 +82,9 @@ class _SamplingFields(_Request):
     user: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1)
     # vLLM extras
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int = Field(default=0, ge=0, le=MAX_INT)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | bool | None) -> SamplingParams:
         if self.n != 1:
@@ -110,7 +122,7 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=1, le=MAX_INT)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = None
@@ -168,7 +180,7 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None

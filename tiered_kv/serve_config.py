@@ -17,7 +17,7 @@ from typing import Any, Callable
 import yaml
 
 from engine.config import DTYPES, KV_CACHE_DTYPES, EngineConfig
-from tiered_kv.config import GiB, OFFLOAD_MODES, WRITE_POLICIES, TierConfig
+from tiered_kv.config import GiB, MiB, OFFLOAD_MODES, WRITE_POLICIES, TierConfig
 
 ENV_PREFIX = "TIERED_KV_"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -35,6 +35,7 @@ class ServeConfig:
     port: int = 8000
     api_key: str | None = None
     max_queue_len: int = 256
+    max_request_body_mib: float = 8.0
     log_level: str = "info"
     # the engine (vLLM's names)
     dtype: str = "auto"
@@ -70,6 +71,10 @@ class ServeConfig:
             _str("api_key", self.api_key)
         if _bad_int(self.max_queue_len, 0):
             raise ValueError(f"--max-queue-len must be an integer >= 0, got {self.max_queue_len!r}")
+        if not _positive_number(self.max_request_body_mib):
+            raise ValueError(
+                f"--max-request-body-mib must be a number of MiB > 0, got {self.max_request_body_mib!r}"
+            )
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -108,6 +113,11 @@ class ServeConfig:
     def max_inflight(self) -> int:
         """Requests the server holds at once: the running ones plus the waiting queue."""
         return self.max_num_seqs + self.max_queue_len
+
+    @property
+    def max_request_body_bytes(self) -> int:
+        """Larger request bodies get 413."""
+        return int(self.max_request_body_mib * MiB)
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The :class:`engine.EngineConfig` fields (without ``model``)."""
@@ -257,6 +267,11 @@ def _with_flag_names(message: str) -> str:
 
 def _bad_int(value: object, minimum: int) -> bool:
     return isinstance(value, bool) or not isinstance(value, int) or value < minimum
+
+
+def _positive_number(value: object) -> bool:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return number and math.isfinite(value) and value > 0
 
 
 def _str(name: str, value: object) -> None:
