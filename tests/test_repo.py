@@ -30,3 +30,15 @@ def test_torch_is_pinned_everywhere():
     torch_reqs = [d for d in project["dependencies"] if re.match(r"torch\b", d)]
     assert torch_reqs == ["torch==2.13.0"]
     assert "torch==2.13.0" in (ROOT / "constraints.txt").read_text().split()
+
+
+def test_every_test_security_md_names_exists():
+    """docs/security.md maps each threat to tests: a renamed or deleted test must show up."""
+    text = (ROOT / "docs/security.md").read_text()
+    refs, current = [], None
+    for path, name in re.findall(r"`(tests/[\w/]+\.py)?::(\w+)`", text):
+        current = path or current  # `::name` continues the file named before it
+        refs.append((current, name))
+    assert len(refs) > 20
+    missing = [f"{p}::{n}" for p, n in refs if f"def {n}(" not in (ROOT / p).read_text()]
+    assert not missing, missing
