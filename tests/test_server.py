@@ -10,6 +10,7 @@ import engine.sampler
 from engine import AsyncLLM
 from engine.llm_engine import LLMEngine
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
+from storage.lmdb_store import LmdbStore
 from server_testing import BLOCK, GREEDY, MAX_MODEL_LEN, assert_error, run, sse_events
 from tiered_kv import TierConfig, TierManager
 
@@ -412,7 +413,7 @@ def test_admin_routes(llm):
         return flushed, before, evicted, after_evict, bad, other, cleared, after_clear
 
     flushed, before, evicted, after_evict, bad, other, cleared, after_clear = run(llm, test)
-    assert flushed.json() == {"flushed": True}
+    assert flushed.json() == {"flushed": True, "degraded": []}
     report = before.json()
     assert set(report["tiers"]) == {"cpu", "disk"}
     assert report["engine"]["num_running"] == 0 and report["engine"]["num_blocks"] == 64
@@ -425,3 +426,17 @@ def test_admin_routes(llm):
     assert other.json()["evicted"] == {"cpu": 0, "disk": 0}
     assert cleared.json()["evicted"] == {"cpu": 0, "disk": disk}
     assert after_clear.json()["tiers"]["disk"]["entries"] == 0
+
+
+def test_a_degraded_disk_shows_on_health_and_flush(llm, monkeypatch):
+    """The store's own tests drive a full disk into the degraded state; here, the server
+    must say so: /health stays 200 (it still serves) with the tier named, and so does flush."""
+    monkeypatch.setattr(LmdbStore, "degraded", property(lambda self: True))
+
+    async def test(c):
+        return await c.get("/health"), await c.post("/admin/flush")
+
+    health, flushed = run(llm, test)
+    assert health.status_code == 200
+    assert health.json() == {"status": "degraded", "degraded": ["disk"]}
+    assert flushed.json()["degraded"] == ["disk"]

@@ -106,6 +106,9 @@ def create_app(config: ServeConfig, llm: AsyncLLM | None = None) -> FastAPI:
     async def health() -> Response:
         if not llm.is_running:
             return JSONResponse(error_body("the engine is not running", "server_error"), 503)
+        degraded = manager.degraded_tiers() if manager is not None else []
+        if degraded:  # still serving: a tier below cannot keep what it is given
+            return JSONResponse({"status": "degraded", "degraded": degraded}, 200)
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -172,8 +175,9 @@ def create_app(config: ServeConfig, llm: AsyncLLM | None = None) -> FastAPI:
     async def admin_flush(body: FlushRequest | None = None) -> dict[str, Any]:
         timeout = (body or FlushRequest()).timeout
         if manager is None:
-            return {"flushed": True}
-        return {"flushed": await asyncio.to_thread(manager.flush, timeout)}
+            return {"flushed": True, "degraded": []}
+        flushed = await asyncio.to_thread(manager.flush, timeout)
+        return {"flushed": flushed, "degraded": manager.degraded_tiers()}
 
     @app.post("/admin/evict")
     async def admin_evict(body: EvictRequest | None = None) -> dict[str, Any]:

@@ -207,6 +207,10 @@ class TierManager(KVConnector):
         """The namespace the tiers' keys use (set by :meth:`register_kv_cache`)."""
         return self._namespace
 
+    def degraded_tiers(self) -> list[str]:
+        """Tiers whose store can no longer write what it is given (a full or failing disk)."""
+        return [tier for tier, store in self.stores().items() if getattr(store, "degraded", False)]
+
     def stores(self) -> dict[str, BlockStore]:
         """The open stores by tier (``cpu`` once the engine registered its cache and when
         the pool is a tier, ``disk``, ``remote``), for admin views; they must not be used
@@ -218,9 +222,6 @@ class TierManager(KVConnector):
             stores["disk"] = self._disk
         if self._remote is not None:
             stores["remote"] = self._remote
-            self._lookup_pool = concurrent.futures.ThreadPoolExecutor(
-                LOOKUP_WORKERS, thread_name_prefix="tiered-kv-lookup"
-            )
         return stores
 
     def stats(self) -> dict[str, dict[str, int | float]]:
