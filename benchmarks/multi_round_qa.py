@@ -67,12 +67,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+ADMIN_KEY = "bench-admin"  # the benchmark reads /admin/tiers
+
+
 def start_server(model: Path, port: int, blocks: int, tiers: bool, cache: Path, log: Path, max_seqs: int) -> subprocess.Popen:
     args = [
         sys.executable, "-c", "from tiered_kv.cli import main; main()", "serve",
         "--model", str(model), "--port", str(port), "--max-model-len", "2048",
         "--num-gpu-blocks-override", str(blocks), "--max-num-seqs", str(max_seqs),
-        "--log-level", "warning",
+        "--log-level", "warning", "--admin-api-key", ADMIN_KEY,
     ]
     if tiers:
         args += ["--kv-cache-dir", str(cache), "--kv-offloading-size", "2", "--kv-disk-size", "4"]
@@ -142,7 +145,10 @@ async def run_mode(name: str, model: Path, args, workload, work: Path) -> dict:
     log = work / f"{name}.log"
     proc = start_server(model, port, args.gpu_blocks, name == "tiers", work / "kv_cache", log, args.max_num_seqs)
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{port}", timeout=600,
+            headers={"Authorization": f"Bearer {ADMIN_KEY}"},  # only /admin/tiers checks it
+        ) as client:
             await wait_healthy(client, proc, log)
             await chat_turn(client, [{"role": "user", "content": "warm up"}], 2)
             results: list[dict] = []

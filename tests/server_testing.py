@@ -19,12 +19,19 @@ def config(**overrides) -> ServeConfig:
     return ServeConfig(max_model_len=MAX_MODEL_LEN, block_size=BLOCK, **overrides)
 
 
+ADMIN_KEY = "adm1n"
+ADMIN = {"admin_api_key": ADMIN_KEY, "headers": {"Authorization": f"Bearer {ADMIN_KEY}"}}
+
+
 @contextlib.asynccontextmanager
-async def client(llm, **overrides):
+async def client(llm, headers: dict | None = None, **overrides):
+    """The app over httpx; ``headers`` go with every request (``**ADMIN``: the admin key)."""
     app = create_app(config(**overrides), llm)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as c:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://test", timeout=60, headers=headers
+        ) as c:
             c.app = app
             yield c
 

@@ -64,6 +64,12 @@ def test_ports(compose: dict):
         assert port in container_ports, name
 
 
+def test_the_server_is_published_on_loopback_only(compose: dict):
+    """Without a key in the stack's environment, the API must not face the network."""
+    for mapping in compose["services"]["tiered-kv"]["ports"]:
+        assert str(mapping).startswith("127.0.0.1:"), mapping
+
+
 def test_named_volumes_are_declared_and_used(compose: dict):
     declared = set(compose["volumes"])
     used = set()

@@ -11,7 +11,7 @@ from engine import AsyncLLM
 from engine.llm_engine import LLMEngine
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
 from storage.lmdb_store import LmdbStore
-from server_testing import BLOCK, GREEDY, MAX_MODEL_LEN, assert_error, run, sse_events
+from server_testing import ADMIN, BLOCK, GREEDY, MAX_MODEL_LEN, assert_error, run, sse_events
 from tiered_kv import TierConfig, TierManager
 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 3  # ~136 tokens: 8 full blocks
@@ -361,29 +361,43 @@ def test_full_queue_gets_429_with_retry_after(llm):
 # ---------------------------------------------------------------- auth
 
 
-def test_api_key_guards_every_route_but_health(llm):
+def test_each_key_guards_its_own_routes_and_health_and_metrics_are_open(llm):
+    keys = {"api": "Bearer s3cret", "admin": "Bearer adm1n", "wrong": "Bearer nope"}
+
     async def test(c):
         results = []
         for route in c.app.routes:
             methods = sorted(route.methods - {"HEAD"}) if getattr(route, "methods", None) else ["GET"]
             for method in methods:
-                none = await c.request(method, route.path)
-                wrong = await c.request(method, route.path, headers={"Authorization": "Bearer nope"})
-                right = await c.request(method, route.path, headers={"Authorization": "Bearer s3cret"})
-                results.append((route.path, method, none, wrong, right))
+                got = {"none": await c.request(method, route.path)}
+                for name, value in keys.items():
+                    got[name] = await c.request(method, route.path, headers={"Authorization": value})
+                results.append((route.path, method, got))
         return results
 
-    results = run(llm, test, api_key="s3cret")
+    results = run(llm, test, api_key="s3cret", admin_api_key="adm1n")
     paths = {path for path, *_ in results}
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics", "/health",
             "/admin/tiers", "/admin/flush", "/admin/evict", "/admin/clear"} <= paths
-    for path, method, none, wrong, right in results:
-        if path == "/health":
-            assert none.status_code == wrong.status_code == right.status_code == 200
+    for path, method, got in results:
+        if path in ("/health", "/metrics"):  # open, as vLLM's are
+            assert {r.status_code for r in got.values()} == {200}, path
             continue
-        assert_error(none, 401, code="invalid_api_key")
-        assert_error(wrong, 401, code="invalid_api_key")
-        assert right.status_code != 401, (method, path)
+        own = "admin" if path.startswith("/admin/") else "api"
+        for name, response in got.items():
+            if name == own:
+                assert response.status_code != 401, (method, path)
+            else:  # no key, a wrong one, or the other route family's key
+                assert_error(response, 401, code="invalid_api_key")
+
+
+def test_admin_routes_are_off_without_an_admin_key(llm):
+    async def test(c):
+        return [await c.get("/admin/tiers"), await c.post("/admin/flush")]
+
+    for response in run(llm, test, api_key="s3cret", headers={"Authorization": "Bearer s3cret"}):
+        assert_error(response, 404, code="not_found")
+        assert "--admin-api-key" in response.json()["error"]["message"]
 
 
 def test_valid_key_reaches_the_model(llm):
@@ -412,7 +426,7 @@ def test_admin_routes(llm):
         after_clear = await c.get("/admin/tiers")
         return flushed, before, evicted, after_evict, bad, other, cleared, after_clear
 
-    flushed, before, evicted, after_evict, bad, other, cleared, after_clear = run(llm, test)
+    flushed, before, evicted, after_evict, bad, other, cleared, after_clear = run(llm, test, **ADMIN)
     assert flushed.json() == {"flushed": True, "degraded": []}
     report = before.json()
     assert set(report["tiers"]) == {"cpu", "disk"}
@@ -436,7 +450,7 @@ def test_a_degraded_disk_shows_on_health_and_flush(llm, monkeypatch):
     async def test(c):
         return await c.get("/health"), await c.post("/admin/flush")
 
-    health, flushed = run(llm, test)
+    health, flushed = run(llm, test, **ADMIN)
     assert health.status_code == 200
     assert health.json() == {"status": "degraded", "degraded": ["disk"]}
     assert flushed.json()["degraded"] == ["disk"]

@@ -17,6 +17,7 @@ import openai
 import pytest
 
 API_KEY = "test-key"
+ADMIN_KEY = "test-admin-key"
 # ~330 tokens with the byte-level tiny tokenizer: 20 full blocks of 16
 LONG_PROMPT = "A long document about persistent KV caches, repeated to fill many blocks. " * 4
 GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
@@ -34,7 +35,8 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         args = [
             sys.executable, "-c", "from tiered_kv.cli import main; main()", "serve",
-            "--port", str(self.port), "--api-key", API_KEY, "--kv-cache-dir", str(cache_dir),
+            "--port", str(self.port), "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY,
+            "--kv-cache-dir", str(cache_dir),
             "--max-model-len", "512", "--num-gpu-blocks-override", "96",
             "--kv-offloading-size", "0.01", "--kv-disk-size", "0.25", "--log-level", "warning",
             *extra,
@@ -43,6 +45,9 @@ class Server:
         self.log = log
         self.proc = subprocess.Popen(args, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
         self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+        self.admin = httpx.Client(
+            base_url=self.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30
+        )
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0)
         self._wait_healthy()
 
@@ -60,10 +65,11 @@ class Server:
         raise AssertionError(f"server not healthy after {timeout} s:\n{self.log.read_text()}")
 
     def tiers(self) -> dict:
-        return self.http.get("/admin/tiers").json()
+        return self.admin.get("/admin/tiers").json()
 
     def terminate(self, timeout: float = 60.0) -> int:
         self.http.close()
+        self.admin.close()
         self.client.close()
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout)
@@ -169,7 +175,7 @@ def test_two_servers_share_a_prefix_through_the_remote_tier(servers, redis_serve
     a = servers("kv_a", remote)
     first = a.client.completions.create(model="tiny", prompt=LONG_PROMPT + "shared", **GREEDY)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
-    assert a.http.post("/admin/flush", json={"timeout": 30}).json()["flushed"]
+    assert a.admin.post("/admin/flush", json={"timeout": 30}).json()["flushed"]
     b = servers("kv_b", remote)  # its own CPU pool and disk directory: both empty
     again = b.client.completions.create(model="tiny", prompt=LONG_PROMPT + "shared", **GREEDY)
     assert again.choices[0].text == first.choices[0].text

@@ -42,7 +42,12 @@ def serve(
     ),
     port: Optional[int] = typer.Option(None, help="Port to listen on. (default: 8000)", rich_help_panel=_SERVER),
     api_key: Optional[str] = typer.Option(
-        None, help="Require 'Authorization: Bearer KEY' on every route but /health. (default: none)",
+        None, help="Require 'Authorization: Bearer KEY' on the inference routes (/v1/*). "
+        "(default: none)",
+        rich_help_panel=_SERVER,
+    ),
+    admin_api_key: Optional[str] = typer.Option(
+        None, help="The key of the /admin/* routes, which are off without it. (default: none)",
         rich_help_panel=_SERVER,
     ),
     max_queue_len: Optional[int] = typer.Option(

@@ -34,6 +34,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    admin_api_key: str | None = None
     max_queue_len: int = 256
     max_request_body_mib: float = 8.0
     log_level: str = "info"
@@ -69,6 +70,8 @@ class ServeConfig:
             raise ValueError(f"--port must be an integer in [1, 65535], got {self.port!r}")
         if self.api_key is not None:
             _str("api_key", self.api_key)
+        if self.admin_api_key is not None:
+            _str("admin_api_key", self.admin_api_key)
         if _bad_int(self.max_queue_len, 0):
             raise ValueError(f"--max-queue-len must be an integer >= 0, got {self.max_queue_len!r}")
         if not _positive_number(self.max_request_body_mib):

@@ -194,7 +194,10 @@ def create_app(config: ServeConfig, llm: AsyncLLM | None = None) -> FastAPI:
 
     paths = frozenset(route.path for route in app.routes)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes)
-    app.add_middleware(HttpMiddleware, state=state, api_key=config.api_key, paths=paths)  # outermost
+    app.add_middleware(  # outermost
+        HttpMiddleware, state=state, api_key=config.api_key, admin_api_key=config.admin_api_key,
+        paths=paths,
+    )
     return app
 
 

@@ -1,5 +1,9 @@
-"""The middleware every request passes first: the API key check and the count of responses
-by route and status code."""
+"""The middleware every request passes first: the key checks and the count of responses by
+route and status code.
+
+Keys: ``/v1/*`` (and the API docs) need ``--api-key`` when one is set; ``/admin/*`` needs
+``--admin-api-key``, and does not exist without one (404); ``/health`` and ``/metrics`` are
+open, as vLLM's are. Keys are compared in constant time."""
 from __future__ import annotations
 
 import hmac
@@ -10,16 +14,20 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tiered_kv.protocol import error_body
 from tiered_kv.server_state import ServerState
 
-OPEN_ROUTES = frozenset({"/health"})  # reachable without the API key
+OPEN_ROUTES = frozenset({"/health", "/metrics"})  # reachable without a key
+ADMIN_PREFIX = "/admin/"
 
 class HttpMiddleware:
-    """Checks the API key (every path but ``OPEN_ROUTES``) and counts responses by route
-    and status code."""
+    """Checks the keys (see the module docstring) and counts responses by route and status."""
 
-    def __init__(self, app: ASGIApp, *, state: ServerState, api_key: str | None, paths: frozenset[str]) -> None:
+    def __init__(
+        self, app: ASGIApp, *, state: ServerState, api_key: str | None,
+        admin_api_key: str | None, paths: frozenset[str],
+    ) -> None:
         self.app = app
         self.state = state
-        self.expected = f"Bearer {api_key}".encode() if api_key is not None else None
+        self.expected = _bearer(api_key)
+        self.admin_expected = _bearer(admin_api_key)
         self.paths = paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -37,7 +45,16 @@ class HttpMiddleware:
             await send(message)
 
         try:
-            if self.expected is not None and path not in OPEN_ROUTES and not self._authorized(scope):
+            if path.startswith(ADMIN_PREFIX) and self.admin_expected is None:
+                response = JSONResponse(
+                    error_body("the admin routes are off: start the server with --admin-api-key",
+                               "invalid_request_error", code="not_found"),
+                    404,
+                )
+                await response(scope, receive, counting_send)
+                return
+            expected = self.admin_expected if path.startswith(ADMIN_PREFIX) else self.expected
+            if expected is not None and path not in OPEN_ROUTES and not _authorized(scope, expected):
                 response = JSONResponse(
                     error_body("Incorrect or missing API key (Authorization: Bearer KEY)",
                                "invalid_request_error", code="invalid_api_key"),
@@ -52,8 +69,14 @@ class HttpMiddleware:
             if metrics is not None:
                 metrics.requests.labels(route=route, status=str(status)).inc()
 
-    def _authorized(self, scope: Scope) -> bool:
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                return hmac.compare_digest(value, self.expected)
-        return False
+
+
+def _bearer(key: str | None) -> bytes | None:
+    return None if key is None else f"Bearer {key}".encode()
+
+
+def _authorized(scope: Scope, expected: bytes) -> bool:
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            return hmac.compare_digest(value, expected)
+    return False
