@@ -3,16 +3,13 @@ on the CPU under ``TRITON_INTERPRET=1`` (in a child process), and compiled on a 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from interpreter_testing import interpreter_main_of, run_interpreted
+
 ULP = {"float32": 2**-22, "float16": 2**-10, "bfloat16": 2**-7}  # relative: one unit, with room
 
 
@@ -132,15 +129,7 @@ def interpreter_main() -> None:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    code = "import sys; sys.path.insert(0, 'tests'); import test_fused_ops; " \
-        "test_fused_ops.interpreter_main()"
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(interpreter_main_of("test_fused_ops"))
 
 
 def assert_norm(result: dict, case: NormCase) -> None:

@@ -6,14 +6,11 @@ the variable set; this module never imports triton itself and works in any test 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from interpreter_testing import run_interpreted
+
 
 CASES = [
     # (bits, dtype, [L, 2, T, H, D], layout)
@@ -84,13 +81,7 @@ print(json.dumps({"results": results, "errors": errors}))
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", CHECK, json.dumps(CASES)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(CHECK, json.dumps(CASES))
 
 
 def _case_id(case: tuple) -> str:

@@ -13,19 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
 
 from engine.attention import AttentionMetadata, KVScales, attention_torch, write_kv
 from engine.kv_cache import layer_view
-
-REPO = Path(__file__).resolve().parents[1]
+from interpreter_testing import interpreter_main_of, run_interpreted
 
 E4M3 = "float8_e4m3fn"
 E5M2 = "float8_e5m2"
@@ -318,15 +313,7 @@ def interpreter_main() -> None:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    code = "import sys; sys.path.insert(0, 'tests'); import test_triton_attention; " \
-        "test_triton_attention.interpreter_main()"
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(interpreter_main_of("test_triton_attention"))
 
 
 @pytest.mark.parametrize("case", WRITE_CASES, ids=lambda c: c.name)
