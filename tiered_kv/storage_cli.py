@@ -6,11 +6,11 @@ Commands:
     ls DIR                 namespaces: blocks, bytes, codecs, dtypes, age
     verify DIR             check every record; quarantine the bad ones; exit 1 if any
     tree DIR               the stored prefix trees, optionally with each block's text
-                           (alias: inspect)
+                           (alias: inspect; in ``storage_tree``)
     gc DIR                 evict blocks unused for a while, or down to a size (alias: evict)
     compact DIR            rewrite the data file without its free pages
     export DIR ARCHIVE     write records (all, or one namespace) to a portable archive
-                           (created 0600)
+                           (created 0600; in ``storage_transfer``, with import)
     import ARCHIVE DIR     check an archive, then add its valid records to a store
     clear DIR --namespace  delete every record of one namespace
     repair DIR [--out DST] salvage the readable records of a damaged store into a fresh one
@@ -26,7 +26,6 @@ committing meanwhile): a damaged file is an error naming ``repair``, never a cra
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import re
 import time
@@ -36,17 +35,11 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.markup import escape
-from rich.progress import (
-    BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn,
-)
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
-from rich.tree import Tree
 
 from storage.base import BlockKey, StoreError
-from storage.lmdb_store import DESCRIPTOR_NAME, DamagedStore, LmdbStore, StoreInfo
-from storage.record import RecordError, decode_record
-from tiered_kv.archive import ArchiveError, check_archive, read_archive, write_archive
+from storage.lmdb_store import DamagedStore, LmdbStore, StoreInfo
 from tiered_kv.units import format_age, format_size, parse_duration, parse_size
 
 app = typer.Typer(help="Administer a KV cache directory.", no_args_is_help=True)
@@ -305,182 +298,6 @@ def _print_fields(title: str, fields: dict, as_json: bool) -> None:
     out.print(table)
 
 
-# ---------------------------------------------------------------------------- tree
-
-
-@dataclasses.dataclass
-class _Node:
-    block_hash: bytes
-    parent_hash: bytes | None
-    token_ids: tuple[int, ...]
-    codec: str
-    dtype: str
-    nbytes: int
-    created_ns: int
-    children: list[_Node] = dataclasses.field(default_factory=list)
-
-
-def _load_tokenizer(spec: str):
-    from engine.tokenizer import Tokenizer
-
-    try:
-        if spec == "tiny":
-            from engine.models.tiny import tiny_model_path
-
-            return Tokenizer.from_folder(tiny_model_path())
-        return Tokenizer.from_folder(spec)
-    except (OSError, ValueError) as e:
-        raise _fail(f"cannot load a tokenizer from {spec}: {e}") from None
-
-
-def _read_tree(store: LmdbStore, namespace: bytes) -> tuple[list[_Node], int, int]:
-    """The roots of the namespace's prefix tree, how many blocks it has, how many were bad."""
-    nodes: dict[bytes, _Node] = {}
-    bad = 0
-    total = sum(1 for _ in store.metadata(namespace))
-    with _progress(f"reading {namespace.hex()[:16]}", total) as bar:
-        task = bar.add_task("", total=total)
-        for key, data in store.raw_records(namespace):
-            bar.advance(task)
-            try:
-                record = decode_record(data, expected_key=key)
-            except RecordError:
-                bad += 1
-                continue
-            nodes[key.block_hash] = _Node(
-                key.block_hash, record.parent_hash, record.token_ids, record.codec,
-                str(record.dtype).removeprefix("torch."), len(data), record.created_ns,
-            )
-    roots = []
-    for node in nodes.values():
-        parent = nodes.get(node.parent_hash) if node.parent_hash is not None else None
-        (parent.children if parent is not None else roots).append(node)
-    for node in nodes.values():
-        node.children.sort(key=_oldest_first)
-    roots.sort(key=_oldest_first)
-    return roots, len(nodes), bad
-
-
-def _oldest_first(node: _Node) -> tuple[int, bytes]:
-    return node.created_ns, node.block_hash
-
-
-def _walk(roots: list[_Node], depth: int | None):
-    """Depth-first, without recursion (chains run thousands of blocks deep):
-    ``(node, position, parent-or-None, hidden)`` where ``hidden`` counts the blocks
-    below ``node`` that ``depth`` cuts off."""
-    stack = [(root, 0, None) for root in reversed(roots)]
-    while stack:
-        node, position, parent = stack.pop()
-        if depth is not None and position + 1 >= depth:
-            hidden, below = 0, list(node.children)
-            while below:
-                child = below.pop()
-                hidden += 1
-                below.extend(child.children)
-            yield node, position, parent, hidden
-            continue
-        yield node, position, parent, 0
-        stack.extend((child, position + 1, node) for child in reversed(node.children))
-
-
-def _block_text(tokenizer, node: _Node) -> str | None:
-    return None if tokenizer is None else tokenizer.decode(node.token_ids, skip_special_tokens=False)
-
-
-def _label(node: _Node, position: int, text: str | None, orphan: bool) -> str:
-    label = (
-        f"[dim]#{position}[/dim] [bold]{node.block_hash.hex()[:12]}[/bold]  "
-        f"{len(node.token_ids)} tok  {node.codec}  {node.dtype}  {format_size(node.nbytes)}"
-    )
-    if orphan:
-        label += "  [yellow](parent not stored)[/yellow]"
-    if text is not None:
-        shown = text if len(text) <= 60 else text[:57] + "..."
-        label += f"  [green]{escape(repr(shown))}[/green]"
-    return label
-
-
-@app.command("tree")
-def tree(
-    path: Dir,
-    namespace: Namespace = None,
-    tokenizer: Annotated[
-        str | None,
-        typer.Option("--tokenizer", help="Show each block's text: a model folder, or `tiny`."),
-    ] = None,
-    depth: Annotated[
-        int | None, typer.Option("--depth", min=1, help="Show at most this many blocks deep.")
-    ] = None,
-    as_json: AsJson = False,
-) -> None:
-    """The stored prefix trees: root blocks, then the blocks that continue them.
-
-    A chain without branches is listed flat under its first block; where blocks branch,
-    each branch opens a level. ``#N`` is a block's position in its sequence.
-    """
-    tok = _load_tokenizer(tokenizer) if tokenizer is not None else None
-    result = []
-    with _open(path) as store:
-        spaces = [_resolve_namespace(store, namespace)] if namespace else store.namespaces()
-        for ns in spaces:
-            roots, blocks, bad = _read_tree(store, ns)
-            result.append((ns, roots, blocks, bad))
-    if as_json:
-        rows = []
-        for ns, roots, blocks, bad in result:
-            listed = []
-            for node, position, parent, hidden in _walk(roots, depth):
-                row = {
-                    "hash": node.block_hash.hex(),
-                    "parent": node.parent_hash.hex() if node.parent_hash else None,
-                    "parent_stored": parent is not None or node.parent_hash is None,
-                    "position": position,
-                    "tokens": len(node.token_ids),
-                    "token_ids": list(node.token_ids),
-                    "codec": node.codec,
-                    "dtype": node.dtype,
-                    "bytes": node.nbytes,
-                    "created_ns": node.created_ns,
-                    "children": len(node.children),
-                    "hidden_below": hidden,
-                }
-                if tok is not None:
-                    row["text"] = _block_text(tok, node)
-                listed.append(row)
-            rows.append({"namespace": ns.hex(), "blocks": blocks, "roots": len(roots),
-                         "unreadable": bad, "nodes": listed})
-        typer.echo(json.dumps(rows))  # compact: a tree can list millions of blocks
-        return
-    if not result:
-        out.print(f"{path}: no records.")
-    for ns, roots, blocks, bad in result:
-        top = Tree(
-            f"namespace [bold]{ns.hex()[:16]}[/bold]: {blocks:,} blocks, {len(roots):,} roots"
-            + (f", [red]{bad} unreadable[/red]" if bad else "")
-        )
-        item_of: dict[bytes, Tree] = {}  # a block's own entry: its branches go here
-        run_of: dict[bytes, Tree] = {}  # the entry of the block that starts its chain
-        for node, position, parent, hidden in _walk(roots, depth):
-            orphan = parent is None and node.parent_hash is not None
-            if parent is None:
-                under = top
-            elif len(parent.children) == 1:
-                under = run_of[parent.block_hash]  # a chain goes on under its first block
-            else:
-                under = item_of[parent.block_hash]  # a branch point: each branch starts a chain
-            item = under.add(_label(node, position, _block_text(tok, node), orphan))
-            if hidden:
-                item.add(f"[dim]... {hidden:,} more blocks below --depth[/dim]")
-            item_of[node.block_hash] = item
-            starts_run = parent is None or len(parent.children) > 1
-            run_of[node.block_hash] = item if starts_run else run_of[parent.block_hash]
-        out.print(top)
-
-
-app.command("inspect", help="Alias of `tree`.")(tree)
-
-
 # ---------------------------------------------------------------------------- gc
 
 
@@ -609,131 +426,6 @@ def compact(
     _print_fields(f"compact {path}", fields, as_json)
 
 
-# ---------------------------------------------------------------------------- export / import
-
-
-def _byte_progress(description: str) -> Progress:
-    return Progress(
-        TextColumn(description), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-        console=err, transient=True, disable=not err.is_terminal,
-    )
-
-
-@app.command("export")
-def export(
-    path: Dir,
-    archive: Annotated[Path, typer.Argument(help="The archive file to write (must not exist).")],
-    namespace: Namespace = None,
-    compress: Annotated[bool, typer.Option("--compress", help="zstd-compress the archive.")] = False,
-    as_json: AsJson = False,
-) -> None:
-    """Write records (all, or one namespace) to a portable archive, checksums and all.
-
-    Records that fail verification are left out and counted.
-    """
-    if archive.exists():
-        raise _fail(f"{archive} exists; refusing to overwrite it")
-    bad = 0
-    with _open(path) as store:
-        ns = _resolve_namespace(store, namespace) if namespace else None
-        total = sum(1 for _ in store.metadata(ns)) if ns else store.stats().entries
-
-        def verified(bar: Progress, task):
-            nonlocal bad
-            for key, data in store.raw_records(ns):
-                bar.advance(task)
-                try:
-                    decode_record(data, expected_key=key)
-                except RecordError:
-                    bad += 1
-                    continue
-                yield key, data
-
-        try:
-            with _progress("exporting", total) as bar:
-                summary = write_archive(
-                    archive, verified(bar, bar.add_task("", total=total)), compress=compress
-                )
-        except OSError as e:
-            raise _fail(f"cannot write {archive}: {e}") from None
-    fields = {
-        "archive": str(archive),
-        "namespace": ns.hex() if ns else None,
-        "records": summary.records,
-        "record_bytes": summary.record_bytes,
-        "archive_bytes": archive.stat().st_size,
-        "skipped_corrupt": bad,
-        "compressed": compress,
-    }
-    _print_fields(f"export {path}", fields, as_json)
-
-
-@app.command("import")
-def import_(
-    archive: Annotated[Path, typer.Argument(help="An archive written by `export`.")],
-    path: Dir,
-    size: Annotated[
-        str, typer.Option("--size", help="Disk budget if DIR is a new store, e.g. 4GiB.")
-    ] = "4GiB",
-    as_json: AsJson = False,
-) -> None:
-    """Check a whole archive, then add its valid records to a store (created if missing).
-
-    A truncated or damaged archive is refused before anything is written; a record that
-    fails verification is skipped and counted.
-    """
-    if not archive.is_file():
-        raise _fail(f"{archive}: no such archive")
-    try:
-        capacity = parse_size(size)
-    except ValueError as e:
-        raise _fail(str(e)) from None
-    try:
-        with _byte_progress("checking archive") as bar:
-            task = bar.add_task("", total=archive.stat().st_size)
-            summary = check_archive(archive, lambda n: bar.advance(task, n))
-    except ArchiveError as e:
-        raise _fail(f"{archive}: {e}; nothing imported") from None
-    new = not (path / DESCRIPTOR_NAME).exists()
-    imported = bad = refused = 0
-    with _open_writer(path, "import", capacity if new else None) as store:
-        evictions_before = store.stats().evictions
-        try:
-            with _progress("importing", summary.records) as bar:
-                task = bar.add_task("", total=summary.records)
-                batch = []
-                for key, data in read_archive(archive):
-                    bar.advance(task)
-                    try:
-                        batch.append((key, decode_record(data, expected_key=key)))
-                    except RecordError:
-                        bad += 1
-                    if len(batch) >= PUT_BATCH:
-                        accepted = store.put_many(batch)
-                        imported += sum(accepted)
-                        refused += len(accepted) - sum(accepted)
-                        batch = []
-                accepted = store.put_many(batch)
-                imported += sum(accepted)
-                refused += len(accepted) - sum(accepted)
-        except ArchiveError as e:  # changed since it was checked: keep what was verified
-            store.flush()
-            raise _fail(f"{archive}: {e}; {imported} records were imported") from None
-        store.flush()
-        evicted = store.stats().evictions - evictions_before
-    fields = {
-        "archive": str(archive),
-        "path": str(path),
-        "created": new,
-        "records": summary.records,
-        "imported": imported,
-        "skipped_corrupt": bad,
-        "refused_too_large": refused,
-        "evicted_for_room": evicted,
-    }
-    _print_fields(f"import {archive}", fields, as_json)
-
-
 # ---------------------------------------------------------------------------- clear
 
 
@@ -816,3 +508,7 @@ def repair_(
     _print_fields(f"repair {path}", fields, as_json)
     if result.problems and not as_json:
         err.print(f"first problem: {result.problems[0]}", highlight=False)
+
+
+# The commands of their own modules register on ``app`` when imported.
+from tiered_kv import storage_transfer, storage_tree  # noqa: E402,F401
