@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import socket
 
 import pytest
 from typer.testing import CliRunner
@@ -161,3 +162,17 @@ def test_cli_reports_a_missing_model_without_a_traceback(tmp_path):
     )
     assert result.exit_code == 2
     assert "no such model folder" in result.output and "Traceback" not in result.output
+
+
+def test_a_busy_port_is_reported_before_the_model_loads(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = CliRunner().invoke(app, [
+            "serve", "--port", str(port), "--model", str(tmp_path / "missing"),
+            "--kv-disk-size", "0",
+        ], env={})
+    assert result.exit_code == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in result.output  # not "no such model folder"
+    assert "Traceback" not in result.output

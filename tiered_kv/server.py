@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -207,7 +208,13 @@ def run(config: ServeConfig) -> None:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    app = create_app(config)
+    # The port first: a busy one is an error at once, not after the model has loaded.
+    listener = _listen(config.host, config.port)
+    try:
+        app = create_app(config)
+    except BaseException:
+        listener.close()
+        raise
     state: ServerState = app.state.tiered_kv
     logger.info(
         "serving %s as %r on http://%s:%d (tiers: %s)",
@@ -225,17 +232,36 @@ def run(config: ServeConfig) -> None:
     if main_thread:
         previous = {sig: signal.signal(sig, lambda signum, frame: None) for sig in _STOP_SIGNALS}
     try:
-        uvicorn.run(
+        uvicorn.Server(uvicorn.Config(
             app,
             host=config.host,
             port=config.port,
             log_level=config.log_level,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        )
+        )).run(sockets=[listener])
     finally:
+        listener.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         _shutdown(state)  # a no-op after a normal lifespan shutdown
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` and listening; ``OSError`` naming both if it cannot."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
 
 
 def _shutdown(state: ServerState) -> None:
