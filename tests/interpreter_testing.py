@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,3 +27,16 @@ def run_interpreted(code: str, *args: str) -> dict:
 def interpreter_main_of(module: str) -> str:
     """Code that runs ``tests/<module>.py``'s ``interpreter_main()``."""
     return f"import sys; sys.path.insert(0, 'tests'); import {module}; {module}.interpreter_main()"
+
+
+def value_errors(calls: Mapping[str, Callable[[], object]]) -> dict[str, str | None]:
+    """Each call's ``ValueError`` message, or ``None`` where it raised none (a wrapper
+    that should have refused its arguments)."""
+    errors: dict[str, str | None] = {}
+    for name, call in calls.items():
+        try:
+            call()
+            errors[name] = None
+        except ValueError as e:
+            errors[name] = str(e)
+    return errors

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from interpreter_testing import interpreter_main_of, run_interpreted
+from interpreter_testing import interpreter_main_of, run_interpreted, value_errors
 
 ULP = {"float32": 2**-22, "float16": 2**-10, "bfloat16": 2**-7}  # relative: one unit, with room
 
@@ -106,14 +106,7 @@ def check_errors(device: str) -> dict:
         "rope_cos": lambda: rope_(q, q.clone(), torch.zeros(2, 4, device=device),
                                   torch.zeros(2, 4, device=device)),
     }
-    errors = {}
-    for name, call in calls.items():
-        try:
-            call()
-            errors[name] = None
-        except ValueError as e:
-            errors[name] = str(e)
-    return errors
+    return value_errors(calls)
 
 
 def interpreter_main() -> None:

@@ -134,19 +134,24 @@ def flip_a_payload_byte(path: Path, key: BlockKey) -> None:
     env.close()
 
 
+def disk_llm(path):
+    """A tiny CPU engine whose only tier is the disk store at ``path``."""
+    tiers = TierConfig(kv_cache_dir=path, cpu_bytes=0, disk_bytes=64 << 20)
+    return build_llm("tiny", tiers, max_model_len=512, device="cpu")
+
+
 def test_a_corrupt_record_is_recomputed_and_counted(tmp_path, reference):
     path = tmp_path / "kv"
-    tiers = TierConfig(kv_cache_dir=path, cpu_bytes=0, disk_bytes=64 << 20)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompt = max(PROMPTS, key=len)
     want = reference[PROMPTS.index(prompt)]
-    with build_llm("tiny", tiers, max_model_len=512, device="cpu") as llm:
+    with disk_llm(path) as llm:
         llm.generate(prompt, params)
         namespace = llm.engine.connector.namespace
     victim = BlockKey(namespace, hash_blocks(root_hash(namespace), prompt, BLOCK)[3])
     flip_a_payload_byte(path, victim)  # no process has the store open
 
-    with build_llm("tiny", tiers, max_model_len=512, device="cpu") as llm:
+    with disk_llm(path) as llm:
         out = llm.generate(prompt, params)[0]
         stats = llm.engine.connector.stats()["disk"]
         engine = llm.engine.stats()
@@ -156,7 +161,7 @@ def test_a_corrupt_record_is_recomputed_and_counted(tmp_path, reference):
     assert engine.connector_load_failures == 1
 
     # The recompute stored the block again: the next engine hits the whole prefix.
-    with build_llm("tiny", tiers, max_model_len=512, device="cpu") as llm:
+    with disk_llm(path) as llm:
         again = llm.generate(prompt, params)[0]
         stats = llm.engine.connector.stats()["disk"]
     assert again.token_ids == want and again.num_cached_tokens == full_hit(prompt)
@@ -165,23 +170,20 @@ def test_a_corrupt_record_is_recomputed_and_counted(tmp_path, reference):
 
 def test_a_truncated_store_is_moved_aside_and_the_engine_serves_on(tmp_path, reference, caplog):
     path = tmp_path / "kv"
-    tiers = TierConfig(kv_cache_dir=path, cpu_bytes=0, disk_bytes=64 << 20)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompt = max(PROMPTS, key=len)
     want = reference[PROMPTS.index(prompt)]
-    with build_llm("tiny", tiers, max_model_len=512, device="cpu") as llm:
+    with disk_llm(path) as llm:
         llm.generate(prompt, params)
     data = path / "data.mdb"
     with open(data, "r+b") as f:  # a crash of the file system, a copy cut short
         f.truncate(data.stat().st_size // 3)
 
-    with caplog.at_level("WARNING"), build_llm(
-        "tiny", tiers, max_model_len=512, device="cpu"
-    ) as llm:
+    with caplog.at_level("WARNING"), disk_llm(path) as llm:
         out = llm.generate(prompt, params)[0]
         moved = llm.engine.connector.stores()["disk"].moved_aside
     assert out.token_ids == want and out.num_cached_tokens == 0  # served, recomputed
     assert moved is not None and moved.name.startswith("kv.damaged-") and moved.is_dir()
     assert any("moved it to" in r.getMessage() for r in caplog.records)
-    with build_llm("tiny", tiers, max_model_len=512, device="cpu") as llm:  # the new store works
+    with disk_llm(path) as llm:  # the new store works
         assert llm.generate(prompt, params)[0].num_cached_tokens == full_hit(prompt)

@@ -20,7 +20,7 @@ import torch
 
 from engine.attention import AttentionMetadata, KVScales, attention_torch, write_kv
 from engine.kv_cache import layer_view
-from interpreter_testing import interpreter_main_of, run_interpreted
+from interpreter_testing import interpreter_main_of, run_interpreted, value_errors
 
 E4M3 = "float8_e4m3fn"
 E5M2 = "float8_e5m2"
@@ -276,14 +276,7 @@ def _bad_calls(device: str) -> dict:
 
 
 def check_errors(device: str) -> dict:
-    errors = {}
-    for name, call in _bad_calls(device).items():
-        try:
-            call()
-            errors[name] = None
-        except ValueError as e:
-            errors[name] = str(e)
-    return errors
+    return value_errors(_bad_calls(device))
 
 
 def check_skipped_slot(device: str) -> bool:
