@@ -21,6 +21,7 @@ DTYPES = {
     "bf16": torch.bfloat16,
 }
 KV_CACHE_DTYPES = ("auto", "fp8")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -49,6 +50,8 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     cpu_kv_cache_bytes: int = 256 * 2**20
     seed: int = 0
+    enforce_eager: bool = False  # False: decode runs under CUDA graphs on a GPU
+    scheduling_policy: str = "fcfs"  # or "priority", as in vLLM
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -78,6 +81,12 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _bool("enable_prefix_caching", self.enable_prefix_caching)
+        _bool("enforce_eager", self.enforce_eager)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.scheduling_policy!r}"
+            )
         _bool("enable_chunked_prefill", self.enable_chunked_prefill)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(

@@ -46,6 +46,9 @@ class TierConfig:
     ``remote_ttl_s``: expire remote keys after this many seconds (``None``: the server's
     ``maxmemory-policy`` alone decides what goes).
     ``remote_prefix``: the prefix of this deployment's keys on the server.
+    ``remote_secret_file``: a file holding the deployment's shared secret, which seals the
+    remote tier's records; ``remote_secret``: the same secret given directly (the
+    ``TIERED_KV_SECRET`` environment variable). See docs/security.md.
     """
 
     kv_cache_dir: str | os.PathLike[str] | None = None
@@ -62,6 +65,8 @@ class TierConfig:
     remote_timeout_s: float = 0.1
     remote_ttl_s: int | None = None
     remote_prefix: str = "tkv:"
+    remote_secret_file: str | os.PathLike[str] | None = None
+    remote_secret: str | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.kv_cache_dir is not None and not isinstance(self.kv_cache_dir, (str, os.PathLike)):
