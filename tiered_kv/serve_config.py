@@ -38,6 +38,7 @@ class ServeConfig:
     max_queue_len: int = 256
     max_request_body_mib: float = 8.0
     log_level: str = "info"
+    generation_config: str = "auto"
     # the engine (vLLM's names)
     dtype: str = "auto"
     max_model_len: int | None = None
@@ -60,6 +61,8 @@ class ServeConfig:
     kv_remote_write_policy: str = "write-through"
     kv_remote_timeout: float = 0.1
     kv_remote_ttl: int | None = None
+    kv_secret_file: str | None = None
+    secret: str | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         _str("model", self.model)
@@ -162,6 +165,8 @@ class ServeConfig:
             remote_write_policy=self.kv_remote_write_policy,
             remote_timeout_s=self.kv_remote_timeout,
             remote_ttl_s=self.kv_remote_ttl,
+            remote_secret_file=self.kv_secret_file,
+            remote_secret=self.secret,
         )
 
     @classmethod
