@@ -102,6 +102,12 @@ class LLMEngine:
             kv_scales = self.model_runner.calibrate_fp8_scales(calibration[:limit])
         num_blocks = self._num_blocks(spec, kv_scales)
         kv_cache = self.model_runner.init_kv_cache(num_blocks, kv_scales)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            graphs = self.model_runner.enable_decode_graphs(capture=True)
+            logger.info(
+                "captured %d decode graphs (batch 1..%d) in %.1f s",
+                len(graphs.buckets), graphs.max_batch, graphs.capture_seconds,
+            )
         self.namespace = KVNamespace(
             model_fingerprint=model.fingerprint,
             kv_dtype=str(spec.dtype).removeprefix("torch."),
@@ -140,10 +146,12 @@ class LLMEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         add_special_tokens: bool = True,
+        priority: int = 0,
     ) -> str:
         """Queue a request (text or token ids); returns its id. Raises ``ValueError`` for a
         prompt that is empty, is not valid Unicode (a lone surrogate), has an invalid token id
-        or does not fit ``max_model_len``."""
+        or does not fit ``max_model_len``, and for a non-zero ``priority`` unless
+        ``scheduling_policy`` is ``"priority"`` (a lower value is served earlier)."""
         if self._closed:
             raise RuntimeError("the engine is closed")
         params = params or SamplingParams()
@@ -153,6 +161,8 @@ class LLMEngine:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
         if isinstance(prompt, str):
             if not _is_unicode(prompt):
                 raise ValueError("the prompt is not valid Unicode: it holds a lone surrogate")
@@ -178,6 +188,7 @@ class LLMEngine:
             generator=torch.Generator(self.device).manual_seed(seed),
             prompt=text,
             cache_salt=cache_salt,
+            priority=priority,
         )
         text_state = _TextState(self._detokenizer(token_ids, params))
         self.scheduler.add(seq)

@@ -9,6 +9,7 @@ import torch
 
 from engine.attention import AttentionMetadata, KVScales
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCacheSpec, fp8_scales_from_cache
 from engine.sampler import Sample, SampleError, Sampler, SamplingRow
 from engine.scheduler import SchedulerOutput
@@ -45,18 +46,44 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.sampler = Sampler()
         self.kv_cache: torch.Tensor | None = None  # [num_blocks, L, 2, block_size, H, D]
+        self._full_cache: torch.Tensor | None = None  # kv_cache and the scratch block after it
         self.kv_scales: list[KVScales] | None = None
+        self.decode_graphs: DecodeGraphs | None = None
 
     def init_kv_cache(self, num_blocks: int, kv_scales: list[KVScales] | None) -> torch.Tensor:
-        self.kv_cache = self.spec.allocate(num_blocks, self.device)  # [num_blocks, L, 2, T, H, D]
+        """Allocate the pool's ``num_blocks`` blocks (returned) and one scratch block after
+        them, which only the padding rows of decode graphs write."""
+        self._full_cache = self.spec.allocate(num_blocks + 1, self.device)  # [num_blocks+1, L, 2, T, H, D]
+        self.kv_cache = self._full_cache[:num_blocks]
         self.kv_scales = kv_scales
         return self.kv_cache
 
+    def enable_decode_graphs(self, capture: bool) -> DecodeGraphs:
+        """Run decode-only steps of up to ``max_num_seqs`` sequences from static buffers, and
+        with ``capture`` (CUDA only) replay them as CUDA graphs, captured here."""
+        if self._full_cache is None:
+            raise RuntimeError("init_kv_cache() must be called before enable_decode_graphs()")
+        model, scales = self.model, self.kv_scales
+        self.decode_graphs = DecodeGraphs(
+            lambda ids, pos, cache, meta: model(ids, pos, cache, meta, scales),
+            self._full_cache,
+            max_num_seqs=self.config.max_num_seqs,
+            max_model_len=self.config.max_model_len,
+            block_size=self.block_size,
+            scratch_block=self._full_cache.shape[0] - 1,
+            capture=capture,
+        )
+        with torch.inference_mode():
+            self.decode_graphs.capture_all()
+        return self.decode_graphs
+
     def free_kv_cache(self) -> None:
-        """Drop the KV cache and, on CUDA, return its memory to the device (the caching
-        allocator would otherwise keep it from the next engine in this process). Whoever
-        else held a view of it must have dropped it first."""
+        """Drop the KV cache and the decode graphs and, on CUDA, return their memory to the
+        device (the caching allocator would otherwise keep it from the next engine in this
+        process). Whoever else held a view of the cache must have dropped it first."""
+        self.decode_graphs = None
         self.kv_cache = None
+        self._full_cache = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -70,6 +97,14 @@ class ModelRunner:
         sampled = [
             i for i, (seq, n) in enumerate(items) if seq.num_computed_tokens + n == seq.num_tokens
         ]
+        graphs = self.decode_graphs
+        if graphs is not None and len(sampled) == len(items) <= graphs.max_batch and all(
+            n == 1 for _, n in items
+        ):
+            hidden = self._run_decode_graph(graphs, [seq for seq, _ in items])
+            logits = self.model.compute_logits(hidden)  # [B, vocab] float32
+            rows = [self._sampling_row(seq) for seq, _ in items]
+            return list(self.sampler(logits, rows))
         batch = self._prepare(
             [seq.token_ids for seq, _ in items],
             [seq.num_computed_tokens for seq, _ in items],
@@ -88,6 +123,19 @@ class ModelRunner:
         for i, sample in zip(sampled, self.sampler(logits, rows)):
             results[i] = sample
         return results
+
+    def _run_decode_graph(self, graphs: DecodeGraphs, seqs: Seq[Sequence]) -> torch.Tensor:
+        """One new token per sequence through the decode graphs; hidden states ``[B, hidden]``."""
+        bs = self.block_size
+        positions = np.fromiter((seq.num_tokens - 1 for seq in seqs), np.int64, len(seqs))  # [B]
+        input_ids = np.fromiter((seq.token_ids[-1] for seq in seqs), np.int64, len(seqs))
+        width = int(positions.max()) // bs + 1
+        tables = np.zeros((len(seqs), width), dtype=np.int32)  # [B, width]
+        for b, seq in enumerate(seqs):
+            used = int(positions[b]) // bs + 1
+            tables[b, :used] = seq.block_table[:used]
+        slots = tables[np.arange(len(seqs)), positions // bs].astype(np.int64) * bs + positions % bs
+        return graphs.run(input_ids, positions, slots, tables)
 
     @torch.inference_mode()
     def profile_peak_memory(self, kv_scales: list[KVScales] | None) -> int:
