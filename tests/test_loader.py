@@ -166,10 +166,6 @@ def test_weights_converted_to_requested_dtype(ckpt):
         (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
         (dict(torch_dtype="float8_e4m3fn"), "torch_dtype 'float8_e4m3fn'"),
         (dict(quantization_config={"quant_method": "awq"}), "quantized"),
-        (
-            dict(architectures=["MistralForCausalLM"], sliding_window=1024),
-            "sliding_window=1024 is smaller than max_position_embeddings=4096",
-        ),
     ],
 )
 def test_config_rejected(ckpt, changes, message):

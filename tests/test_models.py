@@ -73,6 +73,33 @@ CASES = {
         transformers.Phi3ForCausalLM,
         dict(sliding_window=None, pad_token_id=0),
     ),
+    # windows shorter than the test sequences, across block edges (block_size 4)
+    "mistral-window": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        dict(head_dim=32, sliding_window=6, num_key_value_heads=1),
+    ),
+    "gemma2": (
+        transformers.Gemma2Config,
+        transformers.Gemma2ForCausalLM,
+        dict(
+            head_dim=16, query_pre_attn_scalar=24, sliding_window=6, pad_token_id=0,
+            attn_logit_softcapping=1.5, final_logit_softcapping=4.0,
+        ),
+    ),
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        dict(
+            head_dim=32, query_pre_attn_scalar=20, sliding_window=7, pad_token_id=0,
+            layer_types=["full_attention", "sliding_attention"],
+            attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+        ),
+    ),
 }
 
 
@@ -106,6 +133,11 @@ class PagedRunner:
         random.Random(seed).shuffle(self.free)
         self.blocks: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
+
+    def share_prefix(self, seq: int, source: int, num_blocks: int) -> None:
+        """Start ``seq`` on ``source``'s first full blocks, as a prefix-cache hit does."""
+        self.blocks[seq] = self.blocks[source][:num_blocks]
+        self.lens[seq] = num_blocks * self.block_size
 
     def step(self, batch: list[tuple[int, list[int]]]) -> torch.Tensor:
         """Append new tokens to each sequence in one flattened step; logits for every new token."""
@@ -205,6 +237,21 @@ def test_chunked_prefill_attends_to_cached_chunk(checkpoint):
     torch.testing.assert_close(second[11:], expected[:4], atol=ATOL, rtol=0)
 
 
+def test_prefix_cache_hit_continues_like_the_full_sequence(checkpoint):
+    """A second sequence starts on the first one's cached blocks (past every window here)
+    and computes only its own suffix, then decodes."""
+    reference, loaded = checkpoint
+    shared = random_tokens(16, seed=9)
+    suffix = random_tokens(6, seed=10)
+    runner = PagedRunner(loaded)
+    runner.step([(0, shared + random_tokens(3, seed=11))])
+    runner.share_prefix(1, source=0, num_blocks=4)
+    got = [runner.step([(1, suffix[:5])])]
+    got.append(runner.step([(1, suffix[5:])]))
+    expected = reference_logits(reference, shared + suffix)[16:]
+    torch.testing.assert_close(torch.cat(got), expected, atol=ATOL, rtol=0)
+
+
 def test_sharded_checkpoint(tmp_path):
     reference = write_hf_checkpoint(tmp_path, "llama", max_shard_size="40KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
@@ -279,6 +326,8 @@ def test_partial_rotary_phi_is_refused_naming_the_setting():
         {"architectures": ["MistralForCausalLM"], "head_dim": 32},
         {"architectures": ["Qwen3ForCausalLM"], "attention_bias": True},
         {"architectures": ["Phi3ForCausalLM"]},
+        {"architectures": ["Gemma2ForCausalLM"], "hidden_activation": "gelu_pytorch_tanh"},
+        {"architectures": ["Gemma3ForCausalLM"], "hidden_activation": "gelu_pytorch_tanh"},
     ],
 )
 def test_checkpoint_layout_covers_every_parameter_once(extra):
@@ -298,3 +347,72 @@ def test_checkpoint_layout_covers_every_parameter_once(extra):
         spans.sort()
         assert spans[0][0] == 0 and spans[-1][1] == params[name].shape[0], name
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), name
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("mistral-window", ("sliding_attention",) * 2),
+        ("gemma2", ("sliding_attention", "full_attention")),
+        ("gemma3", ("full_attention", "sliding_attention")),
+    ],
+)
+def test_layer_types_are_read_as_transformers_writes_them(case, expected):
+    from engine.models import ModelConfig
+
+    config_cls, _, extra = CASES[case]
+    hf = config_cls(**{**SMALL, **extra}).to_dict()
+    hf["architectures"] = [_ARCHITECTURES[case]]
+    config = ModelConfig.from_hf(hf)
+    assert config.layer_types == expected
+    windows = tuple(config.layer_window(i) for i in range(2))
+    assert windows == tuple(extra["sliding_window"] if t == "sliding_attention" else None for t in expected)
+    assert config.kv_window == (extra["sliding_window"] if case == "mistral-window" else None)
+
+
+_ARCHITECTURES = {
+    "mistral-window": "MistralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+
+
+def test_default_layer_patterns_follow_the_architecture():
+    """Configs without layer_types (as on the Hub): vLLM's and transformers' rules."""
+    from engine.models import ModelConfig
+    from engine.models.tiny import TINY_CONFIG
+
+    base = {**TINY_CONFIG, "num_hidden_layers": 6, "hidden_activation": "gelu_pytorch_tanh"}
+    gemma2 = ModelConfig.from_hf({**base, "architectures": ["Gemma2ForCausalLM"], "sliding_window": 8})
+    assert [gemma2.layer_window(i) for i in range(6)] == [8, None] * 3
+    gemma3 = ModelConfig.from_hf(
+        {**base, "architectures": ["Gemma3ForCausalLM"], "sliding_window": 8,
+         "sliding_window_pattern": 3, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+         "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    )
+    assert [gemma3.layer_window(i) for i in range(6)] == [8, 8, None] * 2
+    assert (gemma3.rope_theta, gemma3.local_rope_theta) == (1e6, 1e4)
+    assert gemma3.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert gemma3.local_rope_scaling is None and gemma3.query_pre_attn_scalar == 256
+    qwen = ModelConfig.from_hf(
+        {**TINY_CONFIG, "num_hidden_layers": 6, "architectures": ["Qwen2ForCausalLM"],
+         "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 4}
+    )
+    assert [qwen.layer_window(i) for i in range(6)] == [None] * 4 + [8] * 2
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"architectures": ["Gemma3ForConditionalGeneration"]}, "'Gemma3ForConditionalGeneration' is not supported"),
+        ({"architectures": ["MistralForCausalLM"], "layer_types": ["chunked_attention"] * 4, "sliding_window": 8},
+         "layer type 'chunked_attention'"),
+        ({"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True}, "bidirectional"),
+    ],
+)
+def test_unsupported_models_are_refused_naming_what(extra, message):
+    from engine.models import ModelConfig
+    from engine.models.tiny import TINY_CONFIG
+
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf({**TINY_CONFIG, **extra})

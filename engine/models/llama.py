@@ -1,14 +1,14 @@
-"""Llama, Mistral, Qwen2, Qwen3 and Phi-3 as one paged decoder.
+"""Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and Gemma 3 as one paged decoder.
 
 They differ only in details the config carries: biases (Qwen2 on q/k/v, Llama and Qwen3
-optionally everywhere), an RMSNorm on each q and k head (Qwen3), tied embeddings, RoPE
-scaling. q/k/v are one matmul and gate/up another; the loader writes the checkpoint's
-separate tensors into row slices of the fused weights, or Phi-3's fused tensors as they
-are (see :meth:`CausalLM.checkpoint_layout`).
+optionally everywhere), an RMSNorm on each q and k head (Qwen3, Gemma 3), tied embeddings,
+RoPE scaling, sliding windows, and Gemma's layer (:mod:`engine.models.gemma`). q/k/v are
+one matmul and gate/up another; the loader writes the checkpoint's separate tensors into
+row slices of the fused weights, or Phi-3's fused tensors as they are (see
+:meth:`CausalLM.checkpoint_layout`).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Sequence
 
@@ -16,162 +16,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, KVScales, paged_attention
-from engine.fused_ops import add_rms_norm, rope_
+from engine.attention import AttentionMetadata, KVScales
 from engine.kv_cache import layer_view
-from engine.models.config import ModelConfig
-
-
-@dataclasses.dataclass(frozen=True)
-class WeightSlot:
-    """Where one checkpoint tensor goes: rows ``offset : offset + shape[0]`` of ``param``."""
-
-    param: str
-    shape: tuple[int, ...]
-    offset: int = 0
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(x + residual), x + residual)``; normalized in fp32 and scaled in the model
-        dtype, as the reference implementation does. One kernel on CUDA."""
-        return add_rms_norm(x, residual, self.weight, self.eps)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables over positions, grown on demand (never past max_position_embeddings).
-
-    The tables are plain attributes, not buffers: they are derived, never loaded, and the
-    model is built on the meta device.
-    """
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.head_dim = config.head_dim
-        self.theta = config.rope_theta
-        self.scaling = config.rope_scaling
-        self.max_positions = config.max_position_embeddings
-        self._cos: torch.Tensor | None = None  # [P, D]
-        self._sin: torch.Tensor | None = None
-
-    def inv_freq(self) -> torch.Tensor:
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
-        inv_freq = 1.0 / (self.theta ** exponents)  # [D/2] float32
-        if self.scaling is None:
-            return inv_freq
-        factor = float(self.scaling["factor"])
-        if self.scaling["rope_type"] == "linear":
-            return inv_freq / factor
-        return _llama3_inv_freq(inv_freq, self.scaling)
-
-    def forward(
-        self, positions: torch.Tensor, num_positions: int, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for ``positions``, each ``[N, D]`` in ``dtype``. All positions must be
-        below ``num_positions`` (known on the host, so no device sync is needed)."""
-        if num_positions > self.max_positions:
-            raise ValueError(
-                f"context of {num_positions} tokens exceeds max_position_embeddings "
-                f"({self.max_positions})"
-            )
-        cos = self._cos
-        stale = cos is None or cos.device != positions.device or cos.dtype != dtype
-        if stale or cos.shape[0] < num_positions:
-            self._build(max(num_positions, 1), positions.device, dtype)
-        return self._cos[positions], self._sin[positions]
-
-    def _build(self, needed: int, device: torch.device, dtype: torch.dtype) -> None:
-        size = min(1 << (needed - 1).bit_length(), self.max_positions)
-        size = max(size, min(256, self.max_positions))
-        inv_freq = self.inv_freq().to(device)
-        t = torch.arange(size, device=device, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # [P, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        self._cos, self._sin = emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """Llama 3.1 scaling: long wavelengths slowed by ``factor``, short ones kept, a smooth
-    blend in between."""
-    factor = float(scaling["factor"])
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    old_len = float(scaling["original_max_position_embeddings"])
-    wavelen = 2 * math.pi / inv_freq
-    slowed = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    blended = (1 - smooth) * slowed / factor + smooth * slowed
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(medium, blended, slowed)
-
-
-class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
-        self.sizes = [config.q_size, config.kv_size, config.kv_size]
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, sum(self.sizes), bias=config.attention_bias, dtype=dtype
-        )
-        self.o_proj = nn.Linear(
-            config.q_size, config.hidden_size, bias=config.o_proj_bias, dtype=dtype
-        )
-        self.q_norm = self.k_norm = None
-        if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [N, hidden]
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        layer_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D], a strided view
-        meta: AttentionMetadata,
-        scales: KVScales,
-    ) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)  # [N, Hq, D]
-        k = k.view(n, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
-        if self.q_norm is not None:  # per head: rows of D
-            q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(q.shape)
-            k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(k.shape)
-        q, k = rope_(q, k, cos, sin)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, layer_cache, meta, self.scale, scales)  # [N, Hq, D]
-        return self.o_proj(out.reshape(n, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.gate_up_proj = nn.Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias, dtype=dtype
-        )
-        self.down_proj = nn.Linear(
-            config.intermediate_size, config.hidden_size, bias=config.mlp_bias, dtype=dtype
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+from engine.models.config import SLIDING_ATTENTION, ModelConfig
+from engine.models.gemma import GemmaDecoderLayer
+from engine.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding, WeightSlot, make_norm
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    NORMS = ("input_layernorm", "post_attention_layernorm")
+
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, dtype)
+        self.self_attn = Attention(config, layer, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype)
 
@@ -196,10 +54,21 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.rotary = RotaryEmbedding(config)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        c = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
+        # Gemma: sqrt(hidden), rounded to the model dtype as the reference does
+        self.embed_scale = None
+        if c.gemma:
+            self.embed_scale = torch.tensor(math.sqrt(c.hidden_size), device="cpu").to(dtype).item()
+        self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
+        self.local_rotary = None  # Gemma 3's sliding layers have their own RoPE base
+        if c.local_rope_theta is not None:
+            self.local_rotary = RotaryEmbedding(
+                c.head_dim, c.local_rope_theta, c.local_rope_scaling, c.max_position_embeddings
+            )
+        layer_cls = GemmaDecoderLayer if c.gemma else DecoderLayer
+        self.layers = nn.ModuleList(layer_cls(c, i, dtype) for i in range(c.num_layers))
+        self.norm = make_norm(c, c.hidden_size, dtype)
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -220,16 +89,26 @@ class CausalLM(nn.Module):
                 f"model's {len(self.layers)} layers"
             )
         x = self.embed_tokens(input_ids)  # [N, hidden]
-        cos, sin = self.rotary(positions, meta.max_seq_len, x.dtype)  # [N, D] each
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        rope = self.rotary(positions, meta.max_seq_len, x.dtype)  # (cos, sin), [N, D] each
+        local_rope = rope
+        if self.local_rotary is not None:
+            local_rope = self.local_rotary(positions, meta.max_seq_len, x.dtype)
         residual = None
         for i, layer in enumerate(self.layers):
             scales = kv_scales[i] if kv_scales is not None else KVScales()
+            cos, sin = local_rope if self.config.layer_types[i] == SLIDING_ATTENTION else rope
             x, residual = layer(x, residual, cos, sin, layer_view(kv_cache, i), meta, scales)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, hidden] -> [M, vocab]
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)
+        cap = self.config.final_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def checkpoint_layout(self) -> dict[str, WeightSlot]:
         """Every tensor a Hugging Face checkpoint of this model holds, by its name there."""
@@ -278,6 +157,6 @@ class CausalLM(nn.Module):
                 shape = (h, inter) if kind == "weight" else (h,)
                 down = f"mlp.down_proj.{kind}"
                 layout[f"{src}.{down}"] = WeightSlot(f"{dst}.{down}", shape)
-            for norm in ("input_layernorm", "post_attention_layernorm"):
+            for norm in type(self.layers[i]).NORMS:
                 layout[f"{src}.{norm}.weight"] = WeightSlot(f"{dst}.{norm}.weight", (h,))
         return layout
