@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence as Seq
 
+from engine.kv_events import KVEventLog
 from engine.sequence import Sequence
 
 
@@ -41,6 +42,7 @@ class BlockManager:
         *,
         enable_prefix_caching: bool = True,
         on_evict: Callable[[list[bytes]], None] | None = None,
+        events: KVEventLog | None = None,
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(
@@ -53,6 +55,7 @@ class BlockManager:
         self._cached: dict[bytes, int] = {}  # hash -> block id
         self._holds: Counter[int] = Counter()  # block id -> holds on it (part of its ref_count)
         self._on_evict = on_evict
+        self._events = events  # KV events for routers: blocks cached and evicted
 
     @property
     def num_blocks(self) -> int:
@@ -124,6 +127,8 @@ class BlockManager:
             seq.block_table.append(self._take_free(evicted))
         if evicted and self._on_evict is not None:
             self._on_evict(evicted)
+        if evicted and self._events is not None:
+            self._events.removed(evicted)
         return True
 
     def free(self, seq: Sequence) -> None:
@@ -180,7 +185,22 @@ class BlockManager:
             block.token_ids = tuple(seq.block_tokens(i))
             self._cached[block_hash] = block.block_id
             new.append(i)
+        if self._events is not None:
+            self._log_stored(seq, hashes, new)
         return new
+
+    def _log_stored(self, seq: Sequence, hashes: Seq[bytes], new: list[int]) -> None:
+        """One event per run of consecutive newly cached blocks of ``seq``."""
+        runs: list[list[int]] = []
+        for i in new:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            tokens = [t for i in run for t in seq.block_tokens(i)]
+            parent = hashes[run[0] - 1] if run[0] else None
+            self._events.stored([hashes[i] for i in run], parent, tokens)
 
     def _take_free(self, evicted: list[bytes]) -> int:
         block_id, _ = self._free.popitem(last=False)

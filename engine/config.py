@@ -10,6 +10,8 @@ import re
 
 import torch
 
+from engine.kv_events import KVEventsConfig
+
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -52,6 +54,7 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # False: decode runs under CUDA graphs on a GPU
     scheduling_policy: str = "fcfs"  # or "priority", as in vLLM
+    kv_events_config: KVEventsConfig | None = None  # publish KV events for routers
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -82,6 +85,8 @@ class EngineConfig:
             _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _bool("enable_prefix_caching", self.enable_prefix_caching)
         _bool("enforce_eager", self.enforce_eager)
+        if self.kv_events_config is not None and not isinstance(self.kv_events_config, KVEventsConfig):
+            raise ValueError(f"kv_events_config must be a KVEventsConfig, got {self.kv_events_config!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "

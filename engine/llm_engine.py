@@ -31,13 +31,16 @@ from engine.kv_cache import (
     kv_cache_dtype,
     num_blocks_for_budget,
 )
+from engine.kv_events import KVEventLog, ZmqEventPublisher
 from engine.model_runner import ModelRunner
 from engine.models import LoadedModel, load_model
 from engine.outputs import RequestOutput
+from engine.penalties import TokenCounts
 from engine.sampler import Sample, SampleError, SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.stats import EngineStats, NvmlTelemetry, StatsCollector
+from engine.structured_output import GrammarCompiler
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -82,6 +85,7 @@ class LLMEngine:
         self.model_config = mc = model.config
         self.tokenizer: Tokenizer = model.tokenizer
         self.fingerprint = model.fingerprint
+        self.model_path = model.path  # the checkpoint folder (its generation_config.json)
         self.device = torch.device(config.device)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         spec = KVCacheSpec(
@@ -123,14 +127,21 @@ class LLMEngine:
             kv_connector.register_kv_cache(kv_cache, self.namespace, config.block_size)
         self._stats = StatsCollector()
         self._telemetry = NvmlTelemetry(self.device)
+        events = config.kv_events_config
+        self._kv_events = KVEventLog(config.block_size) if events and events.enable_kv_cache_events else None
+        self._kv_publisher = ZmqEventPublisher(events) if events and events.publishes else None
+        if self._kv_events is not None:
+            self._kv_events.cleared()  # routers forget what an earlier life of this instance held
         self.block_manager = BlockManager(
             num_blocks,
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
             on_evict=kv_connector.on_blocks_evicted if kv_connector is not None else None,
+            events=self._kv_events,
         )
         self.scheduler = Scheduler(config, self.block_manager, self._stats, kv_connector)
         self._texts: dict[str, _TextState] = {}
+        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self._counter = itertools.count()
         self._closed = False
 
@@ -175,6 +186,10 @@ class LLMEngine:
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if not token_ids:
             raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        outside = [t for t, _ in params.logit_bias if t >= vocab]
+        if outside:
+            raise ValueError(f"logit_bias has token ids outside the vocabulary [0, {vocab}): {outside[:5]}")
         number = next(self._counter)
         if request_id is None:
             request_id = str(number)
@@ -190,6 +205,10 @@ class LLMEngine:
             cache_salt=cache_salt,
             priority=priority,
         )
+        if params.structured_output is not None:
+            seq.grammar = self.grammars.state(params.structured_output)
+        if params.has_penalties:
+            seq.token_counts = TokenCounts(token_ids, self.model_config.vocab_size, self.device)
         text_state = _TextState(self._detokenizer(token_ids, params))
         self.scheduler.add(seq)
         self._texts[request_id] = text_state
@@ -216,6 +235,19 @@ class LLMEngine:
         With a connector, the step first takes in the transfers it finished. When nothing
         can run until a transfer finishes, the step waits up to ``TRANSFER_WAIT_S`` for one
         and may then run nothing."""
+        try:
+            return self._step()
+        finally:
+            self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        if self._kv_events is None:
+            return
+        events = self._kv_events.take()
+        if events and self._kv_publisher is not None:
+            self._kv_publisher.publish(events)
+
+    def _step(self) -> list[RequestOutput]:
         if self.connector is not None:
             self.scheduler.apply_transfers(self.connector.poll())
         plan = self.scheduler.schedule()
@@ -275,6 +307,9 @@ class LLMEngine:
         if self.connector is not None:
             self.connector.close()
         self._telemetry.close()
+        self._publish_kv_events()
+        if self._kv_publisher is not None:
+            self._kv_publisher.close()
         self.model_runner.free_kv_cache()
 
     def _detokenizer(
@@ -312,7 +347,8 @@ class LLMEngine:
         """Append a sampled token; detokenize; finish the request on a stop condition."""
         params, state = seq.params, self._texts[seq.request_id]
         token = sample.token_id
-        seq.token_ids.append(token)
+        grammar_ended = seq.grammar is not None and seq.grammar.advance(token)
+        seq.append_token(token)
         if seq.logprobs is not None:
             seq.logprobs.append(sample.logprob)
         if seq.top_logprobs is not None:
@@ -334,7 +370,9 @@ class LLMEngine:
             reason, state.stop_reason = "stop", token
         else:
             new_text = state.detokenizer.add(token)
-            if (params.max_tokens is not None and num_out >= params.max_tokens) or (
+            if grammar_ended:
+                reason, state.stop_reason = "stop", token
+            elif (params.max_tokens is not None and num_out >= params.max_tokens) or (
                 seq.num_tokens >= self.config.max_model_len
             ):
                 reason = "length"
