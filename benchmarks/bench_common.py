@@ -1,13 +1,19 @@
 """What several benchmarks share: the machine description and random Llama checkpoints."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import platform
 import sys
 from pathlib import Path
 
 import torch
+
+from engine.config import DTYPES
+
+BLOCK = 16  # the engine's default block size
 
 
 def machine(**extra: str) -> dict:
@@ -29,6 +35,44 @@ def machine(**extra: str) -> dict:
         "platform": platform.platform(),
         **extra,
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A random Llama's dimensions (the benchmarks' model shapes)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    dtype: str
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (self.layers, 2, BLOCK, self.kv_heads, self.head_dim)  # [L, 2, T, H, D]
+
+    @property
+    def block_nbytes(self) -> int:
+        return math.prod(self.block_shape) * DTYPES[self.dtype].itemsize
+
+    def llama_config(self, max_len: int) -> dict:
+        return dict(
+            vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.intermediate,
+            num_hidden_layers=self.layers, num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
+            max_position_embeddings=max(4096, max_len), rms_norm_eps=1e-5,
+            bos_token_id=256, eos_token_id=257,
+        )
+
+
+SHAPES = {
+    "tiny": Shape(256, 4, 8, 4, 32, 688, 1024, "float32"),
+    "1b": Shape(2048, 16, 32, 8, 64, 8192, 32000, "bfloat16"),
+    "8b": Shape(4096, 32, 32, 8, 128, 14336, 32000, "bfloat16"),
+}
 
 
 def write_random_llama(

@@ -1,25 +1,31 @@
-"""Engine benchmark: output throughput against ``transformers`` and TTFT with prefix caching.
+"""Engine benchmark: decode throughput against ``transformers``, and TTFT with prefix caching.
 
-Both engines run the same random Llama, written by ``transformers`` itself (hidden 512,
-8 layers, 8 heads / 4 KV heads, vocab 32000, fp32) into a temporary folder:
+Every engine runs the same random Llama, written by ``transformers`` itself into a temporary
+folder (``--shape``: ``bench`` = hidden 512, 8 layers, 8/4 heads, vocab 32000, fp32, the CPU
+default; ``1b`` and ``8b`` as in ``gpu_tiers.py``, bf16, the CUDA default).
 
-  throughput  16 prompts of random token ids with lengths drawn from 16..512, greedy,
-              ``max_tokens`` new tokens each with eos ignored. ``transformers``: one
-              ``generate()`` call on the left-padded batch. The engine: one
-              ``LLM.generate()`` call. Output tokens per second of wall time, prefill
-              included. Target: the engine at 2x transformers or more.
-  ttft        Requests that share a 1024-token prefix and differ in a 16-token suffix, one
-              at a time (max_tokens=1): time to first token with prefix caching off, and
-              on (the first request is cold, the others hit). ``transformers``
-              ``generate(max_new_tokens=1)`` on the same prompts for reference.
+  throughput  For each workload ``BxPxN`` (``--workloads``): B prompts of P random token ids,
+              greedy, N new tokens each with eos ignored, side by side in one run:
+              - ``transformers``: one ``generate()`` on the batch (dynamic cache, eager);
+              - ``compiled``: the same with a static cache and ``torch.compile``
+                (CUDA only unless ``--engines`` names it);
+              - the engine: one ``LLM.generate()`` (CUDA graphs for decode unless
+                ``--enforce-eager``).
+              Output tokens per second of wall time, prefill included, after a warm-up
+              call. On CUDA, the GPU busy fraction of the engine's decode (kernel time over
+              wall time, from the torch profiler) and the engine's start-up seconds.
+  ttft        Requests that share a prefix and differ in a 16-token suffix, one at a time
+              (max_tokens=1): time to first token with prefix caching off, and on.
 
-    .venv/bin/python benchmarks/engine_throughput.py [--quick] [--threads N]
-        [--out benchmarks/results/engine_throughput.json]
+    python benchmarks/engine_throughput.py [--quick] [--device cuda] [--shape 1b]
+        [--dtype bfloat16] [--workloads 1x16x256,32x512x128] [--engines ...]
+        [--enforce-eager] [--threads N] [--out benchmarks/results/engine_throughput.json]
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,176 +33,245 @@ from pathlib import Path
 import torch
 import transformers
 
+from bench_common import DTYPES, SHAPES, Shape, machine, write_json, write_random_llama
 from engine.llm import LLM
 from engine.sampler import SamplingParams
-from bench_common import machine, write_json, write_random_llama
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = 0
-TARGET_SPEEDUP = 2.0
-MODEL = dict(
-    vocab_size=32000,
-    hidden_size=512,
-    intermediate_size=1408,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    max_position_embeddings=4096,
-    rms_norm_eps=1e-5,
-    bos_token_id=256,
-    eos_token_id=257,
-)
+BENCH = Shape(512, 8, 8, 4, 64, 1408, 32000, "float32")
+ENGINES = ("transformers", "compiled", "engine")
+DEFAULT_WORKLOADS = {
+    "cuda": "1x16x256,32x512x128,128x256x128",
+    "cpu": "1x16x64,16x256x64",
+    "quick": "1x16x16,4x64x16",
+}
+TARGET_VS_COMPILED = 1.2  # the engine against compiled transformers, on a GPU
 
 
-def write_model(path: Path) -> transformers.LlamaForCausalLM:
-    model = write_random_llama(path, MODEL, SEED)
-    model.generation_config.eos_token_id = None  # run to max_new_tokens, like ignore_eos
-    return model
+def parse_workload(text: str) -> tuple[int, int, int]:
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"a workload is BATCHxPROMPTxNEW, e.g. 32x512x128; got {text!r}")
+    return int(parts[0]), int(parts[1]), int(parts[2])
 
 
-def random_prompts(count: int, low: int, high: int, seed: int) -> list[list[int]]:
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(low, high + 1, (count,), generator=g).tolist()
-    return [torch.randint(300, MODEL["vocab_size"], (n,), generator=g).tolist() for n in lengths]
+    return torch.randint(300, vocab, (count, length), generator=g).tolist()
 
 
-def hf_generate(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):  # left padding, as batched generation requires
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
+def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, static: bool) -> list[list[int]]:
+    """Greedy ``generate()`` on equal-length prompts (no padding needed)."""
+    ids = torch.tensor(prompts, device=model.device)
+    extra = {"cache_implementation": "static"} if static else {}
     with torch.inference_mode():
         out = model.generate(
-            ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **extra,
         )
-    return out[:, width:].tolist()
+    return out[:, ids.shape[1]:].tolist()
 
 
-def throughput(model, path: Path, prompts: list[list[int]], max_tokens: int) -> dict:
-    hf_generate(model, [p[:8] for p in prompts[:2]], 2)  # warm-up
+def timed(fn, device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     start = time.perf_counter()
-    hf_out = hf_generate(model, prompts, max_tokens)
-    hf_s = time.perf_counter() - start
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    with LLM(str(path), max_model_len=2048) as llm:
-        llm.generate([p[:8] for p in prompts[:2]], SamplingParams(temperature=0.0, max_tokens=2))
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        engine_s = time.perf_counter() - start
-        stats = llm.engine.stats()
-    tokens = len(prompts) * max_tokens
-    assert sum(len(o.token_ids) for o in outs) == tokens
-    return {
-        "prompts": len(prompts),
-        "prompt_tokens": sum(map(len, prompts)),
-        "padded_prompt_tokens": len(prompts) * max(map(len, prompts)),
-        "max_tokens": max_tokens,
-        "transformers_s": hf_s,
-        "engine_s": engine_s,
-        "transformers_tok_s": tokens / hf_s,
-        "engine_tok_s": tokens / engine_s,
-        "speedup": hf_s / engine_s,
-        "target": TARGET_SPEEDUP,
-        "pass": hf_s / engine_s >= TARGET_SPEEDUP,
-        "identical_outputs": sum(o.token_ids == h for o, h in zip(outs, hf_out)),
-        "engine_median_itl_ms": 1e3 * statistics.median(stats.itl_s),
-    }
+    value = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return value, time.perf_counter() - start
 
 
-def ttft(model, path: Path, prefix_len: int, suffix_len: int, requests: int) -> dict:
-    prefix = random_prompts(1, prefix_len, prefix_len, SEED + 1)[0]
-    suffixes = random_prompts(requests, suffix_len, suffix_len, SEED + 2)
-    prompts = [prefix + s for s in suffixes]
+def gpu_busy(fn, device: torch.device) -> float | None:
+    """The fraction of ``fn``'s wall time during which a CUDA kernel ran (one stream)."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _, wall = timed(fn, device)
+    kernel_us = sum(
+        e.time_range.elapsed_us() for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    return kernel_us / 1e6 / wall
+
+
+def run_transformers(model, prompts, new, static: bool, device) -> dict:
+    hf_generate(model, [p[:8] for p in prompts], 4, static)  # warm-up (and compile)
+    out, seconds = timed(lambda: hf_generate(model, prompts, new, static), device)
+    return {"s": seconds, "tok_s": len(prompts) * new / seconds, "tokens": out}
+
+
+def run_engine(llm: LLM, prompts, new, device) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    llm.generate([p[:8] for p in prompts], SamplingParams(temperature=0.0, max_tokens=4))
+    outs, seconds = timed(lambda: llm.generate(prompts, params), device)
+    result = {"s": seconds, "tok_s": len(prompts) * new / seconds,
+              "tokens": [o.token_ids for o in outs]}
+    # Busy fraction of a decode-heavy run: short prompts, so decode dominates.
+    short = [p[:16] for p in prompts]
+    busy = gpu_busy(lambda: llm.generate(short, params), device)
+    if busy is not None:
+        result["gpu_busy"] = busy
+    return result
+
+
+def throughput(path: Path, shape: Shape, args, device: torch.device) -> list[dict]:
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=DTYPES[args.dtype]).to(device).eval()
+    rows = []
+    max_len = max(p + n for _, p, n in args.workloads) + 16
+    max_seqs = max(b for b, _, _ in args.workloads)
+    engine_kwargs = dict(device=str(device), dtype=args.dtype, max_model_len=max_len,
+                         max_num_seqs=max_seqs, enforce_eager=args.enforce_eager)
+    if device.type == "cpu":
+        engine_kwargs["num_gpu_blocks_override"] = max_seqs * (-(-max_len // 16)) + 16
+    llm, startup_s = timed(lambda: LLM(str(path), **engine_kwargs), device)
+    compiled_model = None
+    for b, p, n in args.workloads:
+        prompts = random_prompts(b, p, shape.vocab, SEED + b + p)
+        row: dict = {"workload": f"{b}x{p}x{n}", "batch": b, "prompt": p, "new": n}
+        if "transformers" in args.engines:
+            row["transformers"] = run_transformers(hf_model, prompts, n, False, device)
+        if "compiled" in args.engines:
+            if compiled_model is None:
+                compiled_model = hf_model
+                compiled_model.forward = torch.compile(compiled_model.forward, mode="reduce-overhead")
+            row["compiled"] = run_transformers(compiled_model, prompts, n, True, device)
+        if "engine" in args.engines:
+            row["engine"] = run_engine(llm, prompts, n, device)
+            reference = row.get("transformers", {}).get("tokens")
+            if reference is not None:
+                row["identical_outputs"] = sum(
+                    a == r for a, r in zip(row["engine"]["tokens"], reference))
+        for key in ENGINES:
+            if key in row:
+                row[key].pop("tokens")
+        rows.append(row)
+    llm.close()
+    return [{"startup_s": startup_s, "enforce_eager": args.enforce_eager}] + rows
+
+
+def ttft(path: Path, shape: Shape, args, device: torch.device) -> dict:
+    prefix_len, requests = (512, 4) if args.quick else (1024, 6)
+    prefix = random_prompts(1, prefix_len, shape.vocab, SEED + 1)[0]
+    prompts = [prefix + s for s in random_prompts(requests, 16, shape.vocab, SEED + 2)]
     one = SamplingParams(temperature=0.0, max_tokens=1)
-    result: dict = {"prefix_tokens": prefix_len, "suffix_tokens": suffix_len, "requests": requests}
+    result: dict = {"prefix_tokens": prefix_len, "suffix_tokens": 16, "requests": requests}
     for caching in (False, True):
-        with LLM(str(path), max_model_len=2048, enable_prefix_caching=caching) as llm:
+        kwargs = dict(device=str(device), dtype=args.dtype, max_model_len=2048,
+                      enable_prefix_caching=caching, enforce_eager=args.enforce_eager)
+        if device.type == "cpu":
+            kwargs["num_gpu_blocks_override"] = 256
+        with LLM(str(path), **kwargs) as llm:
             llm.generate([[300] * 8], one)  # warm-up, shares nothing with the prompts
             times, cached = [], []
             for prompt in prompts:
-                start = time.perf_counter()
-                out = llm.generate(prompt, one)[0]
-                times.append(time.perf_counter() - start)
+                out, seconds = timed(lambda: llm.generate(prompt, one)[0], device)
+                times.append(seconds)
                 cached.append(out.num_cached_tokens)
-        key = "caching_on" if caching else "caching_off"
-        result[key] = {
+        result["caching_on" if caching else "caching_off"] = {
             "first_ms": 1e3 * times[0],
             "median_rest_ms": 1e3 * statistics.median(times[1:]),
             "num_cached_tokens": cached,
         }
-    hf_times = []
-    for prompt in prompts:
-        start = time.perf_counter()
-        hf_generate(model, [prompt], 1)
-        hf_times.append(time.perf_counter() - start)
-    result["transformers_median_ms"] = 1e3 * statistics.median(hf_times)
     off, on = result["caching_off"]["median_rest_ms"], result["caching_on"]["median_rest_ms"]
     result["hit_speedup"] = off / on
     return result
 
 
-def print_tables(tp: dict, tt: dict) -> None:
-    print("| engine | output tok/s | wall s | identical greedy outputs |")
-    print("|---|---|---|---|")
-    print(f"| transformers generate() | {tp['transformers_tok_s']:.1f} | "
-          f"{tp['transformers_s']:.2f} | |")
-    print(f"| tiered-kv LLM.generate() | {tp['engine_tok_s']:.1f} | {tp['engine_s']:.2f} | "
-          f"{tp['identical_outputs']}/{tp['prompts']} |")
-    print()
-    print(f"speedup {tp['speedup']:.2f}x, target {tp['target']:.1f}x: "
-          f"{'PASS' if tp['pass'] else 'MISS'}")
-    print()
-    print(f"TTFT, {tt['prefix_tokens']}-token shared prefix + {tt['suffix_tokens']}-token suffix, "
-          f"{tt['requests']} requests one at a time:")
-    print("| | first request ms | median of the rest ms | cached tokens (rest) |")
-    print("|---|---|---|---|")
+def print_tables(rows: list[dict], tt: dict | None, device: torch.device) -> None:
+    head, *rows = rows
+    print(f"engine start-up: {head['startup_s']:.1f} s"
+          + (" (eager)" if head["enforce_eager"] else " (CUDA graphs captured)" * (device.type == "cuda")))
+    print("| B x prompt -> new | transformers tok/s | compiled tok/s | engine tok/s "
+          "| engine / compiled | engine / transformers | GPU busy | identical greedy |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        def tok_s(key: str) -> str:
+            return f"{r[key]['tok_s']:,.0f}" if key in r else "–"
+
+        def ratio(key: str) -> str:
+            return f"{r['engine']['tok_s'] / r[key]['tok_s']:.2f}×" if key in r and "engine" in r else "–"
+
+        busy = r.get("engine", {}).get("gpu_busy")
+        same = f"{r['identical_outputs']}/{r['batch']}" if "identical_outputs" in r else "–"
+        print(f"| {r['batch']} x {r['prompt']} -> {r['new']} | {tok_s('transformers')} | "
+              f"{tok_s('compiled')} | {tok_s('engine')} | {ratio('compiled')} | "
+              f"{ratio('transformers')} | {'–' if busy is None else f'{busy:.0%}'} | {same} |")
+    if tt is None:
+        return
+    print(f"\nTTFT, {tt['prefix_tokens']}-token shared prefix + {tt['suffix_tokens']}-token "
+          f"suffix, {tt['requests']} requests one at a time:")
+    print("| prefix caching | first request ms | median of the rest ms |")
+    print("|---|---|---|")
     for key in ("caching_off", "caching_on"):
-        r = tt[key]
-        print(f"| engine, prefix caching {key.split('_')[1]} | {r['first_ms']:.1f} | "
-              f"{r['median_rest_ms']:.1f} | {statistics.median(r['num_cached_tokens'][1:]):.0f} |")
-    print(f"| transformers generate() | | {tt['transformers_median_ms']:.1f} | |")
-    print()
+        print(f"| {key.split('_')[1]} | {tt[key]['first_ms']:.1f} | {tt[key]['median_rest_ms']:.1f} |")
     print(f"prefix hit: TTFT {tt['hit_speedup']:.1f}x lower than with caching off")
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="shorter prompts and outputs")
-    parser.add_argument(
-        "--threads", type=int, default=1,
-        help="torch threads for both engines (default 1: on a small shared VM, OpenMP "
-        "threads that wait on a busy sibling core make every small op slower)",
-    )
-    parser.add_argument(
-        "--out", type=Path, default=REPO / "benchmarks/results/engine_throughput.json"
-    )
+    parser.add_argument("--quick", action="store_true", help="small workloads (CI)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--shape", choices=("bench", *SHAPES), default=None,
+                        help="model shape (default: 1b on CUDA, bench on CPU)")
+    parser.add_argument("--dtype", default=None, help="weights dtype (default: the shape's)")
+    parser.add_argument("--workloads", default=None, help="comma-separated BATCHxPROMPTxNEW")
+    parser.add_argument("--engines", default=None,
+                        help="comma-separated: transformers, compiled, engine "
+                        "(default: all on CUDA; transformers,engine on CPU)")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--no-ttft", action="store_true", help="skip the TTFT part")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default 1: on a small shared VM, OpenMP "
+                        "threads that wait on a busy sibling core slow every small op)")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/engine_throughput.json")
     args = parser.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(args.device)
+    shape_name = args.shape or ("1b" if device.type == "cuda" else "bench")
+    shape = BENCH if shape_name == "bench" else SHAPES[shape_name]
+    args.dtype = args.dtype or shape.dtype
+    if args.dtype not in DTYPES:
+        parser.error(f"--dtype must be one of {', '.join(DTYPES)}")
+    default = "quick" if args.quick else device.type
+    try:
+        args.workloads = [parse_workload(w) for w in (args.workloads or DEFAULT_WORKLOADS[default]).split(",")]
+    except ValueError as e:
+        parser.error(str(e))
+    args.engines = (args.engines or ("transformers,compiled,engine" if device.type == "cuda"
+                                     else "transformers,engine")).split(",")
+    if unknown := set(args.engines) - set(ENGINES):
+        parser.error(f"unknown engines {sorted(unknown)}; known: {', '.join(ENGINES)}")
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 
-    max_prompt, max_tokens = (256, 32) if args.quick else (512, 128)
-    prefix_len, requests = (512, 4) if args.quick else (1024, 6)
     with tempfile.TemporaryDirectory(prefix="engine-bench-") as tmp:
         path = Path(tmp)
-        model = write_model(path)
-        tp = throughput(model, path, random_prompts(16, 16, max_prompt, SEED), max_tokens)
-        tt = ttft(model, path, prefix_len, 16, requests)
-    print_tables(tp, tt)
-
-    result = {
-        "command": "python benchmarks/engine_throughput.py" + (" --quick" if args.quick else "")
-        + (f" --threads {args.threads}" if args.threads != 1 else ""),
-        "machine": machine(transformers=transformers.__version__),
-        "threads": torch.get_num_threads(),
-        "model": MODEL,
-        "throughput": tp,
-        "ttft": tt,
-    }
-    write_json(args.out, result)
+        max_len = max(p + n for _, p, n in args.workloads) + 2048
+        write_random_llama(path, shape.llama_config(max_len), SEED, device=args.device,
+                           dtype=DTYPES[args.dtype])
+        rows = throughput(path, shape, args, device)
+        tt = None if args.no_ttft else ttft(path, shape, args, device)
+    print_tables(rows, tt, device)
+    engine_rows = [r for r in rows[1:] if "compiled" in r and "engine" in r]
+    if device.type == "cuda" and engine_rows:
+        worst = min(r["engine"]["tok_s"] / r["compiled"]["tok_s"] for r in engine_rows)
+        print(f"\nengine / compiled transformers, worst workload: {worst:.2f}x "
+              f"(target >= {TARGET_VS_COMPILED}x): {'PASS' if worst >= TARGET_VS_COMPILED else 'MISS'}")
+    write_json(args.out, {
+        "command": " ".join(["python benchmarks/engine_throughput.py", *argv]),
+        "machine": machine(transformers=transformers.__version__,
+                           gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else ""),
+        "shape": shape_name, "dtype": args.dtype, "threads": torch.get_num_threads(),
+        "throughput": rows, "ttft": tt,
+    })
 
 
 if __name__ == "__main__":

@@ -56,7 +56,6 @@ from typing import NamedTuple
 import torch
 import transformers
 
-from engine.config import DTYPES
 from engine.hashing import hash_blocks, root_hash
 from engine.llm import LLM
 from engine.sampler import SamplingParams
@@ -65,53 +64,16 @@ from storage.codecs import get_codec
 from storage.pinned import PinnedSlab
 from tiered_kv.config import TierConfig
 from tiered_kv.tier_manager import build_llm
-from bench_common import machine, write_json, write_random_llama
+from bench_common import BLOCK, DTYPES, SHAPES, machine, write_json, write_random_llama
 from ttft_tiers import LoopbackServer, evict_cpu_caches, timed
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = 0
-BLOCK = 16  # the engine's default block size
 SUFFIX_TOKENS = 16
 REFERENCE_REPEATS = 5
 FLUSH_TIMEOUT_S = 600.0
 MiB = 1 << 20
 ONE = SamplingParams(temperature=0.0, max_tokens=1)  # greedy, TTFT only
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    dtype: str
-
-    @property
-    def block_shape(self) -> tuple[int, ...]:
-        return (self.layers, 2, BLOCK, self.kv_heads, self.head_dim)  # [L, 2, T, H, D]
-
-    @property
-    def block_nbytes(self) -> int:
-        return math.prod(self.block_shape) * DTYPES[self.dtype].itemsize
-
-    def llama_config(self, max_len: int) -> dict:
-        return dict(
-            vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.intermediate,
-            num_hidden_layers=self.layers, num_attention_heads=self.heads,
-            num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
-            max_position_embeddings=max(4096, max_len), rms_norm_eps=1e-5,
-            bos_token_id=256, eos_token_id=257,
-        )
-
-
-SHAPES = {
-    "tiny": Shape(256, 4, 8, 4, 32, 688, 1024, "float32"),
-    "1b": Shape(2048, 16, 32, 8, 64, 8192, 32000, "bfloat16"),
-    "8b": Shape(4096, 32, 32, 8, 128, 14336, 32000, "bfloat16"),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,7 +255,7 @@ def remote_hits(run: Run, codec: str, url: str) -> list[dict]:
     """One engine stores each prefix in the remote tier; a second (nothing local, read-only)
     serves the hits."""
     store = TierConfig(cpu_bytes=0, remote_url=url, remote_timeout_s=5.0, codec=codec,
-                       remote_prefix=f"gpu-tiers-{time.time_ns()}:",
+                       remote_prefix=f"gpu-tiers-{time.time_ns()}:", remote_secret=os.urandom(32).hex(),
                        staging_bytes=run.prompt_pool_bytes)
     engine = run.engine(enable_prefix_caching=False)
     with build_llm(run.model, store, **engine) as llm:
