@@ -8,6 +8,9 @@ from typing import NamedTuple
 
 import torch
 
+from engine.penalties import TokenCounts, apply_penalties, to_device
+from engine.structured_output import GrammarState, StructuredOutputSpec, apply_token_masks
+
 _MAX_SEED = 2**63 - 1
 # Below this temperature sampling is greedy, as in vLLM: the distribution is one-hot in all
 # but name, and a temperature past float32's range (1e-40 is 0 there) would divide by zero.
@@ -33,11 +36,25 @@ class SamplingParams:
     - ``logprobs``: ``True`` or ``0`` returns the log-probability of each chosen token; an
       integer ``k > 0`` also returns the ``k`` most likely tokens at each step. They are
       log-softmax of the model's raw logits (before temperature and filters).
+    - ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2]) and ``repetition_penalty``
+      (> 0) as vLLM defines them (:mod:`engine.penalties`); ``min_p`` (in [0, 1]) drops tokens
+      less likely than ``min_p`` times the most likely one (after temperature);
+      ``logit_bias`` maps token ids to a bias in [-100, 100] added to their logits. Logits
+      go through, in vLLM's order: ``min_tokens`` suppression and ``logit_bias``, penalties,
+      then greedy choice, or temperature, ``min_p``, ``top_k``, ``top_p`` and sampling.
+    - ``structured_output``: a grammar the output must match (:mod:`engine.structured_output`);
+      tokens it forbids are masked before sampling, and the request stops when it ends. It
+      cannot be combined with ``min_tokens`` (the grammar decides where the output ends).
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] | dict[int, float] = ()
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -46,12 +63,15 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool | int | None = None
     skip_special_tokens: bool = True
+    structured_output: StructuredOutputSpec | None = None
 
     def __post_init__(self) -> None:
         # Normalize list/str arguments once, at construction, so the object stays hashable.
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in bias)))
 
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
@@ -61,6 +81,16 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {p!r}")
         if self.top_k is not None and not _is_int(self.top_k, minimum=1):
             raise ValueError(f"top_k must be None (off) or a positive integer, got {self.top_k!r}")
+        _check_number("min_p", self.min_p, 0.0, 1.0)
+        _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not (math.isfinite(r) and r > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {r!r}")
+        for token_id, bias in self.logit_bias:
+            if not _is_int(token_id, minimum=0):
+                raise ValueError(f"logit_bias keys must be token ids, got {token_id!r}")
+            _check_number("logit_bias", bias, -100.0, 100.0)
         if self.seed is not None and not (_is_int(self.seed, minimum=0) and self.seed <= _MAX_SEED):
             raise ValueError(f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
         if self.max_tokens is not None and not _is_int(self.max_tokens, minimum=1):
@@ -84,10 +114,19 @@ class SamplingParams:
         lp = self.logprobs
         if not (lp is None or isinstance(lp, bool) or _is_int(lp, minimum=0)):
             raise ValueError(f"logprobs must be None, a bool or a non-negative integer, got {lp!r}")
+        so = self.structured_output
+        if so is not None and not isinstance(so, StructuredOutputSpec):
+            raise ValueError(f"structured_output must be a StructuredOutputSpec, got {so!r}")
+        if so is not None and self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with structured output")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -107,6 +146,8 @@ class SamplingRow(NamedTuple):
     params: SamplingParams
     generator: torch.Generator
     suppressed_token_ids: Sequence[int] = ()  # stop/eos ids while below min_tokens
+    token_counts: TokenCounts | None = None  # the sequence's, when it has penalties
+    grammar: GrammarState | None = None  # the sequence's, when it has structured output
 
 
 class Sample(NamedTuple):
@@ -149,52 +190,95 @@ def _sample_alone(logits: torch.Tensor, row: SamplingRow) -> Sample | SampleErro
 
 
 def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sample]:
+    device = logits.device
     logprob_rows = [i for i, r in enumerate(rows) if r.params.wants_logprobs]
-    logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
+    logprob_index = to_device(logprob_rows, torch.int64, device)
+    logprobs = torch.log_softmax(logits.index_select(0, logprob_index), dim=-1) if logprob_rows else None
 
-    for i, row in enumerate(rows):
-        if row.suppressed_token_ids:
-            logits[i, list(row.suppressed_token_ids)] = float("-inf")
-
+    logits = _penalized(_biased(logits, rows), rows)
+    apply_token_masks(logits, [r.grammar for r in rows])
     token_ids = logits.argmax(dim=-1)  # [M]; kept for greedy rows
     random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if random_rows:
-        probs = _filtered_probs(logits[random_rows], [rows[i].params for i in random_rows])
+        random_logits = logits.index_select(0, to_device(random_rows, torch.int64, device))
+        probs = _filtered_probs(random_logits, [rows[i].params for i in random_rows])
         for j, i in enumerate(random_rows):
             token_ids[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
 
-    chosen = token_ids.tolist()
-    samples = [Sample(t, None, None) for t in chosen]
+    picked = top = None
+    num_top = [rows[i].params.num_top_logprobs for i in logprob_rows]
     if logprobs is not None:
-        picked = logprobs.gather(1, token_ids[logprob_rows, None]).squeeze(1).tolist()
+        picked = logprobs.gather(1, token_ids.index_select(0, logprob_index)[:, None]).squeeze(1)
+        if max(num_top):
+            top = logprobs.topk(min(max(num_top), logprobs.shape[1]), dim=-1)  # [L, k]
+    chosen = token_ids.tolist()  # the step's host sync; what follows is already computed
+    samples = [Sample(t, None, None) for t in chosen]
+    if picked is not None:
+        picked_list = picked.tolist()
+        top_ids, top_values = (top.indices.tolist(), top.values.tolist()) if top is not None else ((), ())
         for j, i in enumerate(logprob_rows):
-            k = rows[i].params.num_top_logprobs
-            top = None
-            if k:
-                values, ids = logprobs[j].topk(min(k, logprobs.shape[1]))
-                top = dict(zip(ids.tolist(), values.tolist()))
-            samples[i] = Sample(chosen[i], picked[j], top)
+            k = num_top[j]
+            alternatives = dict(zip(top_ids[j][:k], top_values[j][:k])) if k else None
+            samples[i] = Sample(chosen[i], picked_list[j], alternatives)
     return samples
 
 
+def _biased(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """``logits`` plus each row's ``logit_bias``, its suppressed tokens at -inf: one batched
+    scatter (a new tensor, so that a batch sampled again row by row starts from the model's)."""
+    row_index, token_index, values = [], [], []
+    for i, row in enumerate(rows):
+        for token in row.suppressed_token_ids:
+            row_index.append(i), token_index.append(token), values.append(float("-inf"))
+        for token, bias in row.params.logit_bias:
+            row_index.append(i), token_index.append(token), values.append(bias)
+    if not row_index:
+        return logits
+    device = logits.device
+    index = (to_device(row_index, torch.int64, device), to_device(token_index, torch.int64, device))
+    return logits.index_put(index, to_device(values, logits.dtype, device), accumulate=True)
+
+
+def _penalized(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """``logits`` with the penalties of the rows that have them (a new tensor when any)."""
+    penalized = [i for i, r in enumerate(rows) if r.params.has_penalties and r.token_counts is not None]
+    if not penalized:
+        return logits
+    params = [rows[i].params for i in penalized]
+    index = to_device(penalized, torch.int64, logits.device)
+    values = apply_penalties(
+        logits.index_select(0, index),
+        [rows[i].token_counts for i in penalized],
+        presence=[p.presence_penalty for p in params],
+        frequency=[p.frequency_penalty for p in params],
+        repetition=[p.repetition_penalty for p in params],
+    )
+    return logits.index_copy(0, index, values)
+
+
 def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Probabilities after temperature, top-k and top-p (applied in that order). [R, vocab].
+    """Probabilities after temperature, min-p, top-k and top-p (in that order). [R, vocab].
 
     A row without a finite logit (every token suppressed) has no distribution; it gets its
     argmax, as a greedy row does, rather than NaNs that ``multinomial`` rejects.
     """
-    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
-    scaled = logits / temperature.to(logits.device)[:, None]
+    device = logits.device
+    temperature = to_device([p.temperature for p in params], logits.dtype, device)
+    scaled = logits / temperature[:, None]
+    if any(p.min_p for p in params):
+        probs = torch.softmax(scaled, dim=-1)
+        min_p = to_device([p.min_p for p in params], logits.dtype, device)
+        scaled = scaled.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
     if all(p.top_k is None and p.top_p == 1.0 for p in params):
         probs = torch.softmax(scaled, dim=-1)
     else:
         vocab = scaled.shape[1]
         sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [R, vocab]
         rank = torch.arange(vocab, device=scaled.device)[None, :]
-        top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=scaled.device)
+        top_k = to_device([min(p.top_k or vocab, vocab) for p in params], torch.int64, device)
         sorted_logits.masked_fill_(rank >= top_k[:, None], float("-inf"))
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        top_p = torch.tensor([p.top_p for p in params], dtype=scaled.dtype, device=scaled.device)
+        top_p = to_device([p.top_p for p in params], scaled.dtype, device)
         # Drop a token when the more likely ones already reach top_p; the first always stays
         # (a top_p below float32's smallest number is 0, which would drop it too).
         before = sorted_probs.cumsum(dim=-1) - sorted_probs
@@ -204,6 +288,12 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     empty = probs.isnan().any(dim=-1, keepdim=True)  # [R, 1]
     argmax = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
     return torch.where(empty, argmax, probs)
+
+
+def _check_number(name: str, value: object, low: float, high: float) -> None:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and math.isfinite(value) and low <= value <= high):
+        raise ValueError(f"{name} must be a number in [{low:g}, {high:g}], got {value!r}")
 
 
 def _is_int(value: object, minimum: int) -> bool:

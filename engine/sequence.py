@@ -17,7 +17,9 @@ import time
 import torch
 
 from engine.hashing import hash_blocks
+from engine.penalties import TokenCounts
 from engine.sampler import SamplingParams
+from engine.structured_output import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -47,6 +49,7 @@ class Sequence:
         generator: torch.Generator,
         prompt: str | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -54,6 +57,7 @@ class Sequence:
         self.block_size = block_size
         self.root_hash = root_hash
         self.cache_salt = cache_salt
+        self.priority = priority  # under the "priority" policy: lower is served first
         self.generator = generator
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -68,6 +72,8 @@ class Sequence:
         self.top_logprobs: list[dict[int, float]] | None = (
             [] if params.num_top_logprobs else None
         )
+        self.grammar: GrammarState | None = None  # set by the engine for structured output
+        self.token_counts: TokenCounts | None = None  # set by the engine for penalties
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
@@ -96,6 +102,12 @@ class Sequence:
     def is_prefilling(self) -> bool:
         """More than one token still lacks KV (a prompt, or a sequence being recomputed)."""
         return self.num_tokens - self.num_computed_tokens > 1
+
+    def append_token(self, token_id: int) -> None:
+        """Append a sampled token (and count it for the penalties)."""
+        self.token_ids.append(token_id)
+        if self.token_counts is not None:
+            self.token_counts.add(token_id)
 
     def block_tokens(self, index: int) -> list[int]:
         return self.token_ids[index * self.block_size : (index + 1) * self.block_size]

@@ -7,6 +7,7 @@ import torch
 
 from engine import LLM
 import engine.sampler
+from engine.penalties import TokenCounts, apply_penalties
 from engine.sampler import Sample, SampleError, Sampler, SamplingParams, SamplingRow
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
 
@@ -152,6 +153,13 @@ def test_a_row_that_raises_fails_alone(monkeypatch):
         {"seed": -1},
         {"logprobs": -1},
         {"ignore_eos": "yes"},
+        {"presence_penalty": 2.5},
+        {"frequency_penalty": -3},
+        {"repetition_penalty": 0},
+        {"repetition_penalty": float("inf")},
+        {"min_p": 1.5},
+        {"logit_bias": {3: 101.0}},
+        {"logit_bias": {-1: 1.0}},
     ],
 )
 def test_invalid_params_raise_value_error(kwargs):
@@ -164,6 +172,104 @@ def test_params_normalize_stop_arguments():
     assert p.stop == ("\n",) and p.stop_token_ids == (5, 6)
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
     hash(p)
+
+
+# Penalties, min_p and logit_bias, on hand-made logits.
+
+
+def counts(prompt: list[int], generated: list[int], vocab: int = VOCAB) -> TokenCounts:
+    c = TokenCounts(prompt, vocab, torch.device("cpu"))
+    for t in generated:
+        c.add(t)
+    return c
+
+
+def reference_penalties(row, prompt, generated, presence, frequency, repetition):
+    """vLLM's definitions, one logit at a time."""
+    out = []
+    for token, logit in enumerate(row):
+        if token in prompt or token in generated:
+            logit = logit / repetition if logit > 0 else logit * repetition
+        logit -= frequency * generated.count(token)
+        logit -= presence * (token in generated)
+        out.append(logit)
+    return out
+
+
+def test_penalties_change_the_logits_as_vllm_defines_them():
+    x = torch.tensor([[2.0, -1.0, 0.5, 3.0, -0.5, 0.0]])
+    by_hand = apply_penalties(x, [counts([0], [1, 3, 3], 6)], [0.25], [0.5], [2.0])
+    # token 0: prompt, 2/2; 1: generated once, -1*2 - 0.5 - 0.25; 2, 4, 5: untouched;
+    # 3: generated twice, 3/2 - 2*0.5 - 0.25
+    assert by_hand.tolist() == [[1.0, -2.75, 0.5, 0.25, -0.5, 0.0]]
+
+    x = logits(3, seed=4)
+    cases = [([1, 2, 2], [7, 7, 7, 9], 0.5, 0.0, 1.0), ([], [5, 11], 0.0, -1.5, 1.0), ([4, 40], [4, 8], 0.0, 0.0, 1.3)]
+    out = apply_penalties(
+        x, [counts(p, g) for p, g, *_ in cases], *[[c[i] for c in cases] for i in (2, 3, 4)]
+    )
+    for i, (prompt, generated, presence, frequency, repetition) in enumerate(cases):
+        expected = reference_penalties(x[i].tolist(), prompt, generated, presence, frequency, repetition)
+        assert out[i].tolist() == pytest.approx(expected, abs=1e-6)
+
+
+def test_penalized_rows_in_a_batch_leave_the_others_alone():
+    x = logits(3, seed=5)
+    top = x[1].argmax().item()
+    greedy = SamplingParams(temperature=0.0)
+    rows = [
+        row(greedy),
+        SamplingRow(SamplingParams(temperature=0.0, presence_penalty=2.0, frequency_penalty=2.0), torch.Generator(), (), token_counts=counts([], [top] * 10)),
+        row(greedy),
+    ]
+    out = Sampler()(x.clone(), rows)
+    assert [out[0].token_id, out[2].token_id] == [x[0].argmax().item(), x[2].argmax().item()]
+    penalized = x[1].clone()
+    penalized[top] -= 2.0 + 2.0 * 10
+    assert out[1].token_id == penalized.argmax().item() != top
+
+
+def test_repetition_penalty_counts_the_prompt_and_is_greedy_too():
+    x = torch.full((1, VOCAB), -5.0)
+    x[0, [3, 4]] = torch.tensor([2.0, 1.5])
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    seen_in_prompt = SamplingRow(params, torch.Generator(), (), token_counts=counts([3], []))
+    assert Sampler()(x.clone(), [seen_in_prompt])[0].token_id == 4  # 2.0/2 < 1.5
+    assert Sampler()(x.clone(), [row(params)])[0].token_id == 3  # no counts: nothing to penalize
+
+
+def test_min_p_keeps_tokens_at_least_min_p_times_the_most_likely():
+    x = torch.full((1, VOCAB), -30.0)
+    x[0, [2, 5, 8, 9]] = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    assert set(draw(SamplingParams(min_p=0.2), x, 400)) == {2, 5, 8}  # threshold 0.1
+    assert set(draw(SamplingParams(min_p=0.5), x, 300)) == {2, 5}  # threshold 0.25
+    assert set(draw(SamplingParams(min_p=1.0, temperature=2.0), x, 50)) == {2}
+    assert set(draw(SamplingParams(min_p=0.0), x, 800)) == {2, 5, 8, 9}
+
+
+def test_logit_bias_is_added_to_the_logits():
+    x = logits(2, seed=6)
+    first, second = x[0].topk(2).indices.tolist()
+    greedy = SamplingParams(temperature=0.0)
+    down = SamplingParams(temperature=0.0, logit_bias={first: -100.0})
+    gap = (x[0, first] - x[0, second]).item()
+    just_below = SamplingParams(temperature=0.0, logit_bias={second: gap - 1e-3})
+    just_above = SamplingParams(temperature=0.0, logit_bias={second: gap + 1e-3})
+    out = Sampler()(x.clone(), [row(down), row(greedy)])
+    assert out[0].token_id == second and out[1].token_id == x[1].argmax().item()
+    assert Sampler()(x[:1].clone(), [row(just_below)])[0].token_id == first
+    assert Sampler()(x[:1].clone(), [row(just_above)])[0].token_id == second
+    up = SamplingParams(temperature=1.0, logit_bias={17: 100.0})
+    assert set(draw(up, x[:1], 50)) == {17}
+
+
+def test_logprobs_stay_those_of_the_model_under_bias_and_penalties():
+    x = logits(seed=7)
+    params = SamplingParams(temperature=0.0, logprobs=2, logit_bias={11: 100.0}, presence_penalty=1.0)
+    out = Sampler()(x.clone(), [SamplingRow(params, torch.Generator(), (), token_counts=counts([], [11]))])[0]
+    raw = torch.log_softmax(x[0], -1)
+    assert out.token_id == 11 and out.logprob == pytest.approx(raw[11].item())
+    assert set(out.top_logprobs) == set(raw.topk(2).indices.tolist())
 
 
 # End to end on the tiny model: stop conditions are applied by the engine.
@@ -229,3 +335,22 @@ def test_seeded_requests_do_not_depend_on_the_batch(llm):
     params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     unseeded = llm.generate([PROMPT, PROMPT], params)
     assert unseeded[0].token_ids != unseeded[1].token_ids  # each request has its own generator
+
+
+def test_engine_counts_the_generated_tokens_for_the_penalties(llm, monkeypatch):
+    """The counts a penalized sequence keeps match its prompt and its output at every step."""
+    seen = []
+    real = engine.sampler.apply_penalties
+
+    def spy(logits, counts, **kwargs):
+        seen.append((counts[0].prompt_mask.nonzero().flatten().tolist(), counts[0].output_counts.clone()))
+        return real(logits, counts, **kwargs)
+
+    monkeypatch.setattr(engine.sampler, "apply_penalties", spy)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, frequency_penalty=1.0)
+    (out,) = llm.generate([PROMPT], params)
+    assert len(seen) == 6
+    for step, (prompt_tokens, output_counts) in enumerate(seen):
+        assert prompt_tokens == sorted(set(out.prompt_token_ids))
+        expected = torch.bincount(torch.tensor(out.token_ids[:step], dtype=torch.long), minlength=output_counts.numel())
+        assert output_counts.tolist() == expected.tolist()

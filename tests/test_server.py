@@ -55,18 +55,28 @@ def test_completion_and_cached_tokens_on_a_repeated_prompt(llm):
     assert cached >= usage["prompt_tokens"] - 2 * BLOCK and cached % BLOCK == 0
 
 
-def test_token_id_prompts_and_a_batch_of_one(llm):
+def test_token_id_prompts_and_prompt_lists(llm):
     async def test(c):
         ids = await c.post("/v1/completions", json={"prompt": [256, 72, 105], **GREEDY})
         nested = await c.post("/v1/completions", json={"prompt": [[256, 72, 105]], **GREEDY})
-        batch = await c.post("/v1/completions", json={"prompt": ["a", "b"], **GREEDY})
-        return ids, nested, batch
+        batch = await c.post("/v1/completions", json={"prompt": ["Once upon", "Hi"], "n": 2, **GREEDY})
+        id_batch = await c.post("/v1/completions", json={"prompt": [[256, 72, 105], [256, 72]], **GREEDY})
+        alone = [await c.post("/v1/completions", json={"prompt": p, **GREEDY}) for p in ("Once upon", "Hi")]
+        return ids, nested, batch, id_batch, alone
 
-    ids, nested, batch = run(llm, test)
-    assert ids.status_code == nested.status_code == 200
+    ids, nested, batch, id_batch, alone = run(llm, test)
+    assert ids.status_code == nested.status_code == batch.status_code == id_batch.status_code == 200
     assert ids.json()["usage"]["prompt_tokens"] == 3
     assert ids.json()["choices"][0]["text"] == nested.json()["choices"][0]["text"]
-    assert_error(batch, 400, param="prompt")
+    assert id_batch.json()["choices"][0]["text"] == ids.json()["choices"][0]["text"]
+    assert id_batch.json()["usage"]["prompt_tokens"] == 5
+    choices = batch.json()["choices"]  # OpenAI's numbering: prompt i has choices i*n .. i*n+n-1
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    texts = [c["text"] for c in choices]
+    assert texts == [a.json()["choices"][0]["text"] for a in alone for _ in range(2)]  # greedy
+    usage = batch.json()["usage"]
+    assert usage["prompt_tokens"] == sum(a.json()["usage"]["prompt_tokens"] for a in alone)
+    assert usage["completion_tokens"] == 4 * GREEDY["max_tokens"]
 
 
 def test_chat_completion(llm):
@@ -180,17 +190,17 @@ def test_models_health_and_metrics(llm):
     assert health.status_code == 200
     text = metrics.text
     for name in (
-        'tiered_kv_stored_blocks_total{tier="cpu"}',  # tiers
-        'tiered_kv_lookups_total{tier="disk"}',
-        "tiered_kv_time_to_first_token_seconds_bucket",  # server
-        "tiered_kv_inter_token_latency_seconds_count",
-        'tiered_kv_requests_total{route="/v1/completions",status="200"}',
-        'tiered_kv_request_finished_total{finish_reason="length"}',
-        "tiered_kv_num_requests_running",  # engine
-        "tiered_kv_num_requests_waiting",
+        'tiered_kv_stored_blocks_total{model_name="my-model",tier="cpu"}',  # tiers
+        'tiered_kv_lookups_total{model_name="my-model",tier="disk"}',
+        "vllm:time_to_first_token_seconds_bucket",  # server
+        "vllm:inter_token_latency_seconds_count",
+        'tiered_kv_requests_total{model_name="my-model",route="/v1/completions",status="200"}',
+        'vllm:request_success_total{engine="0",finished_reason="length",model_name="my-model"}',
+        'vllm:num_requests_running{engine="0",model_name="my-model"}',  # engine
+        "vllm:num_requests_waiting",
         "tiered_kv_num_requests_loading",
-        "tiered_kv_kv_cache_usage_ratio",
-        "tiered_kv_prefix_cache_hits_total",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_hits_total",
     ):
         assert name in text, name
 
@@ -203,15 +213,15 @@ def test_invalid_requests_get_400_in_openai_shape(llm):
         post = c.post
         return [
             await post("/v1/completions", content=b'{"prompt": "x",', headers={"content-type": "application/json"}),
-            await post("/v1/completions", json={"prompt": "x", "n": 2}),
+            await post("/v1/completions", json={"prompt": "x", "n": 0}),
             await post("/v1/completions", json={"prompt": "x", "temperature": "hot"}),
-            await post("/v1/completions", json={"prompt": "x", "echo": True}),
+            await post("/v1/completions", json={"prompt": "x", "echo": True, "logprobs": 1}),
             await post("/v1/completions", json={"max_tokens": 3}),
             await post("/v1/completions", json={"prompt": "x" * (MAX_MODEL_LEN + 10)}),
             await post("/v1/chat/completions", json={"messages": []}),
             await post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]}),
             await post("/v1/completions", json={"prompt": [10**9]}),
-            await post("/v1/completions", json={"prompt": "x", "presence_penalty": 1.0}),
+            await post("/v1/completions", json={"prompt": "x", "presence_penalty": 2.5}),
             await post("/v1/completions", json={"prompt": "x", "stream": True, "max_tokens": 0}),
         ]
 
@@ -279,7 +289,8 @@ def test_a_request_that_fails_in_the_engine_gets_500_and_the_engine_runs_on(llm,
             c.post("/v1/completions", json={**body, "seed": 13}),
             c.post("/v1/completions", json={**body, "seed": 14}),
         )
-        chat = await c.post("/v1/chat/completions", json={"messages": messages, **body, "seed": 13})
+        sampling = {k: v for k, v in body.items() if k != "prompt"}
+        chat = await c.post("/v1/chat/completions", json={"messages": messages, **sampling, "seed": 13})
         after = await c.post("/v1/completions", json={**body, "seed": 14})
         return failed, chat, beside, after, await c.get("/health"), await c.get("/metrics")
 
@@ -290,7 +301,7 @@ def test_a_request_that_fails_in_the_engine_gets_500_and_the_engine_runs_on(llm,
         assert "secret" not in response.text
     assert beside.status_code == after.status_code == health.status_code == 200
     assert beside.json()["choices"][0]["text"] == after.json()["choices"][0]["text"]  # same seed
-    assert 'tiered_kv_request_finished_total{finish_reason="error"} 2.0' in metrics.text
+    assert 'vllm:request_success_total{engine="0",finished_reason="error",model_name="tiny"} 2.0' in metrics.text
 
 
 def test_a_stream_that_fails_ends_with_an_error_event(llm, monkeypatch):

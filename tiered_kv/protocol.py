@@ -1,10 +1,13 @@
 """The OpenAI API's request and response bodies, as pydantic models.
 
-Requests accept the fields OpenAI clients send; unknown fields are ignored (as OpenAI and
-vLLM do). Fields this server cannot honour (``n > 1``, ``echo``, penalties, tools...) are
-refused by :meth:`to_sampling_params` with a :class:`RequestError` naming the parameter.
-Sampling values follow vLLM's rules (``temperature`` in [0, 2], ``top_p`` in (0, 1],
-``top_k`` -1 or 0 for off or at least 1, ``max_tokens`` at least 1); integers must fit int64.
+Generation requests accept OpenAI's fields and vLLM's sampling extras; a field they do not
+know is a 400 naming it (nothing is ignored silently), and values this server cannot honour
+(``tools``, ``echo`` with ``logprobs``...) are refused by :meth:`to_sampling_params` with a
+:class:`RequestError` naming the parameter. Sampling values follow vLLM's rules
+(``temperature`` in [0, 2], ``top_p`` in (0, 1], ``top_k`` -1 or 0 for off or at least 1,
+``max_tokens`` at least 1, penalties as :class:`engine.sampler.SamplingParams` says);
+integers must fit int64. Values left out come from the model's generation config
+(:class:`~tiered_kv.generation_defaults.GenerationDefaults`), else vLLM's defaults.
 """
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.sampler import SamplingParams
+from tiered_kv.generation_defaults import GenerationDefaults
+from tiered_kv.structured_output_fields import StructuredOutputError, structured_output_spec
 
 MAX_INT = 2**63 - 1  # larger integers are refused, as vLLM refuses seeds beyond int64
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
@@ -59,11 +64,15 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class StreamOptions(_Request):
+class _StrictRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # an unknown field is a 400 naming it
+
+
+class StreamOptions(_StrictRequest):
     include_usage: bool = False
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(_StrictRequest):
     """Fields shared by both routes."""
 
     model: str | None = None
@@ -71,39 +80,55 @@ class _SamplingFields(_Request):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1, le=MAX_INT)  # -1 and 0: off
+    min_p: float | None = Field(default=None, ge=0, le=1)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_INT)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias, clamped to [-100, 100]
     user: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1)
     # vLLM extras
     min_tokens: int = Field(default=0, ge=0, le=MAX_INT)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
+    # structured output (tiered_kv/structured_output_fields.py)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    priority: int = Field(default=0, ge=-MAX_INT - 1, le=MAX_INT)  # lower is served first
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | bool | None) -> SamplingParams:
-        if self.n != 1:
-            raise RequestError("only n=1 is supported", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise RequestError(f"{name} is not supported (use 0 or leave it out)", param=name)
-        if self.logit_bias:
-            raise RequestError("logit_bias is not supported", param="logit_bias")
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | bool | None, defaults: GenerationDefaults | None
+    ) -> SamplingParams:
+        d = defaults or GenerationDefaults()
+        top_k = self.top_k if self.top_k is not None else d.top_k
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed with stream=true", param="stream_options")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
         if not all(stop):
             raise RequestError("stop strings must not be empty", param="stop")
         try:
+            structured = structured_output_spec(self)
+        except StructuredOutputError as e:
+            raise RequestError(str(e), param=e.param) from None
+        try:
             return SamplingParams(
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=self.top_k if self.top_k is not None and self.top_k > 0 else None,
+                temperature=_first(self.temperature, d.temperature, 1.0),
+                top_p=_first(self.top_p, d.top_p, 1.0),
+                top_k=top_k if top_k is not None and top_k > 0 else None,
+                min_p=_first(self.min_p, d.min_p, 0.0),
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=_first(self.repetition_penalty, d.repetition_penalty, 1.0),
+                logit_bias=_logit_bias(self.logit_bias),
                 seed=self.seed,
                 max_tokens=max_tokens,
                 min_tokens=self.min_tokens,
@@ -111,6 +136,7 @@ class _SamplingFields(_Request):
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                structured_output=structured,
             )
         except ValueError as e:
             raise RequestError(str(e), param=str(e).split(" ")[0]) from None
@@ -120,36 +146,63 @@ class _SamplingFields(_Request):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+def _first(*values: Any) -> Any:
+    return next(v for v in values if v is not None)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """vLLM's reading: keys are token ids written as integers, values clamped to [-100, 100]."""
+    result = {}
+    for key, value in (bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise RequestError(
+                f"logit_bias keys must be token ids (integers as strings), got {key!r}", param="logit_bias"
+            ) from None
+        if not 0 <= token_id <= MAX_INT:
+            raise RequestError(f"logit_bias has a negative or too large token id {key!r}", param="logit_bias")
+        result[token_id] = min(100.0, max(-100.0, value))
+    return result
+
+
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1, le=MAX_INT)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=1, le=MAX_INT)
     suffix: str | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise RequestError("echo is not supported", param="echo")
-        if self.best_of not in (None, 1):
-            raise RequestError("only best_of=1 is supported", param="best_of")
+    def to_sampling_params(self, defaults: GenerationDefaults | None = None) -> SamplingParams:
+        """The parameters of every choice; ``best_of`` choices are generated per prompt (with
+        logprobs, to rank them) when it is more than ``n``."""
+        if self.echo and self.logprobs is not None:
+            raise RequestError(
+                "echo with logprobs (the prompt's logprobs) is not supported; "
+                "leave out one of them", param="echo"
+            )
+        if self.best_of is not None and self.best_of < self.n:
+            raise RequestError(f"best_of ({self.best_of}) must be at least n ({self.n})", param="best_of")
+        if self.stream and self.num_generated > self.n:
+            raise RequestError("best_of > n cannot be streamed", param="best_of")
         if self.suffix:
             raise RequestError("suffix is not supported", param="suffix")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        logprobs = self.logprobs if self.logprobs is not None or self.num_generated == self.n else 0
+        return self._sampling_params(self.max_tokens, logprobs, defaults)
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt (text or token ids); a batch of several is refused."""
+    @property
+    def num_generated(self) -> int:
+        """Choices generated per prompt: ``best_of``, else ``n``."""
+        return self.best_of or self.n
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts (text or token ids), one or a list of them."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise RequestError(
-                    "send one prompt per request (a list of several prompts is not supported)",
-                    param="prompt",
-                )
-            p = p[0]
-        if not p:
+        prompts = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        if not all(prompts):
             raise RequestError("the prompt is empty", param="prompt")
-        return p
+        return prompts
 
 
 class ContentPart(_Request):
@@ -157,7 +210,7 @@ class ContentPart(_Request):
     text: str | None = None
 
 
-class ChatMessage(_Request):
+class ChatMessage(_StrictRequest):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -184,18 +237,15 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: GenerationDefaults | None = None) -> SamplingParams:
         if self.tools:
             raise RequestError("tools are not supported", param="tools")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise RequestError("only response_format type 'text' is supported", param="response_format")
         if self.top_logprobs and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
         max_tokens = self.max_completion_tokens or self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, defaults)
 
     def messages_as_dicts(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]

@@ -1,23 +1,25 @@
-"""One admitted request: its engine stream, its place in the server, its latency metrics, and
-the client's connection, whose loss aborts it.
+"""One admitted request: its engine streams (one per choice it generates), their places in
+the server, their latency metrics, and the client's connection, whose loss aborts them.
 
-A request holds a place from admission until its stream is closed; at most
-``max_num_seqs + max_queue_len`` are held, further ones get 429 with ``Retry-After``.
+Each generation holds a place from admission until its stream is closed; at most
+``max_num_seqs + max_queue_len`` are held, further requests get 429 with ``Retry-After``.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import NamedTuple, TypeVar
 
 from fastapi import Request
 
 from engine.async_engine import EngineDeadError, RequestFailedError
 from engine.outputs import RequestOutput
 from engine.sampler import SamplingParams
+from engine.structured_output import StructuredOutputSpec
 from tiered_kv.protocol import RequestError
 from tiered_kv.server_state import ServerState
 
@@ -46,40 +48,8 @@ class Generation:
         self._finished = False
         self._released = False
 
-    @classmethod
-    async def start(
-        cls,
-        state: ServerState,
-        request: Request,
-        prefix: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        cache_salt: str | None,
-    ) -> Generation:
-        """Admit the request (or refuse it with 429) and wait for its first output, so that
-        errors the engine finds are still a plain error response."""
-        arrival = time.perf_counter()
-        if state.inflight >= state.config.max_inflight:
-            raise RequestError(
-                f"the server is at capacity ({state.inflight} requests); retry later",
-                status=429,
-                type="rate_limit_error",
-                code="queue_full",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            )
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
-        stream = state.llm.generate(prompt_ids, params, request_id=request_id, cache_salt=cache_salt)
-        gen = cls(state, request_id, arrival, stream)
-        state.inflight += 1
-        try:
-            gen.first = await unless_disconnected(request, gen._next())
-        except BaseException as e:
-            gen._finished = isinstance(e, (ValueError, RequestError))  # refused, not aborted
-            await gen.close()
-            if isinstance(e, ValueError):
-                raise RequestError(str(e)) from None
-            raise
-        return gen
+    async def _prime(self) -> None:
+        self.first = await self._next()
 
     async def _next(self) -> RequestOutput:
         try:
@@ -115,7 +85,7 @@ class Generation:
         metrics = self.state.metrics
         if metrics is not None:
             metrics.e2e.observe(time.perf_counter() - self.arrival)
-            metrics.finished.labels(finish_reason=reason).inc()
+            metrics.finished.labels(finished_reason=reason).inc()
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """The first output, then the rest until the request finishes."""
@@ -125,13 +95,130 @@ class Generation:
             out = await self._next()
             yield out
 
-    async def final(self, request: Request) -> RequestOutput:
-        """The finished output (non-streaming); aborts if the client disconnects first."""
+    async def close(self) -> None:
+        """Abort the request if it is still running and give its place back. Idempotent."""
+        if self._released:
+            return
+        self._released = True
+        self.state.inflight -= 1
+        if not self._finished and self.state.metrics is not None:
+            self.state.metrics.finished.labels(finished_reason="abort").inc()
+        await self.stream.aclose()
 
-        async def collect() -> RequestOutput:
-            last = None
-            async for last in self.outputs():
-                pass
+
+class Job(NamedTuple):
+    """One generation a request asks for: a prompt and its parameters."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class Generations:
+    """The generations of one request (``n`` or ``best_of`` per prompt), admitted together:
+    each holds its own place in the server. ``id`` is the response's; generation ``k`` runs
+    as engine request ``{id}-{k}`` (``{id}`` when it is the only one)."""
+
+    def __init__(self, request_id: str, generations: list[Generation]) -> None:
+        self.id = request_id
+        self.generations = generations
+
+    @classmethod
+    async def start(
+        cls,
+        state: ServerState,
+        request: Request,
+        prefix: str,
+        jobs: Sequence[Job],
+        cache_salt: str | None,
+        priority: int = 0,
+    ) -> Generations:
+        """Admit the jobs (or refuse them all with 429) and wait for the first output of
+        each, so that errors the engine finds are still a plain error response."""
+        arrival = time.perf_counter()
+        limit = state.config.max_inflight
+        if len(jobs) > limit:
+            raise RequestError(
+                f"the request asks for {len(jobs)} generations (prompts × n or best_of); "
+                f"this server holds at most {limit} at once", param="n"
+            )
+        if state.inflight + len(jobs) > limit:
+            raise RequestError(
+                f"the server is at capacity ({state.inflight} requests); retry later",
+                status=429,
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        specs = {job.params.structured_output for job in jobs} - {None}
+        for spec in specs:
+            await _compile_grammar(state, spec)
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        generations = []
+        for k, job in enumerate(jobs):
+            engine_id = request_id if len(jobs) == 1 else f"{request_id}-{k}"
+            stream = state.llm.generate(
+                job.prompt_ids, job.params, request_id=engine_id, cache_salt=cache_salt, priority=priority
+            )
+            generations.append(Generation(state, engine_id, arrival, stream))
+        state.inflight += len(jobs)
+        group = cls(request_id, generations)
+        try:
+            primed = asyncio.gather(*(g._prime() for g in generations), return_exceptions=True)
+            errors = [e for e in await unless_disconnected(request, primed) if e is not None]
+            if errors:
+                raise errors[0]
+        except BaseException as e:
+            refused = isinstance(e, (ValueError, RequestError))  # refused, not aborted
+            for g in generations:
+                g._finished = g._finished or refused
+            await group.close()
+            if isinstance(e, ValueError):
+                raise RequestError(str(e), param=_param_of(str(e))) from None
+            raise
+        return group
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """``(k, output)`` for every output of every generation, as they come."""
+        if len(self.generations) == 1:
+            async for out in self.generations[0].outputs():
+                yield 0, out
+            return
+        arrived: asyncio.Queue[tuple[int, RequestOutput | None, Exception | None]] = asyncio.Queue()
+
+        async def pump(k: int, generation: Generation) -> None:
+            try:
+                async for out in generation.outputs():
+                    arrived.put_nowait((k, out, None))
+            except Exception as e:
+                arrived.put_nowait((k, None, e))
+                return
+            arrived.put_nowait((k, None, None))
+
+        pumps = [asyncio.ensure_future(pump(k, g)) for k, g in enumerate(self.generations)]
+        try:
+            running = len(pumps)
+            while running:
+                k, out, error = await arrived.get()
+                if error is not None:
+                    raise error
+                if out is None:
+                    running -= 1
+                else:
+                    yield k, out
+        finally:
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+
+    async def final(self, request: Request) -> list[RequestOutput]:
+        """The finished output of each generation (non-streaming); aborts them all if the
+        client disconnects first."""
+
+        async def collect() -> list[RequestOutput]:
+            last: list[RequestOutput | None] = [None] * len(self.generations)
+            async with contextlib.aclosing(self.outputs()) as outputs:
+                async for k, out in outputs:
+                    last[k] = out
             return last
 
         try:
@@ -140,14 +227,27 @@ class Generation:
             await self.close()
 
     async def close(self) -> None:
-        """Abort the request if it is still running and give its place back. Idempotent."""
-        if self._released:
-            return
-        self._released = True
-        self.state.inflight -= 1
-        if not self._finished and self.state.metrics is not None:
-            self.state.metrics.finished.labels(finish_reason="abort").inc()
-        await self.stream.aclose()
+        """Abort what still runs and give every place back. Idempotent."""
+        for generation in self.generations:
+            await generation.close()
+
+
+def _param_of(message: str) -> str | None:
+    """The request field an engine ``ValueError`` names first (``"min_tokens (5) must..."``)."""
+    head = message.split(" ")[0]
+    return head if head in _SAMPLING_FIELDS else None
+
+
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) | {"prompt"}
+
+
+async def _compile_grammar(state: ServerState, spec: StructuredOutputSpec) -> None:
+    """Compile the request's grammar on a worker thread (a large schema takes a while), where
+    the engine thread then finds it cached; a bad schema, regex or grammar is a 400."""
+    try:
+        await asyncio.to_thread(state.llm.engine.grammars.compile, spec)
+    except ValueError as e:
+        raise RequestError(str(e), param=spec.source) from None
 
 
 async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:

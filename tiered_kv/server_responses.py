@@ -1,7 +1,13 @@
 """The bodies the generation routes answer with: whole responses, usage and logprobs, and
-the server-sent events of a stream (OpenAI's chunk format, ending in ``data: [DONE]``)."""
+the server-sent events of a stream (OpenAI's chunk format, ending in ``data: [DONE]``).
+
+A request's generations are prompt-major: generation ``k`` is choice ``k`` of prompt
+``k // per_prompt``. With ``best_of`` above ``n``, each prompt's generations are ranked by
+cumulative logprob and its best ``n`` become choices ``prompt * n + rank``, as vLLM did.
+"""
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -31,41 +37,71 @@ from tiered_kv.protocol import (
     TopLogprob,
     Usage,
 )
-from tiered_kv.server_generation import Generation
+from tiered_kv.server_generation import Generations
 from tiered_kv.server_state import ServerState
 
 
-def completion_response(state: ServerState, gen: Generation, out: RequestOutput, logprobs: bool) -> dict:
-    choice = CompletionChoice(
-        text=out.text,
-        logprobs=completion_logprobs(state.llm, out, 0, 0) if logprobs else None,
-        finish_reason=out.finish_reason,
-        stop_reason=out.stop_reason,
+def completion_response(
+    state: ServerState, group: Generations, outs: list[RequestOutput], body: CompletionRequest,
+    prompt_texts: list[str],
+) -> dict:
+    per_prompt = body.num_generated
+    by_prompt = [_best(outs[i : i + per_prompt], body.n) for i in range(0, len(outs), per_prompt)]
+    choices = []
+    for p, prompt_outs in enumerate(by_prompt):
+        echo = prompt_texts[p] if body.echo else ""
+        for rank, out in enumerate(prompt_outs):
+            choices.append(CompletionChoice(
+                index=p * body.n + rank,
+                text=echo + out.text,
+                logprobs=completion_logprobs(state.llm, out, 0, 0) if body.logprobs is not None else None,
+                finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
+            ))
+    response = CompletionResponse(
+        id=group.id, model=state.config.model_name, choices=choices, usage=usage(by_prompt)
     )
-    response = CompletionResponse(id=gen.id, model=state.config.model_name, choices=[choice], usage=usage(out))
     return response.model_dump()
 
 
-def chat_response(state: ServerState, gen: Generation, out: RequestOutput, logprobs: bool) -> dict:
-    choice = ChatChoice(
-        message=ChatMessageOut(content=out.text),
-        logprobs=chat_logprobs(state.llm, out, 0) if logprobs else None,
-        finish_reason=out.finish_reason,
-        stop_reason=out.stop_reason,
-    )
+def chat_response(
+    state: ServerState, group: Generations, outs: list[RequestOutput], body: ChatCompletionRequest
+) -> dict:
+    choices = [
+        ChatChoice(
+            index=k,
+            message=ChatMessageOut(content=out.text),
+            logprobs=chat_logprobs(state.llm, out, 0) if body.logprobs else None,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+        )
+        for k, out in enumerate(outs)
+    ]
     response = ChatCompletionResponse(
-        id=gen.id, model=state.config.model_name, choices=[choice], usage=usage(out)
+        id=group.id, model=state.config.model_name, choices=choices, usage=usage([outs])
     )
     return response.model_dump()
 
 
-def usage(out: RequestOutput) -> Usage:
-    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+def _best(outs: list[RequestOutput], n: int) -> list[RequestOutput]:
+    """The ``n`` outputs of highest cumulative logprob, best first (all of them, in order,
+    when there are only ``n``)."""
+    if len(outs) == n:
+        return outs
+    return sorted(outs, key=lambda out: sum(out.logprobs or ()), reverse=True)[:n]
+
+
+def usage(by_prompt: list[list[RequestOutput]]) -> Usage:
+    """Each prompt counted once (its cached tokens as its first choice found them), every
+    choice's tokens counted."""
+    prompt = sum(len(outs[0].prompt_token_ids) for outs in by_prompt)
+    completion = sum(len(out.token_ids) for outs in by_prompt for out in outs)
+    cached = sum(outs[0].num_cached_tokens for outs in by_prompt)
     return Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
         total_tokens=prompt + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
 
 
@@ -143,68 +179,79 @@ def _event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-async def completion_chunks(state: ServerState, gen: Generation, body: CompletionRequest) -> AsyncIterator[dict]:
+async def completion_chunks(
+    state: ServerState, group: Generations, body: CompletionRequest, prompt_texts: list[str]
+) -> AsyncIterator[dict]:
+    """Chunks of every choice as they come (``best_of > n`` is not streamed: all are sent)."""
     config, llm = state.config, state.llm
     created = int(time.time())
-    sent_logprobs = offset = 0
-    last = None
+    count = len(group.generations)
+    sent_logprobs, offsets, last = [0] * count, [0] * count, [None] * count
+    echo = [body.echo] * count
     try:
-        async for out in gen.outputs():
-            last = out
-            logprobs = None
-            if body.logprobs is not None:
-                logprobs = completion_logprobs(llm, out, sent_logprobs, offset)
-                sent_logprobs = len(out.logprobs or [])
-                offset += sum(len(t) for t in logprobs.tokens)
-            if not out.delta_text and not out.finished and not (logprobs and logprobs.tokens):
-                continue
-            choice = CompletionChoice(
-                text=out.delta_text, logprobs=logprobs, finish_reason=out.finish_reason,
-                stop_reason=out.stop_reason,
-            )
-            chunk = CompletionResponse(id=gen.id, created=created, model=config.model_name, choices=[choice])
-            yield _chunk_dict(chunk, body.include_usage)
-        if body.include_usage and last is not None:
+        async with contextlib.aclosing(group.outputs()) as outputs:
+            async for k, out in outputs:
+                last[k] = out
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs = completion_logprobs(llm, out, sent_logprobs[k], offsets[k])
+                    sent_logprobs[k] = len(out.logprobs or [])
+                    offsets[k] += sum(len(t) for t in logprobs.tokens)
+                text = out.delta_text
+                if echo[k]:
+                    text, echo[k] = prompt_texts[k // body.n] + text, False
+                if not text and not out.finished and not (logprobs and logprobs.tokens):
+                    continue
+                choice = CompletionChoice(
+                    index=k, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
+                    stop_reason=out.stop_reason,
+                )
+                chunk = CompletionResponse(id=group.id, created=created, model=config.model_name, choices=[choice])
+                yield _chunk_dict(chunk, body.include_usage)
+        if body.include_usage and all(last):
             usage_chunk = CompletionResponse(
-                id=gen.id, created=created, model=config.model_name, choices=[], usage=usage(last)
+                id=group.id, created=created, model=config.model_name, choices=[],
+                usage=usage([last[i : i + body.n] for i in range(0, count, body.n)]),
             )
             yield usage_chunk.model_dump()
     finally:
-        await gen.close()
+        await group.close()
 
 
-async def chat_chunks(state: ServerState, gen: Generation, body: ChatCompletionRequest) -> AsyncIterator[dict]:
+async def chat_chunks(state: ServerState, group: Generations, body: ChatCompletionRequest) -> AsyncIterator[dict]:
     config, llm = state.config, state.llm
     created = int(time.time())
-    sent_logprobs = 0
-    last = None
+    count = len(group.generations)
+    sent_logprobs, last = [0] * count, [None] * count
 
-    def chunk(delta: DeltaMessage, finish_reason: str | None = None, logprobs=None) -> dict:
-        choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason, logprobs=logprobs)
-        c = ChatCompletionChunk(id=gen.id, created=created, model=config.model_name, choices=[choice])
+    def chunk(k: int, delta: DeltaMessage, finish_reason: str | None = None, logprobs=None) -> dict:
+        choice = ChatChunkChoice(index=k, delta=delta, finish_reason=finish_reason, logprobs=logprobs)
+        c = ChatCompletionChunk(id=group.id, created=created, model=config.model_name, choices=[choice])
         d = _chunk_dict(c, body.include_usage)
         d["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
         return d
 
     try:
-        yield chunk(DeltaMessage(role="assistant", content=""))
-        async for out in gen.outputs():
-            last = out
-            logprobs = None
-            if body.logprobs:
-                logprobs = chat_logprobs(llm, out, sent_logprobs)
-                sent_logprobs = len(out.logprobs or [])
-            if out.delta_text or (logprobs and logprobs.content):
-                yield chunk(DeltaMessage(content=out.delta_text), logprobs=logprobs)
-            if out.finished:
-                yield chunk(DeltaMessage(), finish_reason=out.finish_reason)
-        if body.include_usage and last is not None:
+        for k in range(count):
+            yield chunk(k, DeltaMessage(role="assistant", content=""))
+        async with contextlib.aclosing(group.outputs()) as outputs:
+            async for k, out in outputs:
+                last[k] = out
+                logprobs = None
+                if body.logprobs:
+                    logprobs = chat_logprobs(llm, out, sent_logprobs[k])
+                    sent_logprobs[k] = len(out.logprobs or [])
+                if out.delta_text or (logprobs and logprobs.content):
+                    yield chunk(k, DeltaMessage(content=out.delta_text), logprobs=logprobs)
+                if out.finished:
+                    yield chunk(k, DeltaMessage(), finish_reason=out.finish_reason)
+        if body.include_usage and all(last):
             usage_chunk = ChatCompletionChunk(
-                id=gen.id, created=created, model=config.model_name, choices=[], usage=usage(last)
+                id=group.id, created=created, model=config.model_name, choices=[], usage=usage([last])
             )
             yield usage_chunk.model_dump()
     finally:
-        await gen.close()
+        await group.close()
 
 
 def _chunk_dict(chunk: CompletionResponse | ChatCompletionChunk, include_usage: bool) -> dict:

@@ -1,0 +1,132 @@
+"""The two generation routes, from a validated body to the response: prompts tokenized (on a
+worker thread) and checked against ``max_model_len``, one engine request per choice started,
+and the answer built whole or streamed.
+
+- ``n`` choices per prompt (``best_of`` generated and ranked when it is more): choice ``k``
+  of a seeded request gets seed ``seed + k``, as vLLM's parallel sampling does, so the
+  choices differ and the same seed gives the same ones again.
+- ``/v1/completions`` takes a list of prompts (text or token ids); choices are numbered
+  across them (prompt ``i``'s choices are ``i*n`` to ``i*n + n - 1``). ``echo`` puts the
+  prompt's text before each choice's.
+- ``max_tokens``: a prompt plus ``max_tokens`` past ``max_model_len`` is a 400, as in vLLM;
+  without one (chat) a choice may run to ``max_model_len``, or to the generation config's
+  ``max_new_tokens`` if smaller.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Protocol
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.sampler import SamplingParams
+from tiered_kv import server_responses
+from tiered_kv.generation_defaults import GenerationDefaults
+from tiered_kv.protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from tiered_kv.server_generation import Generations, Job
+from tiered_kv.server_state import ServerState
+
+_SEED_RANGE = 2**63
+
+
+class ChatTemplate(Protocol):
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
+
+
+async def completions(
+    state: ServerState, defaults: GenerationDefaults, body: CompletionRequest, request: Request
+) -> Response:
+    params = body.to_sampling_params(defaults)
+    prompts = body.prompts()
+    tokenizer, limit = state.llm.tokenizer, state.prompt_limit
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            limit.check_chars(prompt, "prompt")
+
+    def encode() -> list[list[int]]:
+        return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+
+    prompt_ids = await asyncio.to_thread(encode)
+    jobs = []
+    for ids in prompt_ids:
+        limit.check_tokens(len(ids), "prompt")
+        jobs += _choices(state, defaults, ids, params, body.max_tokens, "max_tokens", body.num_generated)
+    group = await Generations.start(state, request, "cmpl", jobs, body.cache_salt, body.priority)
+    texts = [_prompt_text(state, p) for p in prompts] if body.echo else []
+    if body.stream:
+        return server_responses.sse(server_responses.completion_chunks(state, group, body, texts))
+    outs = await group.final(request)
+    return JSONResponse(server_responses.completion_response(state, group, outs, body, texts))
+
+
+async def chat_completions(
+    state: ServerState,
+    defaults: GenerationDefaults,
+    chat: ChatTemplate,
+    body: ChatCompletionRequest,
+    request: Request,
+) -> Response:
+    """``chat`` renders the messages: the tokenizer, or it with ``--chat-template``'s template."""
+    params = body.to_sampling_params(defaults)
+    messages = body.messages_as_dicts()
+    tokenizer, limit = state.llm.tokenizer, state.prompt_limit
+
+    def render_and_encode() -> list[int]:
+        try:
+            text = chat.apply_chat_template(messages)
+        except ValueError as e:
+            raise RequestError(str(e), param="messages") from None
+        limit.check_chars(text, "messages")
+        # The template already holds the special tokens (bos) the model expects.
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    ids = await asyncio.to_thread(render_and_encode)
+    limit.check_tokens(len(ids), "messages")
+    requested, name = body.max_completion_tokens, "max_completion_tokens"
+    if requested is None:
+        requested, name = body.max_tokens, "max_tokens"
+    jobs = _choices(state, defaults, ids, params, requested, name, body.n)
+    group = await Generations.start(state, request, "chatcmpl", jobs, body.cache_salt, body.priority)
+    if body.stream:
+        return server_responses.sse(server_responses.chat_chunks(state, group, body))
+    outs = await group.final(request)
+    return JSONResponse(server_responses.chat_response(state, group, outs, body))
+
+
+def _choices(
+    state: ServerState,
+    defaults: GenerationDefaults,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    requested: int | None,
+    param: str,
+    count: int,
+) -> list[Job]:
+    """``count`` jobs for one prompt: its ``max_tokens``, and seeds ``seed + k``."""
+    max_model_len = state.llm.config.max_model_len
+    num_prompt = len(prompt_ids)
+    if requested is not None and num_prompt + requested > max_model_len:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt + requested} tokens ({num_prompt} in the messages, "
+            f"{requested} in the completion). Please reduce the length of the messages or completion.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    limits = (max_model_len - num_prompt, requested, defaults.max_tokens)
+    try:
+        params = dataclasses.replace(params, max_tokens=min(v for v in limits if v is not None))
+    except ValueError as e:  # min_tokens above what is left
+        raise RequestError(str(e), param="min_tokens") from None
+    jobs = []
+    for k in range(count):
+        seed = params.seed
+        child = params if seed is None or k == 0 else dataclasses.replace(params, seed=(seed + k) % _SEED_RANGE)
+        jobs.append(Job(prompt_ids, child))
+    return jobs
+
+
+def _prompt_text(state: ServerState, prompt: str | list[int]) -> str:
+    return prompt if isinstance(prompt, str) else state.llm.tokenizer.decode(prompt)
