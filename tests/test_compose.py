@@ -1,7 +1,7 @@
 """The container deployment: docker-compose.yml, the Dockerfile, Prometheus and Grafana files.
 
 No Docker is needed: the files are parsed and checked against each other and against the
-metrics the server really exports (built from a real tier manager's registry).
+metrics a live server's ``/metrics`` really exports.
 """
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from engine_testing import one_thread  # noqa: F401  (autouse fixture)
+from metrics_testing import families
+from server_testing import BLOCK, MAX_MODEL_LEN, run
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -162,29 +166,27 @@ def test_grafana_provisioning(compose: dict):
 
 @pytest.fixture(scope="module")
 def exported_names(tmp_path_factory) -> set[str]:
-    """Every sample name ``/metrics`` can show: tier, engine and server metrics."""
-    from engine.stats import EngineStats
-    from tiered_kv.config import TierConfig
-    from tiered_kv.server_metrics import ServerMetrics
-    from tiered_kv.tier_manager import TierManager
+    """Every sample name a live ``/metrics`` can show (its families after a request): server,
+    engine and tier metrics."""
+    from engine import AsyncLLM
+    from tiered_kv import TierConfig, TierManager
 
-    config = TierConfig(kv_cache_dir=tmp_path_factory.mktemp("kv") / "kv", cpu_bytes=1 << 20,
-                        disk_bytes=16 << 20)
-    manager = TierManager(config)
-    zero = EngineStats(**{
-        name: () if name in ("ttft_s", "itl_s") else None if name == "gpu_memory" else 0
-        for name in EngineStats.__dataclass_fields__
-    } | {"num_blocks": 8})
-    server = ServerMetrics(manager.registry, lambda: zero, lambda: 0)
-    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
-                "gauge": ("",), "summary": ("_sum", "_count", "")}
+    manager = TierManager(TierConfig(kv_cache_dir=tmp_path_factory.mktemp("kv") / "kv",
+                                     cpu_bytes=1 << 20, disk_bytes=16 << 20))
+    llm = AsyncLLM("tiny", kv_connector=manager, max_model_len=MAX_MODEL_LEN,
+                   num_gpu_blocks_override=32, block_size=BLOCK, device="cpu")
+
+    async def scrape(c):
+        await c.post("/v1/completions", json={"prompt": "Dashboards.", "max_tokens": 2})
+        return (await c.get("/metrics")).text
+
     try:
-        names = {family.name + suffix for family in manager.registry.collect()
-                 for suffix in suffixes[family.type]}
+        text = run(llm, scrape)
     finally:
-        server.close()
-        manager.close()
-    return names
+        llm.shutdown()
+    suffixes = {"counter": ("",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
+    # a histogram's samples appear with its first observation; its # TYPE line is always there
+    return {name + suffix for name, kind in families(text).items() for suffix in suffixes[kind]}
 
 
 def dashboard_exprs() -> list[tuple[str, str]]:
@@ -192,17 +194,44 @@ def dashboard_exprs() -> list[tuple[str, str]]:
     return [(panel["title"], t["expr"]) for panel in dashboard["panels"] for t in panel["targets"]]
 
 
-def test_dashboard_uses_only_exported_metrics(exported_names: set[str]):
-    assert "tiered_kv_time_to_first_token_seconds_bucket" in exported_names
+def rule_exprs() -> list[tuple[str, str]]:
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "rules.yml").read_text())
+    return [(rule["alert"], rule["expr"]) for group in rules["groups"] for rule in group["rules"]]
+
+
+def metric_names(expr: str) -> list[str]:
+    return re.findall(r"\b(?:vllm:[a-z0-9_:]+|tiered_kv_[a-z0-9_]+)", expr)
+
+
+def test_dashboard_and_rules_use_only_exported_metrics(exported_names: set[str]):
+    assert "vllm:time_to_first_token_seconds_bucket" in exported_names
     assert "tiered_kv_hit_blocks_total" in exported_names
+    for title, expr in dashboard_exprs() + rule_exprs():
+        assert metric_names(expr), f"{title!r} names no metric"
+        for name in metric_names(expr):
+            assert name in exported_names, f"{title!r} uses {name}, which is not exported"
+
+
+def test_dashboard_filters_by_the_model_name_label():
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "tiered-kv.json").read_text())
+    (variable,) = dashboard["templating"]["list"]
+    assert variable["name"] == "model_name"
     for title, expr in dashboard_exprs():
-        for name in re.findall(r"\btiered_kv_[a-z0-9_]+", expr):
-            assert name in exported_names, f"panel {title!r} uses {name}, which is not exported"
+        selectors = re.findall(r"(?:vllm:[a-z0-9_:]+|tiered_kv_[a-z0-9_]+)(\{[^}]*\})?", expr)
+        assert all('model_name=~"$model_name"' in s for s in selectors), (title, expr)
 
 
 def test_dashboard_has_the_promised_panels():
     exprs = " ".join(expr for _, expr in dashboard_exprs())
     titles = " ".join(title for title, _ in dashboard_exprs()).lower()
-    assert "histogram_quantile" in exprs and "tiered_kv_time_to_first_token_seconds_bucket" in exprs
-    for words in ("time to first token", "hit rate", "occupancy", "bytes moved", "dropped"):
+    assert "histogram_quantile" in exprs and "vllm:time_to_first_token_seconds_bucket" in exprs
+    for words in ("time to first token", "inter-token latency", "running and waiting",
+                  "hit rate", "occupancy", "bytes moved", "dropped", "preemptions"):
         assert words in titles
+
+
+def test_prometheus_loads_the_rules(compose: dict):
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    assert config["rule_files"] == ["/etc/prometheus/rules.yml"]
+    mount = "./deploy/prometheus/rules.yml:/etc/prometheus/rules.yml:ro"
+    assert mount in compose["services"]["prometheus"]["volumes"]

@@ -43,7 +43,7 @@ def test_bodies_over_the_limit_get_413(llm):
         assert_error(response, 413)
         assert "1.0 KiB" in response.json()["error"]["message"]
     assert small.status_code == 200
-    assert 'tiered_kv_requests_total{route="/v1/completions",status="413"} 2.0' in metrics.text
+    assert 'tiered_kv_requests_total{model_name="tiny",route="/v1/completions",status="413"} 2.0' in metrics.text
 
 
 def test_a_prompt_that_cannot_fit_is_refused_naming_max_model_len(llm, monkeypatch):

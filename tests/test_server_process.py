@@ -155,7 +155,7 @@ def test_openai_client_sigterm_and_restart_from_disk(servers):
     assert idle["engine"]["num_used_blocks"] == 0
     assert idle["engine"]["num_generated_tokens"] < 4 * 12 + 480
     metrics = server.http.get("/metrics").text
-    assert 'tiered_kv_request_finished_total{finish_reason="abort"} 1.0' in metrics
+    assert 'vllm:request_success_total{engine="0",finished_reason="abort",model_name="tiny"} 1.0' in metrics
 
     assert server.terminate() == 0
 

@@ -80,13 +80,16 @@ def create_app(config: ServeConfig, llm: AsyncLLM | None = None) -> FastAPI:
     if llm is None:
         llm = build_async_llm(config)
     manager = llm.engine.connector if isinstance(llm.engine.connector, TierManager) else None
-    registry = manager.registry if manager is not None else CollectorRegistry()
+    registry = CollectorRegistry()
     state = ServerState(config, llm, manager, registry, owns_llm, PromptLimit.of(llm))
     prompt_limit = state.prompt_limit
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state.metrics = ServerMetrics(registry, llm.stats, lambda: state.inflight)
+        state.metrics = ServerMetrics(
+            registry, config.model_name, llm.stats, lambda: state.inflight,
+            manager.metrics if manager is not None else None,
+        )
         try:
             yield
         finally:
