@@ -170,18 +170,26 @@ def _load_kv(ptrs, t_ok, d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, MASKED:
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from exp2 (the interpreter has no libdevice): saturates to ±1, no overflow NaN."""
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+
+
+@triton.jit
 def _attend(
     acc, m_i, l_i, q, q_ptr, pos,
-    cache_ptr, bt_row_ptr, head_off, lo, hi, qk_scale,
+    cache_ptr, bt_row_ptr, head_off, lo, hi, qk_scale, softcap, window,
     stride_blk, stride_tok, v_offset,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, FP8: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
-    MASK: tl.constexpr,
+    MASK: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Online softmax of ``q`` [M, D_PAD] over context positions ``lo..hi-1``.
 
     MASK: 0 every key is visible to every row and in range; 1 keys past ``hi`` are
-    masked; 2 causal, key ``t`` visible to the row at position ``pos`` iff ``t <= pos``.
+    masked; 2 causal, key ``t`` visible to the row at position ``pos`` iff ``t <= pos``;
+    3 causal within a window, iff ``pos - window < t <= pos`` (a row may see no key of a
+    tile). SOFTCAP: scores (base-2 units) become ``softcap * tanh(scores / softcap)``.
     """
     d = tl.arange(0, D_PAD)
     for start in range(lo, hi, BLOCK_N):
@@ -201,13 +209,21 @@ def _attend(
         k = _as_dot(k, q_ptr, DOT_FP32)
         v = _as_dot(v, q_ptr, DOT_FP32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, BLOCK_N]
+        if SOFTCAP:
+            s = softcap * _tanh(s / softcap)
         if MASK == 1:
             s = tl.where(t_ok[None, :], s, float("-inf"))
         elif MASK == 2:
             s = tl.where(t[None, :] <= pos[:, None], s, float("-inf"))
+        elif MASK == 3:
+            seen = (t[None, :] <= pos[:, None]) & (t[None, :] > pos[:, None] - window)
+            s = tl.where(seen & t_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_ref = m_new
+        if MASK == 3:  # a row that has seen nothing yet: subtract 0, not -inf (no NaN)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         p = _as_dot(p, q_ptr, DOT_FP32)
         acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PRECISION)
@@ -220,13 +236,14 @@ def _attend(
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, qk_scale, v_factor,
+    q_ptr, cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, qk_scale, v_factor, softcap, window,
     stride_qn, stride_qh, stride_on, stride_oh, stride_bt,
     stride_blk, stride_tok, stride_kvh, v_offset,
     part_ptr, lse_ptr, split_len, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
 ):
     kvh = tl.program_id(0)
     split = tl.program_id(1)
@@ -236,6 +253,8 @@ def _decode_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + b)
     lo = split * split_len
+    if WINDOW:  # the splits cover the window: the first one is never empty
+        lo += tl.maximum(seq_len - window, 0)
     hi = tl.minimum(lo + split_len, seq_len)
 
     g = tl.arange(0, G_PAD)  # this kv head's query heads are rows; G_PAD >= 16 for tl.dot
@@ -253,8 +272,8 @@ def _decode_kernel(
     acc, m_i, l_i = _attend(
         acc, m_i, l_i, q, q_ptr, g,
         cache_ptr, bt_ptr + b.to(tl.int64) * stride_bt, kvh * stride_kvh, lo, hi, qk_scale,
-        stride_blk, stride_tok, v_offset,
-        BLOCK_SIZE, HEAD_DIM, D_PAD, BLOCK_N, FP8, DOT_FP32, PRECISION, 1,
+        softcap, window, stride_blk, stride_tok, v_offset,
+        BLOCK_SIZE, HEAD_DIM, D_PAD, BLOCK_N, FP8, DOT_FP32, PRECISION, 1, SOFTCAP,
     )
     # an empty split (past the end of a shorter sequence) leaves l == 0, m == -inf
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -288,7 +307,7 @@ def _merge_splits_kernel(
     d_ok = d < HEAD_DIM
     part = part_ptr + b.to(tl.int64) * stride_pb + h * stride_ph + d
     lse = lse_ptr + b * stride_lb + h * stride_lh
-    # split 0 starts at position 0, so it is never empty and its lse is finite
+    # split 0 starts at the context's (or window's) first position: never empty, lse finite
     m = tl.load(lse)
     acc = tl.load(part, mask=d_ok, other=0.0)
     total = tl.full([D_PAD], 1.0, dtype=tl.float32)
@@ -310,12 +329,13 @@ def _merge_splits_kernel(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, qk_scale, v_factor,
+    q_ptr, cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, qk_scale, v_factor, softcap, window,
     stride_qn, stride_qh, stride_on, stride_oh, stride_bt,
     stride_blk, stride_tok, stride_kvh, v_offset,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
 ):
     hq = tl.program_id(0)
     # the last query tiles see the most keys: launch them first
@@ -348,16 +368,26 @@ def _prefill_kernel(
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     head_off = (hq // GROUP) * stride_kvh
     pos = ctx + rows
-    acc, m_i, l_i = _attend(
-        acc, m_i, l_i, q, q_ptr, pos, cache_ptr, bt_row, head_off, 0, full_end, qk_scale,
-        stride_blk, stride_tok, v_offset,
-        BLOCK_SIZE, HEAD_DIM, D_PAD, BLOCK_N, FP8, DOT_FP32, PRECISION, 0,
-    )
-    acc, m_i, l_i = _attend(
-        acc, m_i, l_i, q, q_ptr, pos, cache_ptr, bt_row, head_off, full_end, causal_end, qk_scale,
-        stride_blk, stride_tok, v_offset,
-        BLOCK_SIZE, HEAD_DIM, D_PAD, BLOCK_N, FP8, DOT_FP32, PRECISION, 2,
-    )
+    if WINDOW:
+        # keys from the tile's first row's window start, every one masked: at most
+        # window + BLOCK_M of them, and keys before it (maybe given away) never read
+        win_lo = tl.maximum(ctx + m_lo - window + 1, 0)
+        acc, m_i, l_i = _attend(
+            acc, m_i, l_i, q, q_ptr, pos, cache_ptr, bt_row, head_off, win_lo, causal_end,
+            qk_scale, softcap, window, stride_blk, stride_tok, v_offset,
+            BLOCK_SIZE, HEAD_DIM, D_PAD, BLOCK_N, FP8, DOT_FP32, PRECISION, 3, SOFTCAP,
+        )
+    else:
+        acc, m_i, l_i = _attend(
+            acc, m_i, l_i, q, q_ptr, pos, cache_ptr, bt_row, head_off, 0, full_end, qk_scale,
+            softcap, window, stride_blk, stride_tok, v_offset,
+            BLOCK_SIZE, HEAD_DIM, D_PAD, BLOCK_N, FP8, DOT_FP32, PRECISION, 0, SOFTCAP,
+        )
+        acc, m_i, l_i = _attend(
+            acc, m_i, l_i, q, q_ptr, pos, cache_ptr, bt_row, head_off, full_end, causal_end,
+            qk_scale, softcap, window, stride_blk, stride_tok, v_offset,
+            BLOCK_SIZE, HEAD_DIM, D_PAD, BLOCK_N, FP8, DOT_FP32, PRECISION, 2, SOFTCAP,
+        )
     out = acc * (v_factor / l_i)[:, None]
     ptrs = out_ptr + tok[:, None] * stride_on + hq * stride_oh + d[None, :]
     tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -539,14 +569,17 @@ def attention(
     scale: float,
     scales: KVScales = KVScales(),
     *,
+    window: int | None = None,
+    softcap: float | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each new token over its sequence's paged context. ``[N, Hq, D]``.
 
-    Matches :func:`engine.attention.attention_torch`. The cache's dtype is q's or fp8
-    (with ``scales``). Grid sizes come from the host lists in ``meta``: no device sync.
+    Matches :func:`engine.attention.attention_torch`, ``window`` and ``softcap`` included
+    (positions before a window are never read). The cache's dtype is q's or fp8 (with
+    ``scales``). Grid sizes come from the host lists in ``meta``: no device sync.
     ``num_splits`` overrides how many partitions the decode kernel splits each context
-    into (by default enough to fill the GPU); it is ignored for prefill steps.
+    (or window) into (by default enough to fill the GPU); it is ignored for prefill steps.
     """
     _check_kernel_device(q, "q")
     if q.dim() != 3:
@@ -571,6 +604,10 @@ def attention(
         raise ValueError(f"the cache must be q's dtype ({q.dtype}) or fp8, got {layer_cache.dtype}")
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive or None, got {softcap!r}")
     max_seq_len = meta.max_seq_len
     _check_meta(meta, N, block_size, max_seq_len, q.device)
 
@@ -586,6 +623,7 @@ def attention(
         q, layer_cache.view(torch.uint8) if fp8 else layer_cache, out,
         meta.query_start_loc, meta.seq_lens, meta.block_tables,
         float(scale) * k_scale * _LOG2E, v_factor,
+        float(softcap or 1.0) * _LOG2E, window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
         layer_cache.stride(1), layer_cache.stride(2), layer_cache.stride(3), layer_cache.stride(0),
     )
@@ -595,11 +633,13 @@ def attention(
         # the interpreter cannot multiply bf16 tiles; fp32 runs as 3xTF32 (about fp32 accuracy)
         DOT_FP32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _interpreting()),
         PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
+        SOFTCAP=softcap is not None, WINDOW=window is not None,
         num_stages=2,
     )
     if meta.is_decode_only:
         constants["num_warps"] = tiles.decode_warps
-        _decode(args, constants, out, meta, v_factor, Hkv, max_seq_len, num_splits)
+        span = max_seq_len if window is None else min(max_seq_len, window)
+        _decode(args, constants, out, meta, v_factor, Hkv, span, num_splits)
         return out
     block_m = min(tiles.block_m, max(16, _pow2(meta.max_query_len)))
     grid = (Hq, triton.cdiv(meta.max_query_len, block_m), meta.num_seqs)
@@ -634,12 +674,14 @@ def _decode(
     max_seq_len: int,
     num_splits: int | None,
 ) -> None:
-    """Launch the decode kernel; split-KV plus a merge when the batch is too small."""
+    """Launch the decode kernel; split-KV plus a merge when the batch is too small.
+    ``max_seq_len``: the most keys any sequence attends to (its window, if shorter)."""
     num_seqs, q_heads, head_dim = meta.num_seqs, out.shape[1], out.shape[2]
     device = out.device
     if num_splits is None:
         num_splits = _decode_splits(num_seqs, kv_heads, max_seq_len, device)
-    # split s covers positions [s * split_len, (s + 1) * split_len) of every sequence
+    # split s covers positions [s * split_len, (s + 1) * split_len) of every sequence's
+    # context, or of its window
     block_n = constants["BLOCK_N"]
     split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
     num_splits = triton.cdiv(max_seq_len, split_len)

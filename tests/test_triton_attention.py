@@ -18,7 +18,7 @@ import zlib
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, KVScales, attention_torch, write_kv
+from engine.attention import AttentionMetadata, KVScales, attention_torch, first_visible, write_kv
 from engine.kv_cache import layer_view
 from interpreter_testing import interpreter_main_of, run_interpreted, value_errors
 
@@ -63,6 +63,8 @@ class AttnCase:
     block_size: int
     cache: str | None = None  # None: q's dtype
     num_splits: int | None = None
+    window: int | None = None  # blocks wholly before a sequence's window hold NaN
+    softcap: float | None = None
 
     @property
     def tol(self) -> float:
@@ -93,6 +95,21 @@ ATTN_CASES = [
     AttnCase("mixed-fp32-d24", "float32", (26, 31), (26, 4), (4, 2), 24, 16),
     AttnCase("prefix-fp32-many-query-tiles", "float32", (170,), (150,), (2, 1), 16, 16),
     AttnCase("prefix-fp32-bs128", "float32", (150, 40), (20, 40), (2, 1), 16, 128),
+    # sliding windows (shorter and longer than contexts, of 1 token) and soft caps
+    _decode("decode-fp32-window", "float32", (1, 17, 100, 64), (4, 2), 16, 16, window=20),
+    _decode("decode-fp32-window-split2", "float32", (250, 30, 101), (4, 1), 32, 16,
+            num_splits=3, window=100),
+    _decode("decode-bf16-softcap", "bfloat16", (40, 9), (4, 1), 64, 8, softcap=2.0),
+    _decode("decode-fp16-e4m3-window-softcap", "float16", (70, 3), (4, 2), 64, 16, cache=E4M3,
+            window=33, softcap=5.0),
+    AttnCase("prefill-fp32-window", "float32", (40, 70), (40, 33), (2, 2), 32, 16, window=9),
+    AttnCase("prefix-fp32-window1", "float32", (50, 23), (17, 23), (4, 2), 16, 8, window=1),
+    AttnCase("mixed-fp16-window-softcap", "float16", (9, 120, 50, 45), (1, 100, 1, 30), (8, 2),
+             16, 16, window=37, softcap=3.0),
+    AttnCase("prefix-fp32-softcap-many-tiles", "float32", (170,), (150,), (2, 1), 16, 16,
+             softcap=1.5),
+    AttnCase("mixed-bf16-e5m2-window", "bfloat16", (40, 5), (13, 1), (2, 2), 32, 32, cache=E5M2,
+             window=6),
 ]
 
 # bigger shapes for the GPU only: default split heuristics, many query tiles, long contexts
@@ -102,6 +119,10 @@ CUDA_ATTN_CASES = [
     AttnCase("gpu-prefix-bf16", "bfloat16", (1500, 700, 64), (900, 1, 64), (16, 4), 128, 16),
     AttnCase("gpu-prefix-fp16-d256", "float16", (600, 300), (300, 300), (8, 8), 256, 32),
     AttnCase("gpu-mixed-fp32-d80", "float32", (300, 129), (45, 1), (4, 2), 80, 16),
+    _decode("gpu-decode-bf16-window", "bfloat16", (5000, 300, 4097), (8, 2), 128, 16,
+            window=4096, softcap=50.0),
+    AttnCase("gpu-prefix-fp16-window", "float16", (1500, 700), (900, 700), (8, 4), 256, 16,
+             window=512, softcap=50.0),
 ]
 
 
@@ -180,6 +201,13 @@ def _attention_inputs(case: AttnCase, device: str):
         start += n
     scales = KVScales(0.15, 0.11) if case.cache else KVScales()
     raw = torch.randn(num_blocks, LAYERS, 2, bs, hkv, D, generator=g)
+    if case.window is not None:
+        # what a block manager gave away: NaN, which any read would spread to the output
+        given_away = int(perm[-1])
+        raw[given_away] = float("nan")
+        tables[tables == given_away] = int(perm[0])  # the unused tails stay finite
+        for b, (s, ql) in enumerate(zip(case.seq_lens, case.query_lens)):
+            tables[b, : first_visible(s, ql, case.window) // bs] = given_away
     cache = (raw * 6).to(cache_dtype) if case.cache else raw.to(dtype)  # [NB, L, 2, T, Hkv, D]
     n_tokens = sum(case.query_lens)
     q = torch.randn(n_tokens, hq, D, generator=g).to(dtype)
@@ -205,8 +233,11 @@ def check_attention(case: AttnCase, device: str) -> dict:
 
     q, cache, meta, scales = _attention_inputs(case, device)
     scale = case.head_dim**-0.5
-    expected = attention_torch(q, cache, meta, scale, scales).float()
-    out = triton_attention.attention(q, cache, meta, scale, scales, num_splits=case.num_splits)
+    window = dict(window=case.window, softcap=case.softcap)
+    expected = attention_torch(q, cache, meta, scale, scales, **window).float()
+    out = triton_attention.attention(
+        q, cache, meta, scale, scales, num_splits=case.num_splits, **window
+    )
     err = (out.float() - expected).abs()
     close = torch.allclose(out.float(), expected, atol=case.tol, rtol=case.tol)
     return {
@@ -214,7 +245,7 @@ def check_attention(case: AttnCase, device: str) -> dict:
         "max_err": float(err.max()),
         "dtype": str(out.dtype).removeprefix("torch."),
         "shape": list(out.shape),
-        "finite": bool(out.isfinite().all()),
+        "finite": bool(out.isfinite().all() and expected.isfinite().all()),
     }
 
 
@@ -233,6 +264,8 @@ BAD_CALLS = {
     "slot dtype": "int32 or int64",
     "cache kind": "cache needs torch.bfloat16 k and v",
     "cache heads": "holds [H, D]",
+    "window": "window must be a positive int",
+    "softcap": "softcap must be positive",
 }
 
 
@@ -272,6 +305,8 @@ def _bad_calls(device: str) -> dict:
         "slot dtype": lambda: ta.write_kv(kv, kv, cache(), slots.float()),
         "cache kind": lambda: ta.write_kv(kv.half(), kv.half(), cache(dtype=torch.bfloat16), slots),
         "cache heads": lambda: ta.write_kv(kv, kv, cache(h=4), slots),
+        "window": lambda: ta.attention(q, cache(), m, 1.0, window=0),
+        "softcap": lambda: ta.attention(q, cache(), m, 1.0, softcap=-1.0),
     }
 
 
