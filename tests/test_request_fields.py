@@ -1,0 +1,267 @@
+"""OpenAI/vLLM request fields over HTTP: n and best_of, prompt lists, echo, penalties, min_p,
+logit_bias, generation_config.json defaults, max_tokens past the context, unknown fields."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import engine.sampler
+from engine import AsyncLLM
+from engine.models.tiny import write_tiny_checkpoint
+from engine_testing import one_thread  # noqa: F401  (autouse fixture)
+from server_testing import MAX_MODEL_LEN, assert_error, config, run, sse_events
+from tiered_kv.server import create_app
+
+GEN_DEFAULTS = {"temperature": 0.0, "max_new_tokens": 5}
+NEUTRAL = {"generation_config": "vllm", "kv_offloading_size": 0, "kv_disk_size": 0}
+SAMPLED = {"prompt": "Once upon", "temperature": 1.0, "max_tokens": 8, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The tiny model, whose generation_config.json also holds sampling defaults."""
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("model") / "tiny")
+    gen = path / "generation_config.json"
+    gen.write_text(json.dumps({**json.loads(gen.read_text()), **GEN_DEFAULTS}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    llm = AsyncLLM(model_dir, max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=64, device="cpu")
+    yield llm
+    llm.shutdown()
+
+
+def texts(response) -> list[str]:
+    assert response.status_code == 200, response.text
+    return [c["text"] for c in response.json()["choices"]]
+
+
+# ---------------------------------------------------------------- n, best_of, echo
+
+
+def test_n_gives_distinct_choices_reproducible_with_a_seed(llm):
+    async def test(c):
+        three = [await c.post("/v1/completions", json={**SAMPLED, "n": 3, "seed": 5}) for _ in range(2)]
+        singles = [await c.post("/v1/completions", json={**SAMPLED, "seed": 5 + k}) for k in range(3)]
+        unseeded = await c.post("/v1/completions", json={**SAMPLED, "n": 3})
+        return three, singles, unseeded
+
+    (first, again), singles, unseeded = run(llm, test, **NEUTRAL)
+    choices = texts(first)
+    assert len(set(choices)) == 3
+    assert texts(again) == choices
+    assert [texts(s)[0] for s in singles] == choices  # choice k is the request with seed + k
+    assert len(set(texts(unseeded))) == 3
+    assert first.json()["usage"]["completion_tokens"] == 3 * 8
+
+
+def test_chat_n_streams_the_same_choices(llm):
+    body = {"messages": [{"role": "user", "content": "Hi"}], "n": 2, "seed": 9, "temperature": 1.0,
+            "max_tokens": 6, "ignore_eos": True}
+
+    async def test(c):
+        whole = await c.post("/v1/chat/completions", json=body)
+        stream = await c.post("/v1/chat/completions", json={**body, "stream": True,
+                                                               "stream_options": {"include_usage": True}})
+        return whole, stream
+
+    whole, stream = run(llm, test, **NEUTRAL)
+    assert whole.status_code == 200, whole.text
+    choices = whole.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    assert choices[0]["message"]["content"] != choices[1]["message"]["content"]
+    events = sse_events(stream.text)
+    streamed = ["", ""]
+    for event in events[:-1]:
+        (choice,) = event["choices"]
+        streamed[choice["index"]] += choice["delta"].get("content", "")
+    assert streamed == [c["message"]["content"] for c in choices]
+    assert events[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_best_of_returns_the_choice_of_highest_cumulative_logprob(llm):
+    async def test(c):
+        best = await c.post("/v1/completions", json={**SAMPLED, "best_of": 3, "n": 1, "seed": 21})
+        candidates = [
+            await c.post("/v1/completions", json={**SAMPLED, "seed": 21 + k, "logprobs": 0}) for k in range(3)
+        ]
+        too_few = await c.post("/v1/completions", json={**SAMPLED, "best_of": 1, "n": 2})
+        streamed = await c.post("/v1/completions", json={**SAMPLED, "best_of": 2, "stream": True})
+        return best, candidates, too_few, streamed
+
+    best, candidates, too_few, streamed = run(llm, test, **NEUTRAL)
+    scored = [(sum(r.json()["choices"][0]["logprobs"]["token_logprobs"]), texts(r)[0]) for r in candidates]
+    assert len({text for _, text in scored}) == 3
+    (choice,) = best.json()["choices"]
+    assert choice["text"] == max(scored)[1] and choice["logprobs"] is None
+    assert_error(too_few, 400, param="best_of")
+    assert_error(streamed, 400, param="best_of")
+
+
+def test_echo_puts_the_prompt_before_the_text(llm):
+    greedy = {"temperature": 0, "max_tokens": 4, "ignore_eos": True}
+    ids = [256, 72, 105]
+
+    async def test(c):
+        plain = [await c.post("/v1/completions", json={"prompt": p, **greedy}) for p in ("Once upon", ids)]
+        echoed = [
+            await c.post("/v1/completions", json={"prompt": p, "echo": True, **greedy}) for p in ("Once upon", ids)
+        ]
+        stream = await c.post("/v1/completions", json={"prompt": "Once upon", "echo": True, "stream": True, **greedy})
+        return plain, echoed, stream
+
+    plain, echoed, stream = run(llm, test, **NEUTRAL)
+    prompt_texts = ["Once upon", llm.tokenizer.decode(ids)]
+    assert [texts(e)[0] for e in echoed] == [p + texts(t)[0] for p, t in zip(prompt_texts, plain)]
+    streamed = "".join(e["choices"][0]["text"] for e in sse_events(stream.text))
+    assert streamed == "Once upon" + texts(plain[0])[0]
+
+
+# ---------------------------------------------------------------- penalties, min_p, logit_bias
+
+
+def reference_penalties(row: list[float], prompt: list[int], generated: list[int], name: str, value: float):
+    """vLLM's definitions, one logit at a time."""
+    out = []
+    for token, logit in enumerate(row):
+        if name == "repetition_penalty" and (token in prompt or token in generated):
+            logit = logit / value if logit > 0 else logit * value
+        if name == "frequency_penalty":
+            logit -= value * generated.count(token)
+        if name == "presence_penalty" and token in generated:
+            logit -= value
+        out.append(logit)
+    return out
+
+
+@pytest.mark.parametrize(
+    "name, value", [("presence_penalty", 1.5), ("frequency_penalty", 0.7), ("repetition_penalty", 1.8)]
+)
+def test_each_penalty_changes_the_logits_as_vllm_defines_it(llm, monkeypatch, name, value):
+    steps = []
+    real = engine.sampler.apply_penalties
+
+    def spy(logits, counts, **kwargs):
+        out = real(logits, counts, **kwargs)
+        steps.append((logits[0].tolist(), out[0]))
+        return out
+
+    monkeypatch.setattr(engine.sampler, "apply_penalties", spy)
+    prompt = [256, 72, 105, 72, 33]
+    body = {"prompt": prompt, "temperature": 0, "max_tokens": 6, "ignore_eos": True, "logprobs": 0, name: value}
+    (response,) = run(llm, lambda c: _gather(c.post("/v1/completions", json=body)), **NEUTRAL)
+    assert response.status_code == 200, response.text
+    assert len(steps) == 6
+    generated = []
+    for raw, penalized in steps:
+        assert penalized.tolist() == pytest.approx(reference_penalties(raw, prompt, generated, name, value), abs=1e-5)
+        generated.append(int(penalized.argmax()))  # greedy picks from the penalized logits
+    tokens = response.json()["choices"][0]["logprobs"]["tokens"]
+    assert tokens == [llm.tokenizer.decode([t], skip_special_tokens=False) for t in generated]
+
+
+async def _gather(*awaitables):
+    return [await a for a in awaitables]
+
+
+def test_min_p_of_one_is_greedy_and_logit_bias_steers(llm):
+    greedy = {"prompt": "Once upon", "temperature": 0, "max_tokens": 8, "ignore_eos": True}
+    forced = llm.tokenizer.encode("A", add_special_tokens=False)[0]
+
+    async def test(c):
+        return [
+            await c.post("/v1/completions", json=greedy),
+            await c.post("/v1/completions", json={**greedy, "temperature": 1.5, "min_p": 1.0, "seed": 3}),
+            await c.post("/v1/completions", json={**greedy, "temperature": 1.5, "seed": 3}),
+            await c.post("/v1/completions", json={**greedy, "logit_bias": {str(forced): 100}}),
+            await c.post("/v1/completions", json={**greedy, "logit_bias": {"99999": 5}}),
+            await c.post("/v1/completions", json={**greedy, "logit_bias": {"a": 5}}),
+            await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                      "logit_bias": {str(forced): 100}, "max_tokens": 3,
+                                                      "temperature": 0, "ignore_eos": True}),
+        ]
+
+    plain, min_p, sampled, biased, outside, not_an_id, chat = run(llm, test, **NEUTRAL)
+    assert texts(min_p) == texts(plain) != texts(sampled)
+    assert texts(biased) == ["A" * 8]
+    assert_error(outside, 400, param="logit_bias")
+    assert_error(not_an_id, 400, param="logit_bias")
+    assert chat.json()["choices"][0]["message"]["content"] == "AAA"
+
+
+# ---------------------------------------------------------------- generation_config.json
+
+
+def test_generation_config_gives_the_defaults_and_a_request_overrides_them(llm, tmp_path):
+    bare = {"prompt": "Once upon", "ignore_eos": True}
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "ignore_eos": True}
+    folder = tmp_path / "gen"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3, "top_k": 1}))
+
+    async def test(c):
+        return [
+            await c.post("/v1/completions", json=bare),
+            await c.post("/v1/completions", json={**bare, "temperature": 1.0, "seed": 4, "max_tokens": 5}),
+            await c.post("/v1/chat/completions", json=chat),
+        ]
+
+    auto = run(llm, test, kv_offloading_size=0, kv_disk_size=0)  # generation_config="auto"
+    neutral = run(llm, test, **NEUTRAL)
+    own = run(llm, test, generation_config=str(folder), kv_offloading_size=0, kv_disk_size=0)
+
+    async def explicit(c):
+        return [
+            await c.post("/v1/completions", json={**bare, "temperature": 0, "max_tokens": 5}),
+            await c.post("/v1/completions", json={**bare, "temperature": 1.0, "seed": 4, "max_tokens": 5}),
+        ]
+
+    greedy5, sampled5 = run(llm, explicit, **NEUTRAL)
+    # auto: temperature 0 and max_new_tokens 5 from the model's file; a request's own values win
+    assert texts(auto[0]) == texts(greedy5)
+    assert texts(auto[1]) == texts(sampled5) != texts(greedy5)
+    assert auto[2].json()["usage"]["completion_tokens"] == 5
+    # vllm: neutral defaults (max_tokens 16 for completions, until max_model_len for chat)
+    assert neutral[0].json()["usage"]["completion_tokens"] == 16
+    assert neutral[2].json()["usage"]["completion_tokens"] == MAX_MODEL_LEN - neutral[2].json()["usage"]["prompt_tokens"]
+    # a folder: its file instead (max_new_tokens caps even a request's max_tokens, as in vLLM)
+    assert [r.json()["usage"]["completion_tokens"] for r in own] == [3, 3, 3]
+
+
+def test_a_generation_config_folder_without_the_file_is_refused(llm, tmp_path):
+    with pytest.raises(ValueError, match="--generation-config"):
+        create_app(config(generation_config=str(tmp_path), kv_offloading_size=0, kv_disk_size=0), llm)
+
+
+# ---------------------------------------------------------------- refused
+
+
+def test_max_tokens_past_the_context_and_unknown_fields_are_400(llm):
+    long_prompt = [72] * (MAX_MODEL_LEN - 10)
+
+    async def test(c):
+        post = c.post
+        messages = [{"role": "user", "content": "Hi"}]
+        return [
+            await post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 11}),
+            await post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 10}),
+            await post("/v1/completions", json={"prompt": long_prompt}),  # the default 16 is too many
+            await post("/v1/chat/completions", json={"messages": messages, "max_completion_tokens": MAX_MODEL_LEN}),
+            await post("/v1/completions", json={"prompt": "x", "frobnicate": 1}),
+            await post("/v1/chat/completions", json={"messages": messages, "tool_choice": "auto"}),
+            await post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x", "extra": 1}]}),
+        ]
+
+    over, fits, default, chat, unknown, tool_choice, message_field = run(llm, test, **NEUTRAL)
+    assert_error(over, 400, param="max_tokens", code="context_length_exceeded")
+    assert "maximum context length is 256 tokens" in over.json()["error"]["message"]
+    assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] >= 1
+    assert_error(default, 400, param="max_tokens", code="context_length_exceeded")
+    assert_error(chat, 400, param="max_completion_tokens", code="context_length_exceeded")
+    assert_error(unknown, 400, param="frobnicate")
+    assert_error(tool_choice, 400, param="tool_choice")
+    assert_error(message_field, 400, param="messages")
+
