@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -48,8 +49,42 @@ def test_init_creates_then_describes(tmp_path: Path):
     assert first.exit_code == 0, first.output
     assert json.loads(first.output)["capacity_bytes"] == 64 << 20
     assert (path / "tiered_kv.json").exists() and path.stat().st_mode & 0o777 == 0o700
-    again = run("init", path, "--size", "1GiB")
+    again = run("init", path)
     assert again.exit_code == 0 and "exists" in again.output
+
+
+def test_init_size_resizes_an_existing_store(store_dir: Path):
+    grown = run("init", store_dir, "--size", "1GiB", "--json")
+    assert grown.exit_code == 0, grown.output
+    fields = json.loads(grown.output)
+    assert (fields["created"], fields["resized_from"], fields["evicted_blocks"]) == (False, 64 << 20, 0)
+    assert fields["capacity_bytes"] == 1 << 30 and fields["entries"] == 8
+    assert fields["map_size"] >= 2 << 30  # room for the larger budget
+    one_block = json.loads(run("stats", store_dir, "--json").output)["bytes_used"] // 8
+    shrunk = run("init", store_dir, "--size", str(3 * one_block + 1), "--json")
+    assert shrunk.exit_code == 0, shrunk.output
+    fields = json.loads(shrunk.output)
+    assert fields["evicted_blocks"] >= 5 and fields["entries"] == 8 - fields["evicted_blocks"]
+    stats = json.loads(run("stats", store_dir, "--json").output)
+    assert stats["capacity_bytes"] == 3 * one_block + 1 and stats["entries"] == fields["entries"]
+    text = " ".join(run("init", store_dir, "--size", "2GiB").output.split())
+    assert "to 2.0 GiB; 0 blocks evicted" in text
+
+
+def test_init_size_refuses_a_store_a_server_holds(store_dir: Path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_STORE, str(store_dir)], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        result = run("init", store_dir, "--size", "1GiB")
+        assert result.exit_code == 2 and "held by a running server" in result.output
+        assert len(result.output.strip().splitlines()) == 1
+        assert run("init", store_dir).exit_code == 0  # describing it needs no lock
+    finally:
+        holder.communicate("done\n", timeout=30)
+    assert json.loads(run("stats", store_dir, "--json").output)["capacity_bytes"] == 64 << 20
 
 
 def test_stats_json(store_dir: Path):
@@ -123,6 +158,10 @@ with LmdbStore(sys.argv[1], None):
         (("stats", "/nonexistent/kv"), "no such KV cache directory"),
         (("init", "{tmp}/x", "--size", "lots"), "not a size"),
         (("verify", "{tmp}"), "not a tiered-kv disk store"),
+        (("stats",), "Missing argument 'path'"),
+        (("nosuch", "{tmp}"), "No such command 'nosuch'"),
+        (("tree", "{tmp}", "--depth", "0"), "Invalid value for '--depth'"),
+        (("stats", "{tmp}", "--bogus"), "No such option: --bogus"),
     ],
 )
 def test_errors_are_one_line_and_exit_two(tmp_path: Path, args, message):
@@ -130,6 +169,43 @@ def test_errors_are_one_line_and_exit_two(tmp_path: Path, args, message):
     result = run(*(a.format(tmp=tmp_path) for a in args))
     assert result.exit_code == 2
     assert message in result.output and "Traceback" not in result.output
+    assert result.stdout == "" and result.stderr.startswith("error: ")
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("stats", "/nonexistent/kv", "--json"), "/nonexistent/kv: no such KV cache directory"),
+        (("gc", "{tmp}", "--json"), "say what to evict"),
+        (("stats", "--json"), "Missing argument"),
+        (("tree", "{tmp}", "--depth", "0", "--json"), "'--depth'"),
+        (("ls", "{tmp}", "--json", "--bogus"), "No such option: --bogus"),
+    ],
+)
+def test_with_json_an_error_is_one_json_object_on_stdout(tmp_path: Path, args, message):
+    result = run(*(a.format(tmp=tmp_path) for a in args))
+    assert result.exit_code == 2 and result.stderr == ""
+    (line,) = result.stdout.splitlines()
+    assert set(json.loads(line)) == {"error"} and message in json.loads(line)["error"]
+
+
+def test_a_failing_disk_or_an_unexpected_exception_is_one_line(store_dir: Path, monkeypatch):
+    def eio(self):
+        raise OSError(errno.EIO, "Input/output error", str(self.path / "data.mdb"))
+
+    monkeypatch.setattr(LmdbStore, "info", eio)
+    result = run("stats", store_dir)
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr == f"error: {store_dir / 'data.mdb'}: Input/output error\n"
+
+    def bug(self):
+        raise KeyError("entries")
+
+    monkeypatch.setattr(LmdbStore, "info", bug)
+    result = run("stats", store_dir, "--json")
+    assert result.exit_code == 3 and result.stderr == ""
+    assert json.loads(result.stdout) == {"error": "internal error: KeyError: 'entries'"}
 
 
 # ---------------------------------------------------------------- a damaged data file
@@ -184,7 +260,7 @@ for i, mutate in enumerate(cases):
         crash = None if isinstance(result.exception, (SystemExit, type(None))) else result.exception
         print(json.dumps({
             "case": i, "command": args[0], "target": args[1], "code": result.exit_code,
-            "output": result.output, "crash": repr(crash) if crash else None,
+            "json": "--json" in args, "output": result.output, "crash": repr(crash) if crash else None,
         }), flush=True)
 """
 
@@ -217,8 +293,10 @@ def test_no_command_dies_on_a_damaged_data_file(big_store: Path, tmp_path: Path,
     for r in results:
         assert r["crash"] is None and "Traceback" not in r["output"], r
         lines = r["output"].strip().splitlines()
+        assert r["code"] != 3, r  # an exception the command did not expect
         if r["code"] == 2:
-            assert len(lines) == 1 and lines[0].startswith("error: "), r
+            assert len(lines) == 1, r
+            assert json.loads(lines[0])["error"] if r["json"] else lines[0].startswith("error: "), r
         if r["command"] == "repair":
             assert r["code"] == 0, r
         elif r["target"].endswith(".repaired"):

@@ -1,7 +1,7 @@
 """``tiered-kv storage``: administration of a KV cache directory.
 
 Commands:
-    init DIR --size SIZE   create a store (or describe an existing one)
+    init DIR --size SIZE   create a store (or describe an existing one; --size resizes it)
     stats DIR              occupancy, counters and LMDB figures
     ls DIR                 namespaces: blocks, bytes, codecs, dtypes, age
     verify DIR             check every record; quarantine the bad ones; exit 1 if any
@@ -19,7 +19,8 @@ Read-only commands (stats, ls, verify, tree, export, ``gc --dry-run``, ``compact
 --output``) open the store read-only, so they work while a server writes to it. Commands
 that change a store (gc, clear, import, compact in place, repair) need the writer lock, so
 they refuse to run while a server holds the directory. Every command takes ``--json``.
-Errors are one line on stderr and exit code 2. Before LMDB maps ``data.mdb``, every
+Errors, usage errors included, are one line and exit code 2 (``storage_errors``; with
+``--json``, ``{"error": ...}`` on stdout). Before LMDB maps ``data.mdb``, every
 command checks the pages LMDB could reach (only the meta pages if a server keeps
 committing meanwhile): a damaged file is an error naming ``repair``, never a crash.
 """
@@ -40,25 +41,21 @@ from rich.table import Table
 
 from storage.base import BlockKey, StoreError
 from storage.lmdb_store import DamagedStore, LmdbStore, StoreInfo
+from tiered_kv.storage_errors import CommandError, StorageGroup
+from tiered_kv.storage_errors import fail as _fail
 from tiered_kv.units import format_age, format_size, parse_duration, parse_size
 
-app = typer.Typer(help="Administer a KV cache directory.", no_args_is_help=True)
+app = typer.Typer(help="Administer a KV cache directory.", no_args_is_help=True, cls=StorageGroup)
 out = Console()
 err = Console(stderr=True, soft_wrap=True)
 
 EXIT_FOUND_CORRUPT = 1
-EXIT_ERROR = 2
 
 Dir = Annotated[Path, typer.Argument(help="The KV cache directory.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
 
-def _fail(message: str) -> typer.Exit:
-    err.print(f"[red]error:[/red] {message}", highlight=False)
-    return typer.Exit(EXIT_ERROR)
-
-
-def _fail_store(error: StoreError, path: Path) -> typer.Exit:
+def _fail_store(error: StoreError, path: Path) -> CommandError:
     if isinstance(error, DamagedStore):
         return _fail(f"{error}; `tiered-kv storage repair {path}` salvages the readable records")
     return _fail(str(error))
@@ -96,10 +93,10 @@ def _info_dict(info: StoreInfo) -> dict:
     }
 
 
-def _print_info(info: StoreInfo, as_json: bool) -> None:
+def _print_info(info: StoreInfo, as_json: bool, extra: dict | None = None) -> None:
     fields = _info_dict(info)
     if as_json:
-        out.print_json(json.dumps(fields))
+        out.print_json(json.dumps(fields | (extra or {})))
         return
     table = Table(title=f"KV cache {info.path}", show_header=False)
     table.add_column(style="bold")
@@ -119,24 +116,49 @@ def _print_info(info: StoreInfo, as_json: bool) -> None:
     out.print(table)
 
 
+DEFAULT_SIZE = "4GiB"
+
+
 @app.command()
 def init(
     path: Dir,
-    size: Annotated[str, typer.Option("--size", help="Disk budget, e.g. 4GiB, 500MB.")] = "4GiB",
+    size: Annotated[
+        str | None,
+        typer.Option("--size", help=f"Disk budget, e.g. 4GiB, 500MB (default {DEFAULT_SIZE}). On an "
+                     "existing store: its new budget; a smaller one evicts the least recently "
+                     "used blocks."),
+    ] = None,
     as_json: AsJson = False,
 ) -> None:
-    """Create a KV cache directory, or describe it if it exists already."""
+    """Create a KV cache directory, or describe it if it exists already (and resize it to
+    --size if given; that needs the writer lock)."""
     try:
-        capacity = parse_size(size)
+        capacity = parse_size(size) if size is not None else None
     except ValueError as e:
         raise _fail(str(e)) from None
     existed = (path / "tiered_kv.json").exists()
-    with _open(path, readonly=existed, capacity=None if existed else capacity) as store:
+    new_capacity = None if existed else capacity or parse_size(DEFAULT_SIZE)
+    with _open(path, readonly=existed, capacity=new_capacity) as store:
         info = store.info()
+    before = info.descriptor.capacity_bytes
+    resized = existed and capacity is not None and capacity != before
+    evicted = 0
+    if resized:
+        with _open_writer(
+            path, "resizing", capacity, instead="restart it with --kv-disk-size, which sets the budget"
+        ) as store:
+            evicted = store.stats().evictions
+            store.flush()
+            info = store.info()
     if not as_json:
-        verb = "exists" if existed else "created"
-        out.print(f"KV cache directory {path} {verb}.")
-    _print_info(info, as_json)
+        if resized:
+            out.print(f"KV cache directory {path} resized from {format_size(before)} to "
+                      f"{format_size(capacity)}; {evicted:,} blocks evicted.")
+        else:
+            out.print(f"KV cache directory {path} {'exists' if existed else 'created'}.")
+    extra = {"created": not existed, "resized_from": before if resized else None,
+             "evicted_blocks": evicted}
+    _print_info(info, as_json, extra)
 
 
 @app.command()
@@ -260,7 +282,7 @@ def _open_writer(path: Path, purpose: str, capacity: int | None = None, *, inste
         yield store
 
 
-def _writer_error(error: StoreError, path: Path, purpose: str, instead: str = "") -> typer.Exit:
+def _writer_error(error: StoreError, path: Path, purpose: str, instead: str = "") -> CommandError:
     holder = re.search(r"already open for writing \((by pid \S+)\)", str(error))
     if holder:
         return _fail(

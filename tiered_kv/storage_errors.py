@@ -1,0 +1,83 @@
+"""How ``tiered-kv storage`` reports an error: one line and an exit code, never a usage box
+or a traceback.
+
+Without ``--json`` the line goes to stderr as ``error: MESSAGE``. With ``--json`` it goes
+to stdout as ``{"error": "MESSAGE"}``: stdout then always carries one JSON document, and
+the exit code says whether it is a result or an error.
+
+Exit codes: 2 for what the user can fix (a usage error, a bad value, no such store, a
+damaged file, a disk that refuses a write, a store held by a server); 3 for an exception
+the command did not expect (a bug: its type and message are the line).
+"""
+from __future__ import annotations
+
+import json
+
+import lmdb
+import typer
+from typer.core import TyperGroup
+
+from storage.base import StoreError
+
+EXIT_ERROR = 2
+EXIT_INTERNAL = 3
+_JSON_FLAG = "--json"
+
+
+class CommandError(Exception):
+    """An error the user can fix, said in one line: ``raise fail("...")``."""
+
+
+def fail(message: str) -> CommandError:
+    return CommandError(message)
+
+
+def report(message: str, as_json: bool) -> None:
+    """Print ``message`` as the one line of an error (see the module docstring)."""
+    line = " ".join(message.split())
+    if as_json:
+        typer.echo(json.dumps({"error": line}))
+    else:
+        typer.echo(f"error: {line}", err=True)
+
+
+class StorageGroup(TyperGroup):
+    """The ``storage`` command group: every error of its commands, usage errors included,
+    becomes one line (see the module docstring)."""
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        # Known before the command's own options are parsed, so usage errors honour it too.
+        ctx.meta[_JSON_FLAG] = _JSON_FLAG in args
+        return super().parse_args(ctx, args)
+
+    def invoke(self, ctx: typer.Context):
+        as_json = ctx.meta.get(_JSON_FLAG, False)
+        try:
+            return super().invoke(ctx)
+        except (typer.Exit, typer.Abort):
+            raise
+        except CommandError as e:
+            report(str(e), as_json)
+        except (OSError, StoreError, lmdb.Error) as e:  # the disk or the store refused
+            report(_describe(e), as_json)
+        except Exception as e:  # noqa: BLE001 - one line whatever it is
+            if not hasattr(e, "format_message"):  # a bug, not a usage error
+                report(f"internal error: {type(e).__name__}: {e}", as_json)
+                raise typer.Exit(EXIT_INTERNAL) from None
+            report(_usage_line(e), as_json)  # a missing argument, an unknown option or command
+        raise typer.Exit(EXIT_ERROR)
+
+
+def _usage_line(error: Exception) -> str:
+    message = error.format_message()
+    command = getattr(error, "ctx", None)
+    if command is not None:
+        message += f" (see `{command.command_path} --help`)"
+    return message
+
+
+def _describe(error: Exception) -> str:
+    if isinstance(error, OSError) and error.strerror:
+        where = f"{error.filename}: " if error.filename else ""
+        return f"{where}{error.strerror}"
+    return str(error) or type(error).__name__
