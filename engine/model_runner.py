@@ -229,4 +229,6 @@ class ModelRunner:
         if seq.num_output_tokens < params.min_tokens:
             stop_ids = params.stop_token_ids + (() if params.ignore_eos else self.eos_token_ids)
             suppressed = tuple(t for t in stop_ids if 0 <= t < self.vocab_size)
-        return SamplingRow(params, seq.generator, suppressed)
+        return SamplingRow(
+            params, seq.generator, suppressed, grammar=seq.grammar, token_counts=seq.token_counts
+        )

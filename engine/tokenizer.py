@@ -90,6 +90,11 @@ class Tokenizer:
         )
 
     @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The ``tokenizers`` object, for reading its vocabulary and decoder (do not change it)."""
+        return self._backend
+
+    @property
     def vocab_size(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
