@@ -12,6 +12,17 @@ block, the token check guarantees it holds what the sequence needs.
 A *hold* is a reference that belongs to no sequence: the engine holds a block while the
 connector's save still reads it. A held block stays out of the free queue (and, if cached,
 findable by its hash) until it is released.
+
+Sliding windows. When *every* layer of the model sees only the last ``kv_window`` tokens
+(``ModelConfig.kv_window``), a sequence's blocks that lie wholly before the window of its
+next token are never read again: :meth:`BlockManager.allocate` gives them back and puts
+:data:`NULL_BLOCK` in their place in the block table, so a long chat holds at most
+``(kv_window - 1) // block_size + 2`` blocks while it decodes. Block 0 is then reserved
+as that placeholder (never handed out, never read: the attention starts at the window).
+A given-back block keeps its hash and stays findable: its KV is still exactly that of its
+tokens, and a prefix hit is a run of leading blocks that ends in the hitting sequence's
+window, so everything a hit is used for is there. Models with any full-attention layer
+keep all blocks (see docs/engine.md).
 """
 from __future__ import annotations
 
@@ -20,6 +31,8 @@ from collections.abc import Callable, Sequence as Seq
 
 from engine.kv_events import KVEventLog
 from engine.sequence import Sequence
+
+NULL_BLOCK = 0  # with a kv_window: stands in for a sequence's given-back blocks
 
 
 class Block:
@@ -43,6 +56,7 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         on_evict: Callable[[list[bytes]], None] | None = None,
         events: KVEventLog | None = None,
+        kv_window: int | None = None,
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(
@@ -56,6 +70,11 @@ class BlockManager:
         self._holds: Counter[int] = Counter()  # block id -> holds on it (part of its ref_count)
         self._on_evict = on_evict
         self._events = events  # KV events for routers: blocks cached and evicted
+        if kv_window is not None and (kv_window < 1 or num_blocks < 2):
+            raise ValueError(f"need kv_window >= 1 and 2 or more blocks, got {kv_window}, {num_blocks}")
+        self.kv_window = kv_window
+        if kv_window is not None:
+            del self._free[NULL_BLOCK]
 
     @property
     def num_blocks(self) -> int:
@@ -67,7 +86,8 @@ class BlockManager:
 
     @property
     def num_used_blocks(self) -> int:
-        return len(self.blocks) - len(self._free)
+        """Blocks some sequence or hold references (not the reserved :data:`NULL_BLOCK`)."""
+        return len(self.blocks) - len(self._free) - (self.kv_window is not None)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -114,6 +134,8 @@ class BlockManager:
         """
         if prefix and seq.block_table:
             raise ValueError("a cached prefix can only start an empty block table")
+        if self.kv_window is not None:
+            self.free_out_of_window(seq)
         if not self.can_allocate(seq, num_tokens, prefix):
             return False
         for block_id in prefix:
@@ -131,9 +153,40 @@ class BlockManager:
             self._events.removed(evicted)
         return True
 
+    def free_out_of_window(self, seq: Sequence) -> int:
+        """Give back ``seq``'s blocks that lie wholly before the window of its next token
+        (position ``num_computed_tokens``); how many. Called by :meth:`allocate`, so
+        whatever else happens in that call, these blocks are never read again::
+
+            positions: | block 0 | block 1 | block 2 | block 3 |
+                                      |<---- kv_window ---->|
+                                      first = p - kv_window + 1   p = num_computed_tokens
+            given back: blocks 0 .. first // block_size - 1
+        """
+        if self.kv_window is None:
+            return 0
+        first = max(0, seq.num_computed_tokens - self.kv_window + 1)
+        table = seq.block_table
+        i = min(first // self.block_size, len(table)) - 1
+        freed = 0
+        while i >= 0 and table[i] != NULL_BLOCK:  # earlier ones went in earlier calls
+            self._unref(table[i])
+            table[i] = NULL_BLOCK
+            freed += 1
+            i -= 1
+        return freed
+
+    def _unref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block_id] = None
+
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references. Its last blocks become the first to be reused."""
         for block_id in reversed(seq.block_table):
+            if self._is_null(block_id):
+                continue
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
@@ -178,7 +231,7 @@ class BlockManager:
         new: list[int] = []
         for i in range(start, end):
             block_hash = hashes[i]
-            if block_hash in self._cached:
+            if block_hash in self._cached or self._is_null(seq.block_table[i]):
                 continue
             block = self.blocks[seq.block_table[i]]
             block.block_hash = block_hash
@@ -201,6 +254,9 @@ class BlockManager:
             tokens = [t for i in run for t in seq.block_tokens(i)]
             parent = hashes[run[0] - 1] if run[0] else None
             self._events.stored([hashes[i] for i in run], parent, tokens)
+
+    def _is_null(self, block_id: int) -> bool:
+        return self.kv_window is not None and block_id == NULL_BLOCK
 
     def _take_free(self, evicted: list[bytes]) -> int:
         block_id, _ = self._free.popitem(last=False)

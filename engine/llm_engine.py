@@ -138,6 +138,7 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             on_evict=kv_connector.on_blocks_evicted if kv_connector is not None else None,
             events=self._kv_events,
+            kv_window=mc.kv_window,  # every layer windowed: blocks behind it are given back
         )
         self.scheduler = Scheduler(config, self.block_manager, self._stats, kv_connector)
         self._texts: dict[str, _TextState] = {}

@@ -191,3 +191,54 @@ def test_holds_nest_and_a_bad_release_changes_nothing():
     bm.release([0, 1])
     bm.free(a)
     assert bm.num_free_blocks == 2 and bm.num_held_blocks == 0
+
+
+# --- sliding windows --------------------------------------------------------------------
+
+
+def test_window_gives_back_exactly_the_blocks_before_the_next_tokens_window():
+    """kv_window=6, blocks of 4: the token at position p reads p-5..p, so block i is
+    needed while i*4+3 >= p-5."""
+    from engine.block_manager import NULL_BLOCK
+
+    bm, _ = manager(num_blocks=8, kv_window=6)
+    assert bm.num_free_blocks == 7  # block 0 is the placeholder
+    seq = make_seq(range(40), block_size=BS)
+    computed(bm, seq, 9)  # positions 0..8 in blocks 1, 2, 3
+    assert seq.block_table == [1, 2, 3]
+    # next token at 9 reads 4..9: block 0 of the sequence (positions 0..3) is not needed
+    assert bm.allocate(seq, 10)
+    assert seq.block_table == [NULL_BLOCK, 2, 3]
+    assert bm.num_used_blocks == 2 and bm.num_free_blocks == 5
+    seq.num_computed_tokens = 10  # next token at 10 reads 5..10: block 1 (4..7) still needed
+    assert bm.allocate(seq, 11)
+    assert seq.block_table == [NULL_BLOCK, 2, 3]
+    seq.num_computed_tokens = 14  # reads 9..14: blocks 0 and 1 given back, 2 and 3 kept
+    assert bm.allocate(seq, 15)
+    assert seq.block_table == [NULL_BLOCK, NULL_BLOCK, 3, 4]
+    bm.free(seq)
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks == 7
+
+
+def test_window_blocks_given_back_stay_in_the_prefix_cache():
+    """Their KV is still that of their tokens: another sequence may start on them."""
+    bm, _ = manager(num_blocks=8, kv_window=4)
+    a = make_seq(range(16), "a", block_size=BS)
+    computed(bm, a, 12)
+    first_blocks = a.block_table[:2]
+    a.num_computed_tokens = 12
+    assert bm.allocate(a, 13)  # reads 9..12: blocks 0 and 1 given back
+    assert a.block_table[:2] == [0, 0] and bm.num_cached_blocks == 3
+    b = make_seq(range(16), "b", block_size=BS)
+    hit = bm.find_cached_prefix(b, 3)
+    assert hit[:2] == first_blocks and len(hit) == 3
+    assert bm.allocate(b, 13, prefix=hit)
+    assert b.block_table[:3] == hit
+
+
+def test_without_a_window_every_block_is_kept():
+    bm, _ = manager(num_blocks=8)
+    seq = make_seq(range(40), block_size=BS)
+    computed(bm, seq, 20)
+    assert bm.allocate(seq, 21)
+    assert seq.block_table == [0, 1, 2, 3, 4, 5] and bm.num_free_blocks == 2
