@@ -6,7 +6,8 @@ streaming), ``/v1/models``, ``/health``, ``/metrics``, and the admin routes ``/a
 ``/health`` needs ``Authorization: Bearer KEY``.
 
 This module builds the app and its routes; the rest of the server lives beside it:
-``server_limits`` (what is refused up front), ``server_generation`` (an admitted request),
+``server_limits`` (what is refused up front), ``server_completions`` (the generation routes:
+prompts, choices, ``max_tokens``), ``server_generation`` (an admitted request),
 ``server_responses`` (response bodies and streams), ``server_admin``, ``server_errors``,
 ``server_middleware`` (API key, response counts) and ``server_state``.
 
@@ -21,16 +22,18 @@ import logging
 import signal
 import socket
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from engine.async_engine import AsyncLLM
-from tiered_kv import server_admin, server_responses
+from tiered_kv import server_admin, server_completions
 from tiered_kv.protocol import (
     ChatCompletionRequest,
     ClearRequest,
@@ -42,14 +45,17 @@ from tiered_kv.protocol import (
     RequestError,
     error_body,
 )
+from tiered_kv.generation_defaults import GenerationDefaults
+from tiered_kv.model_source import load_chat_template, resolve_model
 from tiered_kv.serve_config import ServeConfig
 from tiered_kv.server_errors import install_error_handlers
-from tiered_kv.server_generation import Generation
 from tiered_kv.server_limits import BodyLimitMiddleware, PromptLimit, check_unicode
 from tiered_kv.server_metrics import ServerMetrics
+from tiered_kv.server_startup import AnnouncingServer, log_serving, startup_lines
 from tiered_kv.server_middleware import HttpMiddleware
 from tiered_kv.server_state import ServerState
 from tiered_kv.tier_manager import TierManager
+from tiered_kv.vllm_compat import IGNORED_FLAGS
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +71,8 @@ def build_async_llm(config: ServeConfig) -> AsyncLLM:
     tier_config = config.tier_config()
     manager = TierManager(tier_config) if tier_config is not None else None
     try:
-        return AsyncLLM(config.model, kv_connector=manager, **config.engine_kwargs())
+        model = resolve_model(config.model, download_dir=config.download_dir, revision=config.revision)
+        return AsyncLLM(model, kv_connector=manager, **config.engine_kwargs())
     except BaseException:
         if manager is not None:
             manager.close()
@@ -77,12 +84,28 @@ def create_app(config: ServeConfig, llm: AsyncLLM | None = None) -> FastAPI:
     them down (flushing the tiers) when the app's lifespan ends; a given ``llm`` is left
     running for its owner to shut down."""
     owns_llm = llm is None
+    chat_template = load_chat_template(config.chat_template) if config.chat_template else None
     if llm is None:
         llm = build_async_llm(config)
+    try:
+        chat = llm.tokenizer if chat_template is None else llm.tokenizer.with_chat_template(chat_template)
+    except ValueError as e:
+        if owns_llm:
+            llm.shutdown()
+            if isinstance(llm.engine.connector, TierManager):
+                llm.engine.connector.close()
+        raise ValueError(f"--chat-template: {e}") from None
+    try:
+        generation_defaults = GenerationDefaults.load(config.generation_config, llm.engine.model_path)
+    except ValueError:
+        if owns_llm:
+            llm.shutdown()
+            if isinstance(llm.engine.connector, TierManager):
+                llm.engine.connector.close()
+        raise
     manager = llm.engine.connector if isinstance(llm.engine.connector, TierManager) else None
     registry = CollectorRegistry()
     state = ServerState(config, llm, manager, registry, owns_llm, PromptLimit.of(llm))
-    prompt_limit = state.prompt_limit
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -133,43 +156,13 @@ def create_app(config: ServeConfig, llm: AsyncLLM | None = None) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_unicode(body)
         _check_model(config, body.model)
-        params = body.to_sampling_params()
-        prompt = body.single_prompt()
-        if isinstance(prompt, str):
-            prompt_limit.check_chars(prompt, "prompt")
-            ids = await asyncio.to_thread(llm.tokenizer.encode, prompt)
-        else:
-            ids = list(prompt)
-        prompt_limit.check_tokens(len(ids), "prompt")
-        gen = await Generation.start(state, request, "cmpl", ids, params, body.cache_salt)
-        if body.stream:
-            return server_responses.sse(server_responses.completion_chunks(state, gen, body))
-        out = await gen.final(request)
-        return JSONResponse(server_responses.completion_response(state, gen, out, params.wants_logprobs))
+        return await server_completions.completions(state, generation_defaults, body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_unicode(body)
         _check_model(config, body.model)
-        params = body.to_sampling_params()
-        messages = body.messages_as_dicts()
-
-        def render_and_encode() -> list[int]:
-            try:
-                text = llm.tokenizer.apply_chat_template(messages)
-            except ValueError as e:
-                raise RequestError(str(e), param="messages") from None
-            prompt_limit.check_chars(text, "messages")
-            # The template already holds the special tokens (bos) the model expects.
-            return llm.tokenizer.encode(text, add_special_tokens=False)
-
-        ids = await asyncio.to_thread(render_and_encode)
-        prompt_limit.check_tokens(len(ids), "messages")
-        gen = await Generation.start(state, request, "chatcmpl", ids, params, body.cache_salt)
-        if body.stream:
-            return server_responses.sse(server_responses.chat_chunks(state, gen, body))
-        out = await gen.final(request)
-        return JSONResponse(server_responses.chat_response(state, gen, out, params.wants_logprobs))
+        return await server_completions.chat_completions(state, generation_defaults, chat, body, request)
 
     @app.get("/admin/tiers")
     async def admin_tiers() -> dict[str, Any]:
@@ -202,15 +195,26 @@ def create_app(config: ServeConfig, llm: AsyncLLM | None = None) -> FastAPI:
         HttpMiddleware, state=state, api_key=config.api_key, admin_api_key=config.admin_api_key,
         paths=paths,
     )
+    if config.allowed_origins:  # outermost: preflights are answered before the API key is asked
+        app.add_middleware(
+            CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=config.allowed_methods,
+            allow_headers=config.allowed_headers, allow_credentials=config.allow_credentials,
+        )
     return app
 
 
-def run(config: ServeConfig) -> None:
+def run(config: ServeConfig, ignored_flags: Sequence[str] = ()) -> None:
     """Load the model, open the tiers, and serve until SIGINT/SIGTERM; then finish open
-    requests (up to ``GRACEFUL_SHUTDOWN_S``), stop the engine and flush the tiers."""
+    requests (up to ``GRACEFUL_SHUTDOWN_S``), stop the engine and flush the tiers.
+    ``ignored_flags``: vLLM flags given that have no effect here, logged once."""
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if ignored_flags:
+        logger.warning("ignored vLLM flags (no effect here): %s", "; ".join(
+            f"{flag} ({IGNORED_FLAGS[flag].reason})" for flag in ignored_flags
+        ))
+    began = time.monotonic()
     # The port first: a busy one is an error at once, not after the model has loaded.
     listener = _listen(config.host, config.port)
     try:
@@ -219,14 +223,8 @@ def run(config: ServeConfig) -> None:
         listener.close()
         raise
     state: ServerState = app.state.tiered_kv
-    logger.info(
-        "serving %s as %r on http://%s:%d (tiers: %s)",
-        config.model,
-        config.model_name,
-        config.host,
-        config.port,
-        ", ".join(state.manager.metrics.tiers) if state.manager is not None else "none",
-    )
+    for line in startup_lines(config, state.llm, state.manager, time.monotonic() - began):
+        logger.info("%s", line)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT and then raises the signal again for
     # the handler it found; no-op handlers make that a clean exit (code 0), which is what
     # process managers expect from an orderly stop.
@@ -235,13 +233,15 @@ def run(config: ServeConfig) -> None:
     if main_thread:
         previous = {sig: signal.signal(sig, lambda signum, frame: None) for sig in _STOP_SIGNALS}
     try:
-        uvicorn.Server(uvicorn.Config(
+        AnnouncingServer(uvicorn.Config(
             app,
             host=config.host,
             port=config.port,
             log_level=config.log_level,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        )).run(sockets=[listener])
+        ), lambda: log_serving(config.model_name, config.host, listener.getsockname()[1])).run(
+            sockets=[listener]
+        )
     finally:
         listener.close()
         for sig, handler in previous.items():
