@@ -107,10 +107,6 @@ class GrammarState:
             raise ValueError(f"token {token_id} does not match the request's grammar")
         return self._matcher.is_terminated()
 
-    @property
-    def is_terminated(self) -> bool:
-        return self._matcher.is_terminated()
-
 
 class GrammarCompiler:
     """Compiles specs for one model's vocabulary and keeps the last ``cache_size`` of them.
