@@ -1,7 +1,8 @@
 """Models the engine runs, and how they are loaded.
 
 ``load_model("tiny")`` gives the built-in random model; ``load_model(folder)`` a Hugging
-Face checkpoint folder of a Llama, Mistral or Qwen2 model (see docs/models.md).
+Face checkpoint folder of a Llama, Mistral, Qwen2/3, Phi-3 or Gemma 2/3 model (see
+docs/models.md).
 """
 from __future__ import annotations
 
