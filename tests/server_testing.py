@@ -1,9 +1,17 @@
-"""Helpers shared by the server tests: the app in-process over httpx, and OpenAI-shape checks."""
+"""Helpers shared by the server tests: the app in-process over httpx, OpenAI-shape checks, and
+``tiered-kv serve`` as a process (:class:`ServerProcess`)."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import httpx
 
@@ -67,3 +75,50 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
         assert error["param"] == param
     if code is not None:
         assert error["code"] == code
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``tiered-kv serve ARGS --port P`` as a process on a free port, its output appended to
+    ``log``; the constructor returns once ``/health`` answers 200."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None,
+                 timeout: float = 90.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        command = [sys.executable, "-c", "from tiered_kv.cli import main; main()", "serve",
+                   *args, "--port", str(self.port)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        with log.open("ab") as out:
+            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.kill()
+        raise AssertionError(f"server not healthy after {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM, then the exit code."""
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
