@@ -40,6 +40,7 @@ class _Add:
     params: SamplingParams
     cache_salt: str | None
     add_special_tokens: bool
+    priority: int
     loop: asyncio.AbstractEventLoop
     stream: asyncio.Queue
 
@@ -118,6 +119,7 @@ class AsyncLLM:
         cache_salt: str | None = None,
         *,
         add_special_tokens: bool = True,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request until it finishes.
 
@@ -134,6 +136,7 @@ class AsyncLLM:
             params or SamplingParams(),
             cache_salt,
             add_special_tokens,
+            priority,
             asyncio.get_running_loop(),
             stream,
         )
@@ -222,6 +225,7 @@ class AsyncLLM:
                 request_id=command.request_id,
                 cache_salt=command.cache_salt,
                 add_special_tokens=command.add_special_tokens,
+                priority=command.priority,
             )
         except ValueError as e:
             _send(command, e)

@@ -43,16 +43,20 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         cache_salt: str | Seq[str | None] | None = None,
+        priority: int | Seq[int] | None = None,
     ) -> list[RequestOutput]:
         """Run ``prompts`` to completion; one finished output per prompt, in order.
 
         ``prompts``: a string, a list of token ids (one prompt), or a list of either.
-        ``sampling_params`` and ``cache_salt``: one for all prompts or one per prompt.
+        ``sampling_params``, ``cache_salt`` and ``priority``: one for all prompts or one per
+        prompt. ``priority`` needs ``scheduling_policy="priority"`` (lower is served first).
         """
         prompts = _normalize_prompts(prompts)
-        params = _per_prompt("sampling_params", sampling_params, len(prompts), SamplingParams())
-        salts = _per_prompt("cache_salt", cache_salt, len(prompts), None)
-        return self._run([(p, sp, salt, True) for p, sp, salt in zip(prompts, params, salts)])
+        n = len(prompts)
+        params = _per_prompt("sampling_params", sampling_params, n, SamplingParams())
+        salts = _per_prompt("cache_salt", cache_salt, n, None)
+        priorities = _per_prompt("priority", priority, n, 0)
+        return self._run([(*r, True) for r in zip(prompts, params, salts, priorities)])
 
     def chat(
         self,
@@ -68,7 +72,7 @@ class LLM:
         params = _per_prompt("sampling_params", sampling_params, len(texts), SamplingParams())
         salts = _per_prompt("cache_salt", cache_salt, len(texts), None)
         # Chat templates write their own BOS.
-        return self._run([(t, sp, salt, False) for t, sp, salt in zip(texts, params, salts)])
+        return self._run([(t, sp, salt, 0, False) for t, sp, salt in zip(texts, params, salts)])
 
     def close(self) -> None:
         self.engine.close()
@@ -80,15 +84,18 @@ class LLM:
         self.close()
 
     def _run(
-        self, requests: list[tuple[Prompt, SamplingParams, str | None, bool]]
+        self, requests: list[tuple[Prompt, SamplingParams, str | None, int, bool]]
     ) -> list[RequestOutput]:
         engine = self.engine
         ids: list[str] = []
         done: dict[str, RequestOutput] = {}
         try:
-            for prompt, params, salt, special in requests:
+            for prompt, params, salt, priority, special in requests:
                 ids.append(
-                    engine.add_request(prompt, params, cache_salt=salt, add_special_tokens=special)
+                    engine.add_request(
+                        prompt, params, cache_salt=salt, add_special_tokens=special,
+                        priority=priority,
+                    )
                 )
             pending = set(ids)
             while pending:
@@ -126,7 +133,7 @@ def _normalize_prompts(prompts: Any) -> list[Prompt]:
 def _per_prompt(name: str, value: Any, count: int, default: Any) -> list[Any]:
     if value is None:
         return [default] * count
-    if isinstance(value, (SamplingParams, str)):
+    if isinstance(value, (SamplingParams, str, int)):
         return [value] * count
     values = list(value)
     if len(values) != count:

@@ -3,13 +3,15 @@
 Each step the scheduler hands out up to ``max_num_batched_tokens`` tokens:
 
 1. running sequences first, oldest first: one token for a decode, a chunk for a prefill
-   still in progress. When the pool has no block for one of them, the newest running
-   sequence is preempted (its blocks freed, back to the head of the waiting queue,
-   recomputed later — its full blocks usually still hit the prefix cache). If blocks held
-   for the connector's saves would free up instead, the sequence sits this step out: they
-   come back as soon as the saves are reported;
-2. then waiting sequences, first come first served, while there are budget, blocks and
-   room under ``max_num_seqs`` (none in a step that ran short of blocks). A new sequence
+   still in progress. When the pool has no block for one of them, a running sequence is
+   preempted (its blocks freed, back to the waiting queue, recomputed later — its full
+   blocks usually still hit the prefix cache): the newest under ``fcfs``, the last by
+   ``(priority, arrival)`` under ``priority``, as vLLM does. If blocks held for the
+   connector's saves would free up instead, the sequence sits this step out: they come
+   back as soon as the saves are reported;
+2. then waiting sequences, in the policy's order (:mod:`engine.request_queue`: first come
+   first served, or by ``(priority, arrival)``), while there are budget, blocks and room
+   under ``max_num_seqs`` (none in a step that ran short of blocks). A new sequence
    first takes its longest prefix from the GPU prefix cache. If the connector can supply
    blocks after it, the sequence gets blocks for the hit and those, starts the load and
    waits, LOADING, taking no budget; the next sequence is admitted. Otherwise it computes
@@ -35,12 +37,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import deque
 from typing import NamedTuple
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.connector import FinishedTransfers, KVConnector, SavedBlock
+from engine.request_queue import make_waiting_queue, priority_key
 from engine.sequence import Sequence, SequenceStatus
 from engine.stats import StatsCollector
 
@@ -91,7 +93,7 @@ class Scheduler:
         self.block_size = config.block_size
         self.stats = stats
         self.connector = connector
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = make_waiting_queue(config.scheduling_policy)
         self.running: list[Sequence] = []
         self.loading: dict[str, _Load] = {}  # request id -> its load in flight
         self._aborted_loads: dict[str, _Load] = {}  # of finished requests, still in flight
@@ -127,8 +129,13 @@ class Scheduler:
                 f"{self.config.max_model_len} (the prompt must leave room for at least one "
                 "generated token)"
             )
+        if seq.priority and self.config.scheduling_policy != "priority":
+            raise ValueError(
+                f"Got priority {seq.priority} but Priority scheduling is not enabled "
+                f"(scheduling_policy is {self.config.scheduling_policy!r})"
+            )
         self._requests[seq.request_id] = seq
-        self.waiting.append(seq)
+        self.waiting.add(seq)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -149,9 +156,16 @@ class Scheduler:
                 waits_for_saves = True
                 i += 1
             else:
-                victim = self.running.pop()
+                victim = self._pick_victim()
+                index = self.running.index(victim)
+                del self.running[index]
+                if index < i:  # scheduled earlier in this step: take it back
+                    i -= 1
+                    budget += self._unschedule(scheduled, victim)
                 self._preempt(victim)
                 preempted.append(victim)
+                if victim is seq:  # nothing left to preempt for it
+                    break
 
         looking: list[Sequence] = []  # the connector is still looking up their blocks
         while (
@@ -161,27 +175,28 @@ class Scheduler:
             and not waits_for_saves
             and len(self.running) + len(self.loading) < self.config.max_num_seqs
         ):
-            seq = self.waiting[0]
+            seq = self.waiting.peek()
             max_hit_blocks = (seq.num_tokens - 1) // self.block_size  # the last token is computed
             gpu_hit = self.block_manager.find_cached_prefix(seq, max_hit_blocks)
             num_external = self._num_external(seq, len(gpu_hit), max_hit_blocks)
             if num_external is None:  # asked again next step; the ones behind it go first
-                looking.append(self.waiting.popleft())
+                looking.append(self.waiting.pop_first())
                 continue
             if num_external:
                 if not self._start_load(seq, gpu_hit, num_external):
                     break
                 if seq.status is SequenceStatus.LOADING:
-                    self.waiting.popleft()
+                    self.waiting.pop_first()
                     continue
             num_new = self._admit(seq, gpu_hit, budget)
             if num_new is None:
                 break
-            self.waiting.popleft()
+            self.waiting.pop_first()
             self.running.append(seq)
             scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
-        self.waiting.extendleft(reversed(looking))  # back in front, in their order
+        for seq in reversed(looking):  # back in front, in their order
+            self.waiting.add_front(seq)
         self._lookups_pending = bool(looking)
         return SchedulerOutput(scheduled, preempted)
 
@@ -325,13 +340,27 @@ class Scheduler:
             seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
         self.running.append(seq)
 
+    def _pick_victim(self) -> Sequence:
+        if self.config.scheduling_policy == "priority":
+            return max(reversed(self.running), key=priority_key)  # ties: the newest
+        return self.running[-1]
+
+    @staticmethod
+    def _unschedule(scheduled: list[ScheduledSequence], seq: Sequence) -> int:
+        """Drop ``seq`` from this step's plan; the budget it had."""
+        for k, entry in enumerate(scheduled):
+            if entry.seq is seq:
+                del scheduled[k]
+                return entry.num_new_tokens
+        return 0  # it sat this step out, waiting for saves
+
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.add_front(seq)
 
     def _saved_block(self, seq: Sequence, index: int) -> SavedBlock:
         hashes = seq.block_hashes

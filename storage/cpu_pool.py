@@ -9,9 +9,15 @@ that someone is copying from, is never evicted. Writers take pending blocks
 
 A slot's life::
 
-    free ─ reserve() ─▶ reserved ─ commit(key, pending) ─▶ visible ─ (LRU, not pending,
+    free ─ reserve() ─▶ reserved ─ commit(key, pending) ─▶ visible ─ (evicted: not pending,
      ▲                 (filled by   │                       │         no readers) ─▶ free
      └──── unreserve() ◀────────────┘ its owner)            acquire()/release(): readers
+
+Eviction takes, among the blocks neither pending nor read, those committed with the
+highest ``priority`` value first (a lower value matters more, as a request's priority
+does; a tenant's blocks carry its priority), and within one priority the one read or
+written out longest ago. ``reserve(priority)`` evicts only blocks that matter no more
+than the newcomer: O(1), no scan of the pool.
 
 ``keep_clean=False`` makes the pool a pure staging buffer: a block leaves as soon as no
 tier is pending for it.
@@ -28,6 +34,7 @@ import torch
 
 from storage.base import BlockKey, BlockStore, StoreStats
 from storage.pinned import PinnedSlab
+from storage.priority_lru import DEFAULT_PRIORITY, PriorityLru
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +56,7 @@ class _Entry:
     pending: set[str]
     readers: int = 0
     taken: set[str] = dataclasses.field(default_factory=set)  # tiers writing it right now
+    priority: int = DEFAULT_PRIORITY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +70,7 @@ class SlotBlock:
     kv: torch.Tensor
     parent_hash: bytes | None
     token_ids: tuple[int, ...]
+    priority: int = DEFAULT_PRIORITY  # the block's, for the tiers it is written to
 
 
 class CpuBlockPool(BlockStore[HostBlock]):
@@ -90,7 +99,8 @@ class CpuBlockPool(BlockStore[HostBlock]):
         self.keep_clean = keep_clean
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._entries: collections.OrderedDict[BlockKey, _Entry] = collections.OrderedDict()
+        self._entries: dict[BlockKey, _Entry] = {}
+        self._evictable: PriorityLru[BlockKey] = PriorityLru()  # neither pending nor read
         self._slab: PinnedSlab | None = None
         self._free: list[int] = []
         self._slot_nbytes = 0
@@ -132,12 +142,13 @@ class CpuBlockPool(BlockStore[HostBlock]):
 
     # ------------------------------------------------------------------ reserve and commit
 
-    def reserve(self) -> int | None:
-        """A slot for a new block: a free one, or the least recently used block's that is
-        neither pending nor being read (evicted). ``None`` when every slot is busy."""
+    def reserve(self, priority: int = DEFAULT_PRIORITY) -> int | None:
+        """A slot for a new block of ``priority``: a free one, or the slot of the block
+        evicted first (see above) if that one matters no more than the newcomer. ``None``
+        when no slot can be had."""
         with self._lock:
             self._check_open()
-            return self._take_slot_locked()
+            return self._take_slot_locked(priority)
 
     def commit(
         self,
@@ -150,10 +161,12 @@ class CpuBlockPool(BlockStore[HostBlock]):
         pending: Collection[str] = (),
         *,
         hold: bool = False,
+        priority: int = DEFAULT_PRIORITY,
     ) -> bool:
         """Make the block filled into ``slot`` visible under ``key``, still to be written to
-        the tiers in ``pending``; ``hold``: also :meth:`acquire` it. ``False`` (and the slot
-        freed) if ``key`` is already here or the pool is closed."""
+        the tiers in ``pending``; ``hold``: also :meth:`acquire` it. ``priority``: its place
+        in the order of eviction. ``False`` (and the slot freed) if ``key`` is already here
+        or the pool is closed."""
         key.validate()
         with self._lock:
             if self._closed or key in self._entries:
@@ -163,10 +176,11 @@ class CpuBlockPool(BlockStore[HostBlock]):
             if not pending and not self.keep_clean and not hold:
                 self._free.append(slot)
                 return True
-            self._entries[key] = _Entry(
+            entry = self._entries[key] = _Entry(
                 slot, kv_dtype, tuple(kv_shape), parent_hash, tuple(token_ids), set(pending),
-                readers=int(hold),
+                readers=int(hold), priority=priority,
             )
+            self._settle_locked(key, entry)
             self._pending_count.update(pending)
             for tier in pending:
                 self._queues[tier][key] = None
@@ -182,17 +196,27 @@ class CpuBlockPool(BlockStore[HostBlock]):
             if not self._closed:
                 self._free.append(slot)
 
-    def _take_slot_locked(self) -> int | None:
+    def _take_slot_locked(self, priority: int) -> int | None:
         if self._free:
             return self._free.pop()
-        for key, entry in self._entries.items():
-            if entry.readers == 0 and not entry.pending:
-                break
-        else:
+        key = self._evictable.first()
+        if key is None or self._evictable.priority(key) < priority:
             return None
-        del self._entries[key]
+        self._evictable.pop(key)
         self._stats.evictions += 1
-        return entry.slot
+        return self._entries.pop(key).slot
+
+    def _settle_locked(self, key: BlockKey, entry: _Entry) -> None:
+        """File ``entry`` by its state: evictable (the most recent of its priority) once
+        neither pending nor read, or gone at once from a pool that keeps no clean blocks."""
+        if entry.pending or entry.readers:
+            self._evictable.pop(key, None)
+        elif self.keep_clean:
+            self._evictable.set(key, 1, entry.priority)
+        else:
+            del self._entries[key]
+            self._evictable.pop(key, None)
+            self._free.append(entry.slot)
 
     # ------------------------------------------------------------------ reads
 
@@ -212,12 +236,14 @@ class CpuBlockPool(BlockStore[HostBlock]):
             if entry is None:
                 self._stats.misses += 1
                 return None
-            self._entries.move_to_end(key)
             entry.readers += 1
+            self._evictable.pop(key, None)
             self._stats.hits += 1
             self._stats.bytes_read += self._slot_nbytes
             view = self.slot_view(entry.slot, entry.dtype, entry.shape)
-            return SlotBlock(key, entry.slot, view, entry.parent_hash, entry.token_ids)
+            return SlotBlock(
+                key, entry.slot, view, entry.parent_hash, entry.token_ids, entry.priority
+            )
 
     def acquire_slots(self, keys: Iterable[BlockKey]) -> list[int | None]:
         """:meth:`acquire` for many blocks under one lock, giving only their slots (for
@@ -230,8 +256,8 @@ class CpuBlockPool(BlockStore[HostBlock]):
                     self._stats.misses += 1
                     slots.append(None)
                     continue
-                self._entries.move_to_end(key)
                 entry.readers += 1
+                self._evictable.pop(key, None)
                 self._stats.hits += 1
                 slots.append(entry.slot)
             self._stats.bytes_read += self._slot_nbytes * sum(s is not None for s in slots)
@@ -248,9 +274,7 @@ class CpuBlockPool(BlockStore[HostBlock]):
                 return
             entry.readers -= 1
             if entry.readers == 0:
-                if not entry.pending and not self.keep_clean:
-                    del self._entries[key]
-                    self._free.append(entry.slot)
+                self._settle_locked(key, entry)
                 self._changed.notify_all()
 
     def get(self, key: BlockKey) -> HostBlock | None:
@@ -286,7 +310,10 @@ class CpuBlockPool(BlockStore[HostBlock]):
                     entry.readers += 1
                     view = self.slot_view(entry.slot, entry.dtype, entry.shape)
                     taken.append(
-                        SlotBlock(key, entry.slot, view, entry.parent_hash, entry.token_ids)
+                        SlotBlock(
+                            key, entry.slot, view, entry.parent_hash, entry.token_ids,
+                            entry.priority,
+                        )
                     )
                 if taken:
                     return taken
@@ -307,9 +334,7 @@ class CpuBlockPool(BlockStore[HostBlock]):
                 entry.pending.discard(tier)
                 self._pending_count[tier] -= 1
                 entry.readers -= 1
-                if not entry.pending and not self.keep_clean and entry.readers == 0:
-                    del self._entries[key]
-                    self._free.append(entry.slot)
+                self._settle_locked(key, entry)
             self._changed.notify_all()
 
     def add_pending(self, tier: str, keys: Iterable[BlockKey]) -> int:
@@ -320,6 +345,7 @@ class CpuBlockPool(BlockStore[HostBlock]):
                 entry = self._entries.get(key)
                 if entry is not None and tier not in entry.pending:
                     entry.pending.add(tier)
+                    self._evictable.pop(key, None)
                     self._pending_count[tier] += 1
                     self._queues[tier][key] = None
                     marked += 1
@@ -338,9 +364,7 @@ class CpuBlockPool(BlockStore[HostBlock]):
                 entry.pending.discard(tier)
                 self._pending_count[tier] -= 1
                 dropped += 1
-                if not entry.pending and not self.keep_clean and entry.readers == 0:
-                    del self._entries[key]
-                    self._free.append(entry.slot)
+                self._settle_locked(key, entry)
             self._changed.notify_all()
         return dropped
 
@@ -356,14 +380,14 @@ class CpuBlockPool(BlockStore[HostBlock]):
             return True
 
     def num_evictable(self) -> int:
-        """Slots a :meth:`reserve` could have right now (free, or clean and unread)."""
+        """Slots a :meth:`reserve` of any priority could have right now (free, or clean and
+        unread)."""
         with self._lock:
-            busy = sum(1 for e in self._entries.values() if e.pending or e.readers)
-            return self.num_slots - busy
+            return len(self._free) + len(self._evictable)
 
     # ------------------------------------------------------------------ BlockStore
 
-    def put(self, key: BlockKey, value: HostBlock) -> bool:
+    def put(self, key: BlockKey, value: HostBlock, *, priority: int = DEFAULT_PRIORITY) -> bool:
         key.validate()
         kv = value.kv
         nbytes = kv.numel() * kv.element_size()
@@ -375,15 +399,19 @@ class CpuBlockPool(BlockStore[HostBlock]):
                 self._stats.dropped += 1
                 return False
             if key in self._entries:
-                self._entries.move_to_end(key)
+                if key in self._evictable:
+                    self._evictable.move_to_end(key)
                 return True
-            slot = self._take_slot_locked()
+            slot = self._take_slot_locked(priority)
             if slot is None:
                 self._stats.dropped += 1
                 return False
         # The slot belongs to no entry and is not free: nobody else touches it meanwhile.
         self.slot_view(slot, kv.dtype, tuple(kv.shape)).copy_(kv)
-        self.commit(key, slot, kv.dtype, tuple(kv.shape), value.parent_hash, value.token_ids)
+        self.commit(
+            key, slot, kv.dtype, tuple(kv.shape), value.parent_hash, value.token_ids,
+            priority=priority,
+        )
         return True
 
     def delete(self, key: BlockKey) -> bool:
@@ -396,6 +424,7 @@ class CpuBlockPool(BlockStore[HostBlock]):
             if self._entries.get(key) is not entry:
                 return False
             del self._entries[key]
+            self._evictable.pop(key, None)
             for tier in entry.pending:
                 self._pending_count[tier] -= 1
                 self._queues[tier].pop(key, None)
@@ -423,6 +452,7 @@ class CpuBlockPool(BlockStore[HostBlock]):
         with self._lock:
             self._closed = True
             self._entries.clear()
+            self._evictable.clear()
             self._free.clear()
             self._pending_count.clear()
             self._queues.clear()

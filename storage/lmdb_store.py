@@ -25,16 +25,21 @@ Threads
 
 Capacity
     ``capacity_bytes`` bounds the sum of encoded record sizes of the store as seen by
-    readers (committed plus pending). A ``put`` that would exceed it evicts the least
-    recently accessed keys at once; the writer deletes them in the same transaction that
-    stores the new record. See ``docs/disk_tier.md`` for the crash-safety guarantees.
+    readers (committed plus pending). A ``put`` that would exceed it evicts at once, in
+    the order of :class:`~storage.priority_lru.PriorityLru`: the records put with the
+    highest ``priority`` value first (a lower value matters more, as a request's
+    priority does), the least recently accessed first within one priority. A put that
+    could only make room by evicting records that matter more is refused (``dropped``).
+    The writer deletes the victims in the same transaction that stores the new record.
+    Priorities live in memory: records found at start-up have the default priority, 0.
+    See ``docs/disk_tier.md`` for the crash-safety guarantees.
 """
 from __future__ import annotations
 
 import atexit
-import collections
 import contextlib
 import dataclasses
+import itertools
 import logging
 import os
 import threading
@@ -57,6 +62,7 @@ from storage.lmdb_layout import (
     Opened, lmdb_errors, move_aside, open_for_reading, open_for_writing,
 )
 from storage.lmdb_recovery import Recovery
+from storage.priority_lru import DEFAULT_PRIORITY, PriorityLru
 from storage.record import Record, RecordError, decode_record, encode_record
 
 __all__ = [
@@ -137,7 +143,7 @@ class LmdbStore(Admin, Recovery, Committer, BlockStore[Record]):
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # the writer waits here
         self._progress = threading.Condition(self._lock)  # flush() and backpressure wait here
-        self._index: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # LRU first
+        self._index: PriorityLru[bytes] = PriorityLru()  # key -> size, in eviction order
         self._used = 0
         self._touched: dict[bytes, int] = {}
         self._stats = LmdbStats(tier=self.tier)
@@ -196,7 +202,9 @@ class LmdbStore(Admin, Recovery, Committer, BlockStore[Record]):
                 access_ns, size, _ = META.unpack(value)
                 entries.append((access_ns, key, size))
         entries.sort()
-        self._index = collections.OrderedDict((key, size) for _, key, size in entries)
+        self._index = PriorityLru()
+        for _, key, size in entries:
+            self._index[key] = size
         self._used = sum(self._index.values())
         self._disk_bytes = self._used
 
@@ -384,28 +392,35 @@ class LmdbStore(Admin, Recovery, Committer, BlockStore[Record]):
 
     # ------------------------------------------------------------------ writes
 
-    def put(self, key: BlockKey, value: Record) -> bool:
-        return self.put_many([(key, value)])[0]
+    def put(self, key: BlockKey, value: Record, *, priority: int = DEFAULT_PRIORITY) -> bool:
+        return self.put_many([(key, value)], priorities=[priority])[0]
 
-    def put_many(self, items: Iterable[tuple[BlockKey, Record]]) -> list[bool]:
+    def put_many(
+        self,
+        items: Iterable[tuple[BlockKey, Record]],
+        *,
+        priorities: Iterable[int] | None = None,
+    ) -> list[bool]:
         """Queue records for the writer, in groups of up to one write batch.
 
-        Records are encoded on the calling thread; each group is queued at once, so the
-        writer commits it in one transaction.
+        ``priorities``: one per item (default: all ``0``), the order of eviction (see
+        Capacity above). Records are encoded on the calling thread; each group is queued at
+        once, so the writer commits it in one transaction.
         """
         self._check_writable()
         results: list[bool] = []
         evicted: list[bytes] = []
-        group: list[tuple[bytes, bytes | None, int]] = []
+        group: list[tuple[bytes, bytes | None, int, int]] = []
         group_bytes = 0
-        for key, record in items:
+        ranks = iter(priorities) if priorities is not None else itertools.repeat(DEFAULT_PRIORITY)
+        for (key, record), priority in zip(items, ranks, strict=priorities is not None):
             key.validate()
             if record.key != key:
                 raise ValueError(f"record is for {record.key.short()}, put under {key.short()}")
             data = encode_record(record)
             if len(data) > self.max_record_bytes:
                 data = None
-            group.append((key.to_bytes(), data, record.created_ns))
+            group.append((key.to_bytes(), data, record.created_ns, priority))
             group_bytes += len(data) if data is not None else 0
             if group_bytes >= self._max_batch_bytes or len(group) >= self._max_batch_items:
                 self._queue_puts(group, results, evicted)
@@ -417,21 +432,25 @@ class LmdbStore(Admin, Recovery, Committer, BlockStore[Record]):
 
     def _queue_puts(
         self,
-        group: list[tuple[bytes, bytes | None, int]],
+        group: list[tuple[bytes, bytes | None, int, int]],
         results: list[bool],
         evicted: list[bytes],
     ) -> None:
         with self._lock:
-            for kb, data, created_ns in group:
+            for kb, data, created_ns, priority in group:
                 if data is None:
                     self._stats.dropped += 1
                     results.append(False)
                     continue
                 self._wait_for_room_locked(len(data))
                 self._check_writable()
+                if len(data) > self._room_locked(kb, priority):
+                    self._stats.dropped += 1  # only records that matter more could make room
+                    results.append(False)
+                    continue
                 if kb in self._index:
                     self._used -= self._index.pop(kb)
-                self._index[kb] = len(data)
+                self._index.set(kb, len(data), priority)
                 self._used += len(data)
                 self._enqueue_locked(kb, Op.PUT, data, created_ns=created_ns)
                 self._stats.puts += 1
@@ -523,6 +542,14 @@ class LmdbStore(Admin, Recovery, Committer, BlockStore[Record]):
             raise StoreError(f"{self.path} is open read-only")
         if self._closing:
             raise StoreError(f"{self.path}: the store is closed")
+
+    def _room_locked(self, kb: bytes, priority: int) -> int:
+        """Bytes a put of ``kb`` at ``priority`` may take: what is free, what it may evict,
+        and the record it replaces."""
+        room = self.capacity_bytes - self._used + self._index.weight_evicted_before(priority)
+        if kb in self._index and self._index.priority(kb) < priority:
+            room += self._index[kb]  # not among those it may evict, but replaced
+        return room
 
     def _evict_to_budget_locked(self, keep: bytes | None = None) -> list[bytes]:
         evicted = []

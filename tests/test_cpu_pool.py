@@ -153,3 +153,48 @@ def test_invalid_construction():
         CpuBlockPool(0)
     with pytest.raises(ValueError):
         CpuBlockPool(100, block_nbytes=200)
+
+
+# ---------------------------------------------------------------- eviction by priority
+
+
+def test_eviction_takes_the_highest_priority_value_first_then_the_least_recent():
+    pool = CpuBlockPool(4 * BLOCK_BYTES)
+    for i, priority in enumerate([5, 0, -1, 5]):
+        assert pool.put(key(i), block(i), priority=priority)
+    pool.get(key(0))  # 0 is now the more recent of the two at 5
+    for i in (4, 5, 6):
+        assert pool.put(key(i), block(i))  # priority 0
+    assert sorted(k for k in pool.keys()) == sorted(key(i) for i in (2, 4, 5, 6))
+    assert pool.stats().evictions == 3
+
+
+def test_a_newcomer_never_evicts_a_block_that_matters_more():
+    pool = CpuBlockPool(2 * BLOCK_BYTES)
+    pool.put(key(0), block(0), priority=-1)
+    pool.put(key(1), block(1), priority=0)
+    assert not pool.put(key(2), block(2), priority=1)  # only more important blocks to evict
+    assert pool.stats().dropped == 1
+    assert pool.reserve(priority=1) is None
+    slot = pool.reserve(priority=0)  # evicts 1, its equal
+    assert slot is not None and not pool.contains(key(1)) and pool.contains(key(0))
+    pool.unreserve(slot)
+
+
+def test_pending_and_read_blocks_stay_whatever_their_priority():
+    pool = CpuBlockPool(3 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES)
+    kv = block(0).kv
+    for i, pending in enumerate([("disk",), (), ()]):
+        slot = pool.reserve()
+        pool.slot_view(slot, kv.dtype, tuple(kv.shape)).copy_(block(i).kv)
+        pool.commit(key(i), slot, kv.dtype, tuple(kv.shape), None, (i,), pending, priority=9)
+    held = pool.acquire(key(1))
+    assert pool.num_evictable() == 1  # only block 2: 0 is pending, 1 is read
+    assert pool.reserve(priority=0) is not None and not pool.contains(key(2))
+    assert pool.reserve(priority=0) is None
+    (taken,) = pool.take_pending("disk", 8)
+    assert taken.key == key(0) and taken.priority == 9  # the writers pass it down
+    pool.done_pending("disk", [key(0)])
+    pool.release(held.key)
+    assert pool.num_evictable() == 2
+    assert pool.reserve(priority=9) is not None and not pool.contains(key(0))  # clean first

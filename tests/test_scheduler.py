@@ -303,3 +303,70 @@ def test_a_report_that_breaks_the_contract_is_refused():
     step(s)
     with pytest.raises(ValueError, match="asked for 2"):
         s.apply_transfers(FinishedTransfers(loaded={"b": 3}))
+
+
+# ---------------------------------------------------------------- scheduling_policy="priority"
+
+
+def ranked(tokens, request_id: str, priority: int):
+    seq = make_seq(tokens, request_id, block_size=BS)
+    seq.priority = priority
+    return seq
+
+
+def test_fcfs_refuses_a_priority_as_vllm_does():
+    s = scheduler()
+    with pytest.raises(ValueError, match="Priority scheduling is not enabled"):
+        s.add(ranked(range(5), "a", 3))
+    s.add(ranked(range(5), "b", 0))
+    assert plan(step(s)) == [("b", 5)]
+
+
+def test_waiting_sequences_are_served_by_priority_then_arrival():
+    s = scheduler(max_num_seqs=1, scheduling_policy="priority")
+    for request_id, priority in [("r0", 1), ("r1", 0), ("r2", 1), ("r3", -2), ("r4", 1)]:
+        s.add(ranked(range(5), request_id, priority))
+    s.finish(s.get("r2"), "abort")  # waiting: leaves the queue
+    assert [q.request_id for q in s.waiting] == ["r3", "r1", "r0", "r4"]
+    order = [plan(step(s, max_tokens=1))[0][0] for _ in range(4)]
+    assert order == ["r3", "r1", "r0", "r4"]
+    assert not s.has_unfinished()
+
+
+@pytest.mark.parametrize("policy, victim, survivors", [
+    ("fcfs", "c", [("a", 1), ("b", 1)]),
+    ("priority", "b", [("a", 1), ("c", 1)]),
+])
+def test_the_pool_runs_short_and_the_last_by_priority_is_preempted(policy, victim, survivors):
+    s = scheduler(num_blocks=9, max_num_batched_tokens=64, scheduling_policy=policy)
+    for request_id, priority in [("a", 0), ("b", 5 if policy == "priority" else 0), ("c", 0)]:
+        s.add(ranked(range(100 * len(s.waiting), 100 * len(s.waiting) + 12), request_id, priority))
+    step(s)  # 3 x 3 blocks: the pool is full
+    assert s.block_manager.num_free_blocks == 0
+    out = step(s)  # each needs a 4th block: one is preempted for the others
+    assert [q.request_id for q in out.preempted] == [victim]
+    assert plan(out) == survivors
+
+
+def test_a_preempted_sequence_waits_behind_a_later_higher_priority_one():
+    s = scheduler(num_blocks=9, max_num_batched_tokens=64, scheduling_policy="priority")
+    for i, (request_id, priority) in enumerate([("a", 0), ("b", 5), ("c", 0)]):
+        s.add(ranked(range(100 * i, 100 * i + 12), request_id, priority))
+    step(s)
+    s.add(ranked(range(900, 905), "d", 1))
+    assert [q.request_id for q in step(s).preempted] == ["b"]
+    assert [q.request_id for q in s.waiting] == ["d", "b"]
+
+
+def test_a_victim_scheduled_earlier_in_the_step_gives_its_budget_back():
+    s = scheduler(num_blocks=7, max_num_batched_tokens=64, scheduling_policy="priority")
+    low = ranked(range(12), "low", 5)
+    s.add(low)
+    step(s)  # low: 3 blocks
+    s.add(ranked(range(100, 111), "high", 0))
+    assert plan(step(s)) == [("low", 1), ("high", 11)]  # 4 + 3 blocks: the pool is full
+    assert plan(step(s)) == [("low", 1), ("high", 1)]
+    out = step(s)  # low is scheduled first, then high needs a 4th block: low goes
+    assert [q.request_id for q in out.preempted] == ["low"]
+    assert plan(out) == [("high", 1)] and out.num_batched_tokens == 1
+    assert low.status is SequenceStatus.WAITING and low.block_table == []

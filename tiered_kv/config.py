@@ -4,7 +4,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
+
+import yaml
 
 from storage.codecs import get_codec
 from storage.remote_store import parse_remote_url
@@ -49,6 +52,10 @@ class TierConfig:
     ``remote_secret_file``: a file holding the deployment's shared secret, which seals the
     remote tier's records; ``remote_secret``: the same secret given directly (the
     ``TIERED_KV_SECRET`` environment variable). See docs/security.md.
+    ``tenant_priorities``: tenant (a request's ``cache_salt``) -> priority. When the CPU
+    pool or the disk tier must evict, the blocks of the highest value go first (a lower
+    value matters more, as a request's priority does); unlisted tenants and requests
+    without a salt have 0. See :func:`load_tenant_priorities` and docs/tiers.md.
     """
 
     kv_cache_dir: str | os.PathLike[str] | None = None
@@ -67,6 +74,7 @@ class TierConfig:
     remote_prefix: str = "tkv:"
     remote_secret_file: str | os.PathLike[str] | None = None
     remote_secret: str | None = dataclasses.field(default=None, repr=False)
+    tenant_priorities: Mapping[str, int] = dataclasses.field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if self.kv_cache_dir is not None and not isinstance(self.kv_cache_dir, (str, os.PathLike)):
@@ -112,6 +120,7 @@ class TierConfig:
             _int("remote_ttl_s", self.remote_ttl_s, minimum=1)
         if not isinstance(self.remote_prefix, str) or not self.remote_prefix:
             raise ValueError(f"remote_prefix must be a non-empty string, got {self.remote_prefix!r}")
+        _check_tenant_priorities(self.tenant_priorities)
         if not self.has_cpu and not self.has_disk and not self.has_remote:
             raise ValueError(
                 "no tier configured: set cpu_bytes > 0, kv_cache_dir, remote_url, or several"
@@ -137,6 +146,40 @@ class TierConfig:
     @property
     def cache_path(self) -> Path | None:
         return None if self.kv_cache_dir is None else Path(self.kv_cache_dir)
+
+    def tenant_priority(self, cache_salt: str | None) -> int:
+        """The eviction priority of a request's blocks (0 for an unlisted tenant)."""
+        return self.tenant_priorities.get(cache_salt, 0) if cache_salt else 0
+
+
+def load_tenant_priorities(path: str | os.PathLike[str]) -> dict[str, int]:
+    """Read a tenant -> priority mapping from a YAML (or JSON) file: one ``tenant: priority``
+    per line, e.g. ``gold: -10`` and ``batch: 10``. Raises ``ValueError`` naming the file
+    for one that cannot be read or does not hold such a mapping."""
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        reason = " ".join(str(e).split())  # YAML's messages span lines
+        raise ValueError(f"cannot read the tenant priorities {os.fspath(path)}: {reason}") from None
+    try:
+        _check_tenant_priorities(data if data is not None else {})
+    except ValueError as e:
+        raise ValueError(f"{os.fspath(path)}: {e}") from None
+    return dict(data or {})
+
+
+def _check_tenant_priorities(priorities: object) -> None:
+    if not isinstance(priorities, Mapping):
+        raise ValueError(
+            f"tenant_priorities must map tenants to integers, got {type(priorities).__name__}"
+        )
+    for tenant, priority in priorities.items():
+        if not isinstance(tenant, str) or not tenant:
+            raise ValueError(f"a tenant must be a non-empty string (a cache_salt), got {tenant!r}")
+        if isinstance(priority, bool) or not isinstance(priority, int) or not (
+            -(2**63) <= priority < 2**63
+        ):
+            raise ValueError(f"tenant {tenant!r}: the priority must be an integer, got {priority!r}")
 
 
 def _int(name: str, value: object, *, minimum: int) -> None:
