@@ -127,7 +127,8 @@ class BlockManager:
         return self.num_blocks_to_allocate(seq, num_tokens, prefix) <= len(self._free)
 
     def allocate(self, seq: Sequence, num_tokens: int, prefix: Seq[int] = ()) -> bool:
-        """Give ``seq`` blocks for its first ``num_tokens`` tokens; False (and no change) if short.
+        """Give ``seq`` blocks for its first ``num_tokens`` tokens; False (and no change but
+        :meth:`free_out_of_window`, which runs first) if short.
 
         ``prefix``: cached block ids (from :meth:`find_cached_prefix`) to share first; only
         for a sequence that holds no blocks yet.
