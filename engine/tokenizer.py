@@ -6,6 +6,7 @@ optional) and ``chat_template.jinja`` (newer checkpoints keep the template there
 """
 from __future__ import annotations
 
+import copy
 import datetime
 import functools
 import json
@@ -118,6 +119,18 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
+
+    def with_chat_template(self, template: str) -> Tokenizer:
+        """A copy that renders chats with ``template`` instead of the model's; ``ValueError``
+        when the template does not compile."""
+        try:
+            compiled = _environment().from_string(template)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"chat template, line {e.lineno}: {e.message}") from None
+        other = copy.copy(self)
+        other.chat_template = template
+        other._compiled = compiled
+        return other
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` (``{"role": ..., "content": ...}``) with the model's template."""

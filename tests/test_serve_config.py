@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 
 from tiered_kv.cli import app
 from tiered_kv.config import GiB
-from tiered_kv.serve_config import ServeConfig
+from tiered_kv.serve_config import SETTINGS, ServeConfig
+from tiered_kv.serve_option import human_readable_int
 
 
 def test_defaults_persist_kv_out_of_the_box():
@@ -131,10 +132,13 @@ def test_engine_kwargs_cover_the_engine_flags():
     assert dataclasses.replace(c, port=1).port == 1  # frozen, replace works
 
 
-def test_cli_flags_match_the_config_fields():
-    command = next(c for c in app.registered_commands if c.callback.__name__ == "serve")
-    params = set(inspect.signature(command.callback).parameters) - {"config"}
-    assert params == {f.name for f in dataclasses.fields(ServeConfig)}
+def test_cli_flags_are_generated_from_the_config_fields():
+    command = next(c for c in app.registered_commands if c.name == "serve")
+    params = set(inspect.signature(command.callback).parameters)
+    flags = {s.name for s in SETTINGS if s.option.flag}
+    assert flags <= params and "secret" not in params
+    assert flags == {f.name for f in dataclasses.fields(ServeConfig)} - {"secret"}
+    assert {"config", "model_tag"} <= params
 
 
 def test_cli_rejects_bad_values_with_exit_code_2(tmp_path):
@@ -149,11 +153,13 @@ def test_cli_rejects_bad_values_with_exit_code_2(tmp_path):
 
 
 def test_cli_help_explains_every_flag():
-    result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200"})
+    result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "250"})
     assert result.exit_code == 0
-    for field in dataclasses.fields(ServeConfig):
-        assert "--" + field.name.replace("_", "-") in result.output
+    for setting in SETTINGS:
+        assert (setting.flag in result.output) == setting.option.flag, setting.name
+        assert setting.option.help, f"{setting.name} has no help"
     assert "--no-enable-prefix-caching" in result.output and "--config" in result.output
+    assert "--secret " not in result.output and "--trust-remote-code" in result.output
 
 
 def test_cli_reports_a_missing_model_without_a_traceback(tmp_path):
@@ -176,3 +182,122 @@ def test_a_busy_port_is_reported_before_the_model_loads(tmp_path):
     assert result.exit_code == 2
     assert f"cannot listen on 127.0.0.1:{port}" in result.output  # not "no such model folder"
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("4096", 4096), ("8k", 8000), ("8K", 8192), ("25.6k", 25600), ("1m", 10**6), ("2M", 2 << 20),
+     ("1g", 10**9), ("1G", 1 << 30), ("1T", 1 << 40), (" 16 ", 16)],
+)
+def test_token_counts_take_vllms_suffixes(text, value):
+    assert human_readable_int(text) == value
+
+
+@pytest.mark.parametrize("text", ["8x", "1.5K", "k", "", "8 k"])
+def test_token_counts_refuse_other_spellings(text):
+    with pytest.raises(ValueError):
+        human_readable_int(text)
+
+
+def test_sizes_parse_alike_from_flags_environment_and_yaml(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text("max-num-batched-tokens: 4K\ncpu-kv-cache-bytes: 1g\n")
+    c = ServeConfig.load({"max_model_len": "8k"}, config_file=path, environ={"TIERED_KV_SEED": "7"})
+    assert (c.max_model_len, c.max_num_batched_tokens, c.cpu_kv_cache_bytes, c.seed) == (8000, 4096, 10**9, 7)
+    assert c.engine_config().cpu_kv_cache_bytes == 10**9
+    assert ServeConfig.load({"max_model_len": "auto"}, environ={}).max_model_len is None
+    with pytest.raises(ValueError, match=r"--max-model-len '8x': not an integer"):
+        ServeConfig.load({"max_model_len": "8x"}, environ={})
+    with pytest.raises(ValueError, match="TIERED_KV_MAX_MODEL_LEN='1.5K'"):
+        ServeConfig.load(environ={"TIERED_KV_MAX_MODEL_LEN": "1.5K"})
+
+
+def test_vllm_cpu_kvcache_space_is_gib_below_our_own_variable():
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2"}
+    assert ServeConfig.load(environ=env).cpu_kv_cache_bytes == 2 * GiB
+    assert ServeConfig.load(environ={"VLLM_CPU_KVCACHE_SPACE": "0"}).cpu_kv_cache_bytes == 256 << 20
+    both = {**env, "TIERED_KV_CPU_KV_CACHE_BYTES": "64M"}
+    assert ServeConfig.load(environ=both).cpu_kv_cache_bytes == 64 << 20
+    assert ServeConfig.load({"cpu_kv_cache_bytes": "1G"}, environ=both).cpu_kv_cache_bytes == GiB
+    with pytest.raises(ValueError, match="VLLM_CPU_KVCACHE_SPACE"):
+        ServeConfig.load(environ={"VLLM_CPU_KVCACHE_SPACE": "lots"})
+
+
+def test_the_hugging_face_cache_comes_from_its_environment_variables():
+    assert ServeConfig.load(environ={}).download_dir is None
+    assert ServeConfig.load(environ={"XDG_CACHE_HOME": "/c"}).download_dir == "/c/huggingface/hub"
+    assert ServeConfig.load(environ={"HF_HOME": "/hf", "XDG_CACHE_HOME": "/c"}).download_dir == "/hf/hub"
+    env = {"HF_HOME": "/hf", "HF_HUB_CACHE": "/hub"}
+    assert ServeConfig.load(environ=env).download_dir == "/hub"
+    assert ServeConfig.load({"download_dir": "/d"}, environ=env).download_dir == "/d"
+
+
+def test_vllm_engine_flags_reach_the_engine():
+    c = ServeConfig.load({
+        "kv_cache_dtype": "fp8_e4m3", "enable_chunked_prefill": False, "enforce_eager": True,
+        "scheduling_policy": "priority", "tensor_parallel_size": "1",
+    }, environ={})
+    config = c.engine_config()
+    assert (config.kv_cache_dtype, config.enable_chunked_prefill, config.enforce_eager) == ("fp8", False, True)
+    assert config.scheduling_policy == "priority"
+    with pytest.raises(ValueError, match="fp8_e5m2 is not supported: the engine stores fp8 KV as e4m3"):
+        ServeConfig.load({"kv_cache_dtype": "fp8_e5m2"}, environ={})
+    with pytest.raises(ValueError, match="--scheduling-policy must be one of fcfs, priority"):
+        ServeConfig(scheduling_policy="lifo")
+    for flag in ("tensor_parallel_size", "pipeline_parallel_size"):
+        with pytest.raises(ValueError, match="only 1 is supported: this server runs the model on one device"):
+            ServeConfig.load({flag: "2"}, environ={})
+
+
+def test_cors_lists_parse_as_json_or_commas(tmp_path):
+    c = ServeConfig.load({"allowed_origins": '["https://a.example", "https://b.example"]'}, environ={
+        "TIERED_KV_ALLOWED_METHODS": "GET, POST", "TIERED_KV_ALLOW_CREDENTIALS": "true",
+    })
+    assert c.allowed_origins == ("https://a.example", "https://b.example")
+    assert c.allowed_methods == ("GET", "POST") and c.allow_credentials is True
+    path = tmp_path / "cors.yaml"
+    path.write_text("allowed-origins: ['*']\n")
+    assert ServeConfig.load(config_file=path, environ={}).allowed_origins == ("*",)
+    with pytest.raises(ValueError, match="--allowed-origins"):
+        ServeConfig.load({"allowed_origins": '["a", 1]'}, environ={})
+
+
+def test_the_secret_is_environment_only_and_never_shown(tmp_path):
+    c = ServeConfig.load(environ={"TIERED_KV_SECRET": "s3cr3t-value"})
+    assert c.secret == "s3cr3t-value" and c.tier_config().remote_secret == "s3cr3t-value"
+    assert "s3cr3t-value" not in repr(c) and "s3cr3t-value" not in repr(c.tier_config())
+    with pytest.raises(ValueError, match="unknown setting 'secret'"):
+        ServeConfig.load({"secret": "x"}, environ={})
+    path = tmp_path / "secret.yaml"
+    path.write_text("secret: x\n")
+    with pytest.raises(ValueError, match="read only from the environment"):
+        ServeConfig.load(config_file=path, environ={})
+    result = CliRunner().invoke(app, ["serve", "--secret", "x"], env={})
+    assert result.exit_code == 2 and "No such option: --secret" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--colour", "blue"], "error: No such option: --colour"),
+        (["--port"], "error: Option '--port' requires an argument."),
+        (["--max-model-len", "lots"], "error: --max-model-len 'lots': not an integer"),
+        (["--quantization", "awq"], "error: --quantization is not supported: quantized checkpoints"),
+        (["--enable-lora"], "error: --enable-lora is not supported: LoRA adapters"),
+        (["-tp", "4"], "error: --tensor-parallel-size 4: only 1 is supported"),
+        (["a", "b"], "error: Got unexpected extra argument(s) (b)"),
+        (["m1", "--model", "m2"], "error: the model is given twice"),
+    ],
+)
+def test_cli_usage_errors_are_one_line(args, message):
+    result = CliRunner().invoke(app, ["serve", *args], env={})
+    assert result.exit_code == 2
+    assert result.output.startswith(message) and result.output.count("\n") == 1, result.output
+
+
+def test_a_hugging_face_id_missing_from_the_cache_is_one_line(tmp_path):
+    result = CliRunner().invoke(app, ["serve", "acme/absent-model", "--kv-disk-size", "0"], env={
+        "HF_HUB_CACHE": str(tmp_path),
+    })
+    assert result.exit_code == 2 and result.output.count("\n") == 1
+    assert f"acme/absent-model: no such model folder, and not in the Hugging Face cache {tmp_path}" in result.output

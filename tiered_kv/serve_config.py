@@ -1,9 +1,15 @@
-"""``tiered-kv serve``'s configuration: one frozen dataclass and the one place that reads it.
+"""``tiered-kv serve``'s configuration: one frozen dataclass, the single source of every setting.
+
+Each field is declared with :func:`~tiered_kv.serve_option.option`: its type, default, help,
+help panel, vLLM's aliases and choices. The CLI (``serve_cli``), the environment and YAML
+loading (:meth:`ServeConfig.load`, in ``serve_sources``) and the tables of
+docs/configuration.md and docs/compatibility.md (``serve_docs``) are generated from these
+fields, so a new field is a new flag, environment variable, YAML key and docs row.
 
 A value comes from, first to last: a command-line flag, a ``TIERED_KV_<FIELD>`` environment
-variable, a key of the YAML ``--config`` file, the default. Every environment variable the
-server reads is read here, by :meth:`ServeConfig.load`. Invalid values raise ``ValueError``
-naming the flag; the CLI turns that into an error message and exit code 2.
+variable, another environment variable the field names (``VLLM_CPU_KVCACHE_SPACE``,
+``HF_HOME``...), a key of the YAML ``--config`` file, the default. Invalid values raise
+``ValueError`` naming the flag; the CLI turns that into one line and exit code 2.
 """
 from __future__ import annotations
 
@@ -11,16 +17,21 @@ import dataclasses
 import math
 import os
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import yaml
-
-from engine.config import DTYPES, KV_CACHE_DTYPES, EngineConfig
-from tiered_kv.config import GiB, MiB, OFFLOAD_MODES, WRITE_POLICIES, TierConfig
+from engine.config import DTYPES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, EngineConfig
+from tiered_kv.config import GiB, MiB, OFFLOAD_MODES, REMOTE_WRITE_POLICIES, WRITE_POLICIES, TierConfig
+from tiered_kv.serve_option import ENGINE, SERVER, TIERS, EnvAlias, Setting, option, settings_of
+from tiered_kv.serve_sources import merge
 
 ENV_PREFIX = "TIERED_KV_"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+SINGLE_DEVICE = "this server runs the model on one device; run one server per GPU behind a load balancer (they share KV through --kv-remote-url)"
+
+
+def _gib_to_bytes(text: str) -> int | None:
+    gib = float(text)
+    return int(gib * GiB) if gib > 0 else None  # 0: the default, as vLLM reads it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,66 +40,226 @@ class ServeConfig:
     variable ``TIERED_KV_X_Y`` and YAML key ``x_y`` (or ``x-y``). See docs/configuration.md."""
 
     # the model and the HTTP server
-    model: str = "tiny"
-    served_model_name: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    admin_api_key: str | None = None
-    max_queue_len: int = 256
-    max_request_body_mib: float = 8.0
-    log_level: str = "info"
-    generation_config: str = "auto"
+    model: str = option(
+        "tiny", "The model: a checkpoint folder (Hugging Face layout: config.json, safetensors, "
+        "tokenizer), a Hugging Face id (org/name) already in the local Hugging Face cache, or "
+        "`tiny`, the built-in random test model. Also the first positional argument, as in "
+        "`vllm serve MODEL`.", ENGINE,
+        vllm_note="never downloads: an id must already be in the Hugging Face cache",
+    )
+    revision: str | None = option(
+        None, "The snapshot of a Hugging Face id to use: a branch or tag the cache has a ref for, "
+        "or a commit hash.", ENGINE, default_text="main",
+    )
+    download_dir: str | None = option(
+        None, "The Hugging Face hub cache that model ids are looked up in (hub layout: "
+        "models--org--name/snapshots/REV/).", ENGINE,
+        default_text="$HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub",
+        env=(
+            EnvAlias("HF_HUB_CACHE", str, "the hub cache"),
+            EnvAlias("HF_HOME", lambda home: os.path.join(home, "hub"), "its hub/ folder"),
+            EnvAlias(
+                "XDG_CACHE_HOME", lambda cache: os.path.join(cache, "huggingface", "hub"),
+                "its huggingface/hub/ folder",
+            ),
+        ),
+        vllm_note="only read from, never downloaded into",
+    )
+    served_model_name: str | None = option(
+        None, "The model's name in the API: the `model` field clients send, and what "
+        "/v1/models lists.", SERVER, default_text="the value of --model",
+    )
+    host: str = option(
+        "127.0.0.1", "Address to listen on; 0.0.0.0 for every interface (containers).", SERVER,
+        vllm_note="vLLM listens on every interface by default; this server on loopback",
+    )
+    port: int = option(8000, "TCP port to listen on.", SERVER)
+    api_key: str | None = option(
+        None, "Require `Authorization: Bearer KEY` on the inference routes (/v1/*); /health and "
+        "/metrics stay open. Prefer the environment variable: flags show in `ps`.", SERVER,
+    )
+    admin_api_key: str | None = option(
+        None, "The key of the /admin/* routes, which exist only with it (404 otherwise); the "
+        "inference key is not accepted there.", SERVER, vllm=False,
+    )
+    max_queue_len: int = option(
+        256, "Requests that may wait beyond the --max-num-seqs running ones; further requests "
+        "get 429 with Retry-After.", SERVER, vllm=False,
+    )
+    max_request_body_mib: float = option(
+        8.0, "Largest request body in MiB (a float); a larger one gets 413.", SERVER, vllm=False,
+    )
+    log_level: str = option(
+        "info", "The server's and uvicorn's log level.", SERVER, choices=LOG_LEVELS,
+        vllm=False,
+    )
+    allowed_origins: tuple[str, ...] = option(
+        (), "CORS: origins a browser page may call the API from, as a JSON list or "
+        "comma-separated (`*`: any). None: browsers refuse cross-origin calls.", SERVER,
+        default_text="none",
+        vllm_note="vLLM allows every origin by default; this server none until told",
+    )
+    allowed_methods: tuple[str, ...] = option(
+        ("*",), "CORS: the methods allowed cross-origin (with --allowed-origins).", SERVER,
+    )
+    allowed_headers: tuple[str, ...] = option(
+        ("*",), "CORS: the request headers allowed cross-origin (with --allowed-origins).", SERVER,
+    )
+    allow_credentials: bool = option(
+        False, "CORS: allow cookies and credentials cross-origin (with --allowed-origins).", SERVER,
+    )
+    chat_template: str | None = option(
+        None, "The chat template, replacing the tokenizer's: a file, or the Jinja template "
+        "itself.", SERVER, default_text="the model's",
+    )
+    generation_config: str = option(
+        "auto", "Default sampling parameters: `auto` (the model's generation_config.json), "
+        "`vllm` (vLLM's defaults) or a folder holding a generation_config.json.", SERVER,
+    )
     # the engine (vLLM's names)
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    kv_cache_dtype: str = "auto"
-    enable_prefix_caching: bool = True
-    seed: int = 0
+    dtype: str = option(
+        "auto", "Weights and activations: `auto` (float32 on the CPU, the checkpoint's dtype on "
+        "a GPU) or a floating-point type.", ENGINE, choices=("auto", *DTYPES),
+    )
+    max_model_len: int | None = option(
+        None, "Prompt plus output, in tokens (8k = 8000, 8K = 8192); longer prompts get 400. "
+        "`auto` or -1: the default.", ENGINE, parse="human_int_or_auto",
+        default_text="the model's, at most 4096",
+        vllm_note="`auto` is the model's length capped at 4096, not sized from free memory",
+    )
+    max_num_seqs: int = option(64, "Sequences the engine runs at once.", ENGINE)
+    max_num_batched_tokens: int | None = option(
+        None, "Tokens per engine step (8k = 8000); longer prompts are prefilled in chunks.",
+        ENGINE, parse="human_int", default_text="2048",
+    )
+    enable_chunked_prefill: bool = option(
+        True, "Prefill long prompts in chunks of --max-num-batched-tokens, between decode "
+        "steps. Off: a whole prompt in one step.", ENGINE,
+    )
+    block_size: int = option(
+        16, "Tokens per KV block (a power of two); part of the KV namespace, so a new block "
+        "size starts a new cache.", ENGINE,
+    )
+    gpu_memory_utilization: float = option(
+        0.9, "Fraction of the GPU the engine may use (sizes its KV pool).", ENGINE,
+    )
+    num_gpu_blocks_override: int | None = option(
+        None, "Exact number of blocks in the engine's pool, on any device.", ENGINE,
+        default_text="sized from memory",
+    )
+    cpu_kv_cache_bytes: int = option(
+        256 * MiB, "Bytes of the engine's own KV pool when it runs on the CPU (no GPU), with "
+        "vLLM's suffixes: 1g = 10^9, 1G = 2^30.", ENGINE, parse="human_int",
+        metavar="BYTES", default_text="256M (256 MiB)",
+        env=(EnvAlias("VLLM_CPU_KVCACHE_SPACE", _gib_to_bytes, "GiB"),),
+        vllm=False,
+    )
+    kv_cache_dtype: str = option(
+        "auto", "`auto` (the model's dtype) or `fp8` (float8 e4m3, calibrated scales; "
+        "`fp8_e4m3` is the same).", ENGINE, choices=KV_CACHE_DTYPES,
+        value_aliases={"fp8_e4m3": "fp8"},
+        refused_values={"fp8_e5m2": "the engine stores fp8 KV as e4m3 with calibrated scales; "
+                                    "use fp8 (or fp8_e4m3)"},
+    )
+    enable_prefix_caching: bool = option(
+        True, "Reuse blocks of earlier requests with the same prefix in the engine's pool.",
+        ENGINE, default_text="on",
+    )
+    enforce_eager: bool = option(
+        False, "Run decode eagerly; without it decode runs under CUDA graphs on a GPU.", ENGINE,
+        default_text="off",
+    )
+    scheduling_policy: str = option(
+        "fcfs", "`fcfs`: first come, first served; `priority`: by the requests' `priority` "
+        "(lower first).", ENGINE, choices=SCHEDULING_POLICIES,
+    )
+    seed: int = option(0, "Seeds the sampling of requests that send no seed.", ENGINE)
+    tensor_parallel_size: int = option(
+        1, "Only 1: one device per server.", ENGINE, aliases=("-tp",),
+        vllm_note="1 only",
+    )
+    pipeline_parallel_size: int = option(
+        1, "Only 1: one device per server.", ENGINE, aliases=("-pp",), vllm_note="1 only",
+    )
     # the tiers below the GPU pool
-    kv_cache_dir: str = "./kv_cache"
-    kv_offloading_size: float = 1.0
-    kv_disk_size: float = 8.0
-    kv_codec: str = "raw"
-    kv_write_policy: str = "write-through"
-    kv_offload: str = "prompt"
-    kv_remote_url: str | None = None
-    kv_remote_write_policy: str = "write-through"
-    kv_remote_timeout: float = 0.1
-    kv_remote_ttl: int | None = None
-    kv_secret_file: str | None = None
-    secret: str | None = dataclasses.field(default=None, repr=False)
+    kv_cache_dir: str = option(
+        "./kv_cache", "The disk tier's directory (LMDB, created 0700 if missing); its KV "
+        "survives restarts. One server writes a directory at a time.", TIERS, vllm=False,
+    )
+    kv_offloading_size: float = option(
+        1.0, "GiB of host memory for the CPU pool (a float; reserved at start, pinned with "
+        "CUDA); 0: no CPU pool.", TIERS,
+        vllm_note="the pool is tiered-kv's own, under the disk and remote tiers",
+    )
+    kv_disk_size: float = option(
+        8.0, "GiB budget of the disk tier in encoded bytes, LRU by last access; 0: no disk "
+        "tier.", TIERS, vllm=False,
+    )
+    kv_codec: str = option(
+        "raw", "Disk encoding: raw, zstd[:LEVEL] (lossless), kivi2, kivi4, kivi2+zstd, "
+        "kivi4+zstd (lossy, opt-in; kept in their own namespace).", TIERS, vllm=False,
+    )
+    kv_write_policy: str = option(
+        "write-through", "write-through: every new block goes to the CPU pool and is queued for "
+        "disk at once; write-back: to disk only when the CPU pool evicts it, and at shutdown "
+        "(needs a CPU pool).", TIERS, choices=WRITE_POLICIES, vllm=False,
+    )
+    kv_offload: str = option(
+        "prompt", "Which blocks go down: prompt (blocks made of prompt tokens) or all (also "
+        "blocks holding generated tokens).", TIERS, choices=OFFLOAD_MODES, vllm=False,
+    )
+    kv_remote_url: str | None = option(
+        None, "The shared remote tier, one Valkey/Redis server: redis://, valkey://, or with "
+        "TLS rediss://, valkeys://; credentials in the URL (redis://user:PASSWORD@host:6379/0).",
+        TIERS, vllm=False,
+    )
+    kv_remote_write_policy: str = option(
+        "write-through", "write-through: every new block is also queued for the remote tier; "
+        "read-only: only use what other servers stored.", TIERS,
+        choices=REMOTE_WRITE_POLICIES, vllm=False,
+    )
+    kv_remote_timeout: float = option(
+        0.1, "Seconds: the deadline of each remote call as a whole; after 3 failures in a row "
+        "the tier is skipped for 5 s.", TIERS, vllm=False,
+    )
+    kv_remote_ttl: int | None = option(
+        None, "Expire remote blocks after this many seconds.", TIERS, vllm=False,
+        default_text="never; the server's maxmemory-policy evicts",
+    )
+    kv_secret_file: str | None = option(
+        None, "A file holding the deployment's shared secret, which seals the remote tier's "
+        "records (docs/security.md).", TIERS, vllm=False,
+    )
+    secret: str | None = option(
+        None, "The deployment's shared secret itself (instead of --kv-secret-file); never a "
+        "flag, never logged.", TIERS, flag=False, vllm=False,
+    )
 
     def __post_init__(self) -> None:
+        for setting in SETTINGS:
+            setting.check_choice(getattr(self, setting.name))
         _str("model", self.model)
-        if self.served_model_name is not None:
-            _str("served_model_name", self.served_model_name)
+        for name in ("served_model_name", "api_key", "admin_api_key", "revision", "chat_template"):
+            if getattr(self, name) is not None:
+                _str(name, getattr(self, name))
         _str("host", self.host)
+        _str("generation_config", self.generation_config)
         if _bad_int(self.port, 1) or self.port > 65535:
             raise ValueError(f"--port must be an integer in [1, 65535], got {self.port!r}")
-        if self.api_key is not None:
-            _str("api_key", self.api_key)
-        if self.admin_api_key is not None:
-            _str("admin_api_key", self.admin_api_key)
         if _bad_int(self.max_queue_len, 0):
             raise ValueError(f"--max-queue-len must be an integer >= 0, got {self.max_queue_len!r}")
         if not _positive_number(self.max_request_body_mib):
             raise ValueError(
                 f"--max-request-body-mib must be a number of MiB > 0, got {self.max_request_body_mib!r}"
             )
-        if self.log_level not in LOG_LEVELS:
-            raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
-            )
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if value != 1:
+                raise ValueError(f"{_flag(name)} {value}: only 1 is supported: {SINGLE_DEVICE}")
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value):
+                raise ValueError(f"{_flag(name)} must be a list of non-empty strings, got {value!r}")
         for name in ("kv_offloading_size", "kv_disk_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
@@ -97,12 +268,6 @@ class ServeConfig:
                 raise ValueError(f"{_flag(name)} must be a number of GiB >= 0, got {value!r}")
         if not isinstance(self.kv_cache_dir, str):
             raise ValueError(f"--kv-cache-dir must be a path, got {self.kv_cache_dir!r}")
-        if self.kv_write_policy not in WRITE_POLICIES:
-            raise ValueError(
-                f"--kv-write-policy must be one of {', '.join(WRITE_POLICIES)}, got {self.kv_write_policy!r}"
-            )
-        if self.kv_offload not in OFFLOAD_MODES:
-            raise ValueError(f"--kv-offload must be one of {', '.join(OFFLOAD_MODES)}, got {self.kv_offload!r}")
         # The engine's and the tiers' own checks, with their field names mapped to flags.
         for build in (self.engine_config, self.tier_config):
             try:
@@ -132,11 +297,15 @@ class ServeConfig:
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_chunked_prefill=self.enable_chunked_prefill,
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
+            cpu_kv_cache_bytes=self.cpu_kv_cache_bytes,
             kv_cache_dtype=self.kv_cache_dtype,
             enable_prefix_caching=self.enable_prefix_caching,
+            enforce_eager=self.enforce_eager,
+            scheduling_policy=self.scheduling_policy,
             seed=self.seed,
         )
 
@@ -180,70 +349,11 @@ class ServeConfig:
         """Merge flags (``None`` values count as not given) over the environment over the
         YAML file (``config_file``, else ``TIERED_KV_CONFIG``) over the defaults."""
         environ = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        path = config_file if config_file is not None else environ.get(ENV_PREFIX + "CONFIG")
-        if path:
-            values.update(_read_yaml(Path(path)))
-        for name, parse in _PARSERS.items():
-            raw = environ.get(ENV_PREFIX + name.upper())
-            if raw is not None:
-                try:
-                    values[name] = parse(raw)
-                except ValueError:
-                    raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid value") from None
-        for name, value in (flags or {}).items():
-            if name not in _PARSERS:
-                raise ValueError(f"unknown setting {name!r}")
-            if value is not None:
-                values[name] = value
-        return cls(**values)
+        return cls(**merge(SETTINGS, flags or {}, config_file, environ))
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise ValueError(f"--config {path}: {e.strerror or e}") from None
-    except yaml.YAMLError as e:
-        raise ValueError(f"--config {path}: not valid YAML: {e}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ValueError(f"--config {path}: expected a mapping of settings, got {type(data).__name__}")
-    values: dict[str, Any] = {}
-    for key, value in data.items():
-        name = str(key).replace("-", "_")
-        if name not in _PARSERS:
-            raise ValueError(f"--config {path}: unknown key {key!r} (known: {', '.join(_PARSERS)})")
-        if isinstance(value, str):  # numbers as strings ("8000") are fine, as in the environment
-            value = _PARSERS[name](value)
-        values[name] = value
-    return values
-
-
-def _parse_bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(text)
-
-
-def _optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    def parse_optional(text: str) -> Any:
-        return None if text.strip().lower() in ("", "none", "null") else parse(text)
-
-    return parse_optional
-
-
-def _parser(field: dataclasses.Field) -> Callable[[str], Any]:
-    kind = str(field.type)
-    base = {"int": int, "float": float, "bool": _parse_bool, "str": str}[kind.split(" ")[0]]
-    return _optional(base) if "None" in kind else base
-
-
-_PARSERS: dict[str, Callable[[str], Any]] = {f.name: _parser(f) for f in dataclasses.fields(ServeConfig)}
+SETTINGS: tuple[Setting, ...] = settings_of(ServeConfig)
+SETTINGS_BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
 
 
 def _flag(name: str) -> str:
@@ -261,6 +371,7 @@ _RENAMED = {  # engine/tier field -> the flag that sets it
     "remote_write_policy": "--kv-remote-write-policy",
     "remote_timeout_s": "--kv-remote-timeout",
     "remote_ttl_s": "--kv-remote-ttl",
+    "remote_secret_file": "--kv-secret-file",
 }
 
 
@@ -268,7 +379,7 @@ def _with_flag_names(message: str) -> str:
     head, sep, rest = message.partition(" ")
     if head in _RENAMED:
         return _RENAMED[head] + sep + rest
-    if head in _PARSERS:
+    if head in SETTINGS_BY_NAME:
         return _flag(head) + sep + rest
     return message
 
