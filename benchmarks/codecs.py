@@ -33,6 +33,7 @@ from bench_common import machine, write_json
 from storage.base import BlockKey
 from storage.codecs import get_codec
 from storage.record import Record, encode_record
+from storage.seal import SealKey
 
 REPO = Path(__file__).resolve().parents[1]
 LOSSLESS = ("raw", "zstd")
@@ -216,12 +217,13 @@ def measure(data: Dataset, dtype_name: str, spec: str, block: int, repeats: int)
     )
     namespace = hashlib.sha256(f"bench/{data.name}".encode()).digest()
     parent, record_bytes = None, 0
+    seal_key = SealKey.generate()
     for i, (b, p) in enumerate(zip(blocks, payloads)):
         block_hash = hashlib.sha256((parent or namespace) + i.to_bytes(4, "little")).digest()
         tokens = data.token_ids[i * block : (i + 1) * block]
         record = Record(BlockKey(namespace, block_hash), parent, tuple(tokens), codec.name, dtype,
                         tuple(b.shape), p)
-        record_bytes += len(encode_record(record))
+        record_bytes += len(encode_record(record, seal_key))
         parent = block_hash
 
     row = {

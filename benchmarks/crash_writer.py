@@ -123,7 +123,7 @@ def check_store(path: str, rounds: list[tuple[int, int, int | None]]) -> tuple[i
                 continue
             index = record.token_ids[0] // TOKENS_PER_BLOCK
             expected = block_record(index)
-            if key != expected.key or encode_record(record) != encode_record(expected):
+            if key != expected.key or encode_record(record, store.seal_key) != encode_record(expected, store.seal_key):
                 problems.append(f"{key.short()} differs from block {index}")
         for start, count, flushed_upto in rounds:
             present = 0

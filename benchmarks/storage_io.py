@@ -42,6 +42,7 @@ from storage.base import BlockKey
 from storage.cpu_pool import CpuBlockPool, HostBlock
 from storage.lmdb_store import LmdbStore
 from storage.record import Record, encode_record
+from storage.seal import SealKey
 
 TARGET_RATIO = 0.70
 SEED = 1234
@@ -136,7 +137,8 @@ def lmdb_round(
 ) -> dict[str, float]:
     """One repetition: write both sides, then read both sides cold-ish and warm (seconds)."""
     store_dir, file_path = workdir / "store", workdir / "blocks.bin"
-    encoded = [encode_record(r) for r in records]
+    seal_key = SealKey.generate()  # the file side seals as the store does
+    encoded = [encode_record(r, seal_key) for r in records]
     offsets = [0]
     for data in encoded:
         offsets.append(offsets[-1] + len(data))

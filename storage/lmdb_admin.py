@@ -22,9 +22,10 @@ from storage.lmdb_committer import META, QUARANTINE_HEAD
 from storage.lmdb_file import Found, salvage
 from storage.lmdb_layout import (
     DATA_NAME, DB_META, DB_QUARANTINE, DB_RECORDS, DESCRIPTOR_NAME, KEYS_CHUNK, StoreDescriptor,
-    fsync_dir, lock_writer, make_file_private, move_aside,
+    copy_key_file, fsync_dir, lock_writer, make_file_private, move_aside, store_key,
 )
 from storage.record import MAGIC, Record, RecordError, decode_record
+from storage.seal import KEY_FILE_NAME, SealKey
 
 _REPAIR_BATCH = 256  # records per put_many: one writer transaction each
 
@@ -119,7 +120,8 @@ class Admin:
         return count
 
     def verify(self, progress: Callable[[int], None] | None = None) -> VerifyResult:
-        """Read and check every committed record; quarantine the bad ones (when writable).
+        """Read and check every committed record against the store's key (its seal, its
+        fields, its key); quarantine the bad ones (when writable).
 
         ``progress(n)`` is called after every ``n`` records read.
         """
@@ -129,7 +131,7 @@ class Admin:
             checked += 1
             nbytes += len(data)
             try:
-                decode_record(data, expected_key=BlockKey.from_bytes(kb))
+                decode_record(data, self.seal_key, BlockKey.from_bytes(kb))
                 ok += 1
             except RecordError as e:
                 bad.append((kb, e))
@@ -219,11 +221,12 @@ class Admin:
             raise StoreError(f"cannot create {dest}: {e}") from None
         try:
             self.descriptor.save(dest)
+            copy_key_file(self.path, dest)
             self._env.copy(str(dest), compact=True)
             make_file_private(dest / DATA_NAME)
             fsync_dir(dest)
         except (OSError, lmdb.Error) as e:
-            for name in (DESCRIPTOR_NAME, DATA_NAME):  # what this call created, nothing else
+            for name in (DESCRIPTOR_NAME, KEY_FILE_NAME, DATA_NAME):  # what this call created
                 (dest / name).unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 dest.rmdir()
@@ -306,7 +309,8 @@ class Admin:
 
         ``source``'s data file is read page by page with ``pread``, never mapped (see
         :class:`storage.lmdb_file.Salvage`); every record found is checked against its key
-        and checksum, and what cannot be read or fails is skipped. ``dest`` must be missing
+        and the seal of ``source``'s key, and what cannot be read or fails is skipped; the
+        rest is re-sealed under the fresh store's own new key. ``dest`` must be missing
         or empty; without it the repair is in place: the fresh store is built beside
         ``source``, which is then moved to ``<source>.damaged-<time>`` and replaced. The
         fresh store's budget is ``capacity_bytes``, or the one ``source`` records.
@@ -318,6 +322,7 @@ class Admin:
             raise StoreError(f"{source} is not a tiered-kv disk store with data to repair")
         lock_fd = lock_writer(source)
         try:
+            source_key = store_key(source, create=False)
             if capacity_bytes is None:
                 try:
                     capacity_bytes = StoreDescriptor.load(source).capacity_bytes
@@ -331,7 +336,9 @@ class Admin:
                     with cls(target, capacity_bytes, sync=False) as fresh:
                         if expected is not None:
                             expected(found.expected)
-                        salvaged, skipped = _copy_verified(found.entries(), fresh, progress)
+                        salvaged, skipped = _copy_verified(
+                            found.entries(), source_key, fresh, progress
+                        )
                         fresh.flush()
                         evicted = fresh.stats().evictions
             except BaseException:
@@ -352,7 +359,8 @@ class Admin:
 
 
 def _copy_verified(
-    entries: Iterator[Found], fresh: Admin, progress: Callable[[int], None] | None
+    entries: Iterator[Found], source_key: SealKey, fresh: Admin,
+    progress: Callable[[int], None] | None,
 ) -> tuple[int, int]:
     """Put the first good record found for each key into ``fresh``: (salvaged, skipped),
     skipped counting the keys for which none was good."""
@@ -366,7 +374,7 @@ def _copy_verified(
             continue  # had already, or (found by scanning) an entry of another db
         key = BlockKey.from_bytes(kb)
         try:
-            batch.append((key, decode_record(value or b"", expected_key=key)))  # None: unreadable
+            batch.append((key, decode_record(value or b"", source_key, key)))  # None: unreadable
         except RecordError:
             failed.add(kb)
             continue

@@ -3,6 +3,7 @@
 Layout (created 0700)::
 
     <dir>/tiered_kv.json   descriptor: format name, store version, capacity, map size...
+    <dir>/seal.key         the secret that seals this store's records (0600; storage.seal)
     <dir>/writer.lock      flock()ed by the one process that may write
     <dir>/data.mdb         LMDB data file (a sparse map reserved up front)
     <dir>/lock.mdb         LMDB reader table, shared by the writer and read-only admin tools
@@ -32,6 +33,7 @@ import lmdb
 from storage.base import StoreError
 from storage.lmdb_file import DATA_NAME, DamagedStore, check_data_file, check_structure
 from storage.record import FORMAT_VERSION as RECORD_FORMAT_VERSION
+from storage.seal import KEY_FILE_NAME, SealKey, create_key_file, load_key_file
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +43,7 @@ DESCRIPTOR_NAME = "tiered_kv.json"
 LOCK_NAME = "writer.lock"
 _DESCRIPTOR_TMP = ".tiered_kv.json.tmp"
 # What a directory may hold and still count as empty: leftovers of a creation cut short.
-_CREATION_LEFTOVERS = frozenset({LOCK_NAME, _DESCRIPTOR_TMP})
+_CREATION_LEFTOVERS = frozenset({LOCK_NAME, _DESCRIPTOR_TMP, KEY_FILE_NAME})
 
 DB_RECORDS = b"records"
 DB_META = b"meta"
@@ -271,13 +273,58 @@ def fsync_dir(path: Path) -> None:
 
 
 class Opened(NamedTuple):
-    """An open store: its descriptor, environment and databases, and the writer lock's
-    descriptor (``None`` for a reader); closing it releases the lock."""
+    """An open store: its descriptor, environment and databases, the writer lock's
+    descriptor (``None`` for a reader; closing it releases the lock), and the key that
+    seals its records."""
 
     descriptor: StoreDescriptor
     env: lmdb.Environment
     dbs: dict[bytes, Any]
     lock_fd: int | None
+    seal_key: SealKey
+
+
+def store_key(path: Path, *, create: bool) -> SealKey:
+    """The key of ``<path>/seal.key``. With ``create`` (a writer, under the writer lock) the
+    file is created if missing and a looser mode is tightened to 0600."""
+    where = path / KEY_FILE_NAME
+    if create:
+        try:
+            return create_key_file(where)
+        except FileExistsError:
+            make_key_private(where)
+        except OSError as e:
+            raise StoreError(f"cannot create the store's key file {where}: {e.strerror or e}") from None
+    elif not where.exists():
+        raise StoreError(
+            f"{path} has no key file ({KEY_FILE_NAME}): it was written before records were "
+            f"sealed, or the file was removed; `tiered-kv storage init {path}` creates one "
+            "(and drops the records it cannot verify)"
+        )
+    try:
+        return load_key_file(where)
+    except ValueError as e:
+        raise StoreError(str(e)) from None
+
+
+def make_key_private(where: Path) -> None:
+    """Tighten a key file that others can read to 0600 when it is ours to change."""
+    with contextlib.suppress(OSError):
+        st = where.stat()
+        if stat.S_IMODE(st.st_mode) & 0o077 and st.st_uid == os.geteuid():
+            os.chmod(where, 0o600)
+            logger.warning("%s was readable by other users; made it 0600", where)
+
+
+def copy_key_file(source: Path, dest: Path) -> None:
+    """Give the store ``dest`` the key of the store ``source`` (a copy of the same store)."""
+    data = (source / KEY_FILE_NAME).read_bytes()
+    fd = os.open(dest / KEY_FILE_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def open_for_writing(
@@ -298,6 +345,18 @@ def open_for_writing(
         make_private(path)
         check_file(path, full_check)
         old = StoreDescriptor.load(path) if (path / DESCRIPTOR_NAME).exists() else None
+        if old is not None and old.record_format_version > RECORD_FORMAT_VERSION:
+            raise StoreError(
+                f"{path} holds records of a newer format ({old.record_format_version}; this "
+                f"build reads {RECORD_FORMAT_VERSION}); upgrade tiered-kv or use another directory"
+            )
+        # Records that no key of ours sealed (an older format, or a lost key file) cannot
+        # be verified: they are dropped before the key is made and the descriptor updated.
+        unverifiable = old is not None and (
+            old.record_format_version < RECORD_FORMAT_VERSION
+            or not (path / KEY_FILE_NAME).exists()
+        )
+        seal_key = store_key(path, create=True) if old is None else None
         if capacity_bytes is None:
             if old is None:
                 raise StoreError(f"{path}: a new store needs capacity_bytes")
@@ -311,11 +370,8 @@ def open_for_writing(
             capacity_bytes=capacity_bytes,
             map_size=map_size,
         )
-        if descriptor != old:
-            try:
-                descriptor.save(path)
-            except OSError as e:
-                raise StoreError(f"{path}: cannot write the store descriptor: {e}") from None
+        if descriptor != old and not unverifiable:
+            _save(descriptor, path)
         env = open_env(path, readonly=False, sync=sync, map_size=map_size, max_readers=max_readers)
         env.reader_check()
         with lmdb_errors(path), env.begin(write=True) as txn:
@@ -328,13 +384,41 @@ def open_for_writing(
             elif stored != FORMAT_NAME.encode():
                 raise StoreError(f"{path}: the LMDB environment is not a tiered-kv store")
         with lmdb_errors(path):
+            if unverifiable:
+                _drop_records(path, env, dbs)
             _match_meta_to_records(path, env, dbs)
+        if seal_key is None:
+            seal_key = store_key(path, create=True)
+        if unverifiable:
+            _save(descriptor, path)
     except BaseException:
         if env is not None:
             env.close()
         os.close(lock_fd)
         raise
-    return Opened(descriptor, env, dbs, lock_fd)
+    return Opened(descriptor, env, dbs, lock_fd, seal_key)
+
+
+def _save(descriptor: StoreDescriptor, path: Path) -> None:
+    try:
+        descriptor.save(path)
+    except OSError as e:
+        raise StoreError(f"{path}: cannot write the store descriptor: {e}") from None
+
+
+def _drop_records(path: Path, env: lmdb.Environment, dbs: dict[bytes, Any]) -> None:
+    """Delete every record (and its metadata) in one transaction: records no key of ours
+    sealed must never be served, and a cache recomputes them."""
+    with env.begin(write=True) as txn:
+        count = txn.stat(dbs[DB_RECORDS])["entries"]
+        txn.drop(dbs[DB_RECORDS], delete=False)
+        txn.drop(dbs[DB_META], delete=False)
+        txn.put(INFO_BYTES_USED, U64.pack(0), db=dbs[DB_INFO])
+    if count:
+        logger.warning(
+            "%s: dropped %d records that were not sealed by this store's key (an older record "
+            "format, or a lost %s); they will be recomputed", path, count, KEY_FILE_NAME,
+        )
 
 
 def open_for_reading(
@@ -348,6 +432,18 @@ def open_for_reading(
     descriptor = StoreDescriptor.load(path)
     if not (path / DATA_NAME).exists():
         raise StoreError(f"{path}: the store has no data yet (never opened by a writer)")
+    if descriptor.record_format_version > RECORD_FORMAT_VERSION:
+        raise StoreError(
+            f"{path} holds records of a newer format ({descriptor.record_format_version}; this "
+            f"build reads {RECORD_FORMAT_VERSION}); upgrade tiered-kv"
+        )
+    if descriptor.record_format_version < RECORD_FORMAT_VERSION:
+        raise StoreError(
+            f"{path} holds records of format {descriptor.record_format_version}, this build "
+            f"reads {RECORD_FORMAT_VERSION}; opening it for writing (`tiered-kv storage init "
+            f"{path}`, or serve) drops records it cannot verify"
+        )
+    seal_key = store_key(path, create=False)
     check_file(path, full_check)
     # The writer's map size, so that this map always covers what the writer can commit.
     env = open_env(
@@ -364,7 +460,7 @@ def open_for_reading(
     except lmdb.Error as e:
         env.close()
         raise DamagedStore(f"{path / DATA_NAME} is damaged ({e})") from None
-    return Opened(descriptor, env, dbs, None)
+    return Opened(descriptor, env, dbs, None, seal_key)
 
 
 def check_file(path: Path, full: bool) -> None:

@@ -102,6 +102,8 @@ class LmdbStore(Admin, Recovery, Committer, BlockStore[Record]):
     in another process keeps committing): for admin tools that read everything.
     ``replace_damaged=True`` (writers only) moves a damaged store aside to
     ``<dir>.damaged-<time>`` (see :attr:`moved_aside`) and starts an empty one instead.
+    ``seal_key`` is the key of the store's ``seal.key``, which a writer creates with the
+    store; records are sealed and verified with it (see ``docs/record_format.md``).
     """
 
     tier = "disk"
@@ -175,7 +177,7 @@ class LmdbStore(Admin, Recovery, Committer, BlockStore[Record]):
             self.moved_aside = move_aside(self.path)
             logger.warning("%s; moved it to %s and started an empty store", e, self.moved_aside)
             opened = open_store()
-        self.descriptor, self._env, self._dbs, self._lock_fd = opened
+        self.descriptor, self._env, self._dbs, self._lock_fd, self.seal_key = opened
         if not readonly:
             try:
                 self._load_index()
@@ -296,7 +298,7 @@ class LmdbStore(Admin, Recovery, Committer, BlockStore[Record]):
             if data is None:
                 continue
             try:
-                results[i] = decode_record(data, expected_key=keys[i])
+                results[i] = decode_record(data, self.seal_key, keys[i])
             except RecordError as e:
                 bad.append((kbs[i], e))
         now = time.time_ns()
@@ -417,7 +419,7 @@ class LmdbStore(Admin, Recovery, Committer, BlockStore[Record]):
             key.validate()
             if record.key != key:
                 raise ValueError(f"record is for {record.key.short()}, put under {key.short()}")
-            data = encode_record(record)
+            data = encode_record(record, self.seal_key)
             if len(data) > self.max_record_bytes:
                 data = None
             group.append((key.to_bytes(), data, record.created_ns, priority))

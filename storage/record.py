@@ -19,11 +19,13 @@ Layout (little-endian)::
          C       codec spec, ASCII (e.g. "kivi2+zstd")
          4*N     token ids (u32)
     H    P    payload
-    H+P  8    xxh3-64 of bytes [0, H+P)
+    H+P  8    seal: the sealing key's id         ┐ the seal
+    H+P+8 32  seal: BLAKE3 keyed MAC of [0, H+P+8) ┘
 
-The record is exactly ``H + P + 8`` bytes; the checksum is always the last eight. Every
-check is done before any field is trusted, and a failure of any of them raises
-:class:`RecordError` (never another exception type).
+The record is exactly ``H + P + 40`` bytes; the seal is always the last forty. The MAC is
+keyed (:class:`storage.seal.SealKey`), so only a holder of the secret can build a record
+that verifies. Every check is done before any field is trusted, and a failure of any of
+them raises :class:`RecordError` (never another exception type).
 """
 from __future__ import annotations
 
@@ -32,18 +34,18 @@ import struct
 import time
 
 import torch
-import xxhash
 
 from storage.base import DIGEST_SIZE, BlockKey
+from storage.seal import KEY_ID_SIZE, MAC_SIZE, SealKey
 
 MAGIC = b"TKVR"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: an unkeyed xxh3-64 checksum instead of the seal (never read)
 MAX_NDIM = 8
 MAX_CODEC_LEN = 64
 _FLAG_HAS_PARENT = 1
 
 _FIXED = struct.Struct("<4sHHIQQ32s32s32sBBHI")
-_CHECKSUM = struct.Struct("<Q")
+SEAL_SIZE = KEY_ID_SIZE + MAC_SIZE
 _ZERO_DIGEST = bytes(DIGEST_SIZE)
 
 # Stable on-disk codes; never renumber.
@@ -62,7 +64,8 @@ class RecordError(ValueError):
     """A buffer is not a valid record for the key it was read under.
 
     ``reason`` is one short word for counting: ``length``, ``magic``, ``version``,
-    ``checksum``, ``header``, ``key``.
+    ``keyid`` (sealed under another key), ``mac`` (altered, or sealed by someone without
+    the key), ``header``, ``key``.
     """
 
     def __init__(self, reason: str, message: str) -> None:
@@ -102,15 +105,15 @@ class Record:
         """Size of the encoded record."""
         return _header_len(len(self.shape), len(self.codec), len(self.token_ids)) + len(
             self.payload
-        ) + _CHECKSUM.size
+        ) + SEAL_SIZE
 
 
 def _header_len(ndim: int, codec_len: int, num_tokens: int) -> int:
     return _FIXED.size + 4 * ndim + codec_len + 4 * num_tokens
 
 
-def encode_record(record: Record) -> bytes:
-    """Serialize ``record`` with its checksum."""
+def encode_record(record: Record, seal_key: SealKey) -> bytes:
+    """Serialize ``record`` sealed under ``seal_key``."""
     ndim, codec = len(record.shape), record.codec.encode("ascii")
     header_len = _header_len(ndim, len(codec), len(record.token_ids))
     flags = _FLAG_HAS_PARENT if record.parent_hash is not None else 0
@@ -124,21 +127,36 @@ def encode_record(record: Record) -> bytes:
         )
     except struct.error as e:
         raise ValueError(f"record field out of range: {e}") from None
-    digest = xxhash.xxh3_64()
-    digest.update(header)
-    digest.update(record.payload)
-    return b"".join((header, record.payload, _CHECKSUM.pack(digest.intdigest())))
+    key_id = seal_key.key_id
+    mac = seal_key.mac(header, record.payload, key_id)
+    return b"".join((header, record.payload, key_id, mac))
 
 
-def decode_record(buf: bytes | memoryview, expected_key: BlockKey | None = None) -> Record:
-    """Parse and verify ``buf``. The returned payload is a view of ``buf`` (no copy).
+def sealing_key_id(buf: bytes | memoryview) -> bytes | None:
+    """The id of the key ``buf`` says it was sealed under (unverified), or ``None`` if it is
+    not a record of this format: to name the key that a record needs."""
+    view = memoryview(buf).cast("B")
+    if len(view) < _FIXED.size + SEAL_SIZE or bytes(view[:4]) != MAGIC:
+        return None
+    if struct.unpack_from("<H", view, 4)[0] != FORMAT_VERSION:
+        return None
+    start = len(view) - SEAL_SIZE
+    return bytes(view[start : start + KEY_ID_SIZE])
 
-    Raises :class:`RecordError` if anything is wrong: size, magic, version, checksum,
-    header fields, or (when ``expected_key`` is given) a key that is not the one asked for.
+
+def decode_record(
+    buf: bytes | memoryview, seal_key: SealKey, expected_key: BlockKey | None = None
+) -> Record:
+    """Parse and verify ``buf`` against ``seal_key``. The returned payload is a view of
+    ``buf`` (no copy).
+
+    Raises :class:`RecordError` if anything is wrong: size, magic, version, the seal (key
+    id and MAC), header fields, or (when ``expected_key`` is given) a key that is not the
+    one asked for.
     """
     view = memoryview(buf).cast("B")
     size = len(view)
-    if size < _FIXED.size + _CHECKSUM.size:
+    if size < _FIXED.size + SEAL_SIZE:
         raise RecordError("length", f"record of {size} bytes is shorter than any record")
     if bytes(view[:4]) != MAGIC:
         raise RecordError("magic", "not a tiered-kv record (bad magic)")
@@ -147,9 +165,14 @@ def decode_record(buf: bytes | memoryview, expected_key: BlockKey | None = None)
         raise RecordError(
             "version", f"record format version {version}, this build reads {FORMAT_VERSION}"
         )
-    (stored,) = _CHECKSUM.unpack_from(view, size - _CHECKSUM.size)
-    if xxhash.xxh3_64_intdigest(view[: size - _CHECKSUM.size]) != stored:
-        raise RecordError("checksum", "record checksum mismatch")
+    sealed = size - SEAL_SIZE
+    key_id = bytes(view[sealed : sealed + KEY_ID_SIZE])
+    if key_id != seal_key.key_id:
+        raise RecordError(
+            "keyid", f"record sealed under key {key_id.hex()}, not this key ({seal_key.name})"
+        )
+    if not seal_key.check(view[sealed + KEY_ID_SIZE :], view[: sealed + KEY_ID_SIZE]):
+        raise RecordError("mac", "record MAC mismatch (altered, or sealed without the key)")
 
     (_, _, flags, header_len, payload_len, created_ns, namespace, block_hash, parent, dtype_code,
      ndim, codec_len, num_tokens) = _FIXED.unpack_from(view, 0)
@@ -157,9 +180,10 @@ def decode_record(buf: bytes | memoryview, expected_key: BlockKey | None = None)
         raise RecordError("header", "record header fields out of range")
     if header_len != _header_len(ndim, codec_len, num_tokens):
         raise RecordError("header", "record header length disagrees with its fields")
-    if header_len + payload_len + _CHECKSUM.size != size:
+    if header_len + payload_len + SEAL_SIZE != size:
         raise RecordError(
-            "length", f"record declares {header_len + payload_len + 8} bytes, buffer has {size}"
+            "length",
+            f"record declares {header_len + payload_len + SEAL_SIZE} bytes, buffer has {size}",
         )
     if dtype_code not in DTYPES_BY_CODE:
         raise RecordError("header", f"unknown dtype code {dtype_code}")

@@ -1,8 +1,11 @@
-"""The remote tier: checksummed records in a Valkey or Redis server shared by many engines.
+"""The remote tier: sealed records in a Valkey or Redis server shared by many engines.
 
-Values are the disk tier's records (:func:`storage.record.encode_record`), so a record read
-back is verified exactly like one read from disk: a value that fails any check is a miss,
-is counted (``corrupt``) and is deleted from the server. Keys are::
+Values are records (:func:`storage.record.encode_record`) sealed under the deployment's
+shared key (``seal_key``, from a secret every instance is given), so a record read back is
+verified exactly like one read from disk: a value that fails any check (a MAC that does
+not verify, another key's seal, damage) is a miss, is counted (``corrupt``) and is deleted
+from the server. Whoever can write to the server without the secret can delete KV but
+never make an engine serve wrong KV. Keys are::
 
     <prefix><namespace hex>:<block hash hex>        e.g. tkv:9f2c…:03ab…
 
@@ -55,6 +58,7 @@ from storage.base import DIGEST_SIZE, BlockKey, BlockStore, StoreStats
 from storage.call_deadline import CallDeadline, connection_class
 from storage.circuit_breaker import BreakerConfig, CircuitBreaker, Permit
 from storage.record import Record, RecordError, decode_record, encode_record
+from storage.seal import SealKey
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +103,8 @@ def redact_url(url: str) -> str:
 
 
 class RemoteStore(BlockStore[Record]):
-    """Records in a Valkey/Redis server under ``prefix``. See the module docstring.
+    """Records in a Valkey/Redis server under ``prefix``, sealed under ``seal_key``. See the
+    module docstring.
 
     ``timeout_s`` is the deadline of each call as a whole (connect, send, the whole reply);
     ``ttl_s`` (``None``: none) expires keys on the server; ``breaker`` sets when the
@@ -114,6 +119,7 @@ class RemoteStore(BlockStore[Record]):
         self,
         url: str,
         *,
+        seal_key: SealKey,
         prefix: str = "tkv:",
         timeout_s: float = 0.1,
         ttl_s: int | None = None,
@@ -122,6 +128,9 @@ class RemoteStore(BlockStore[Record]):
         stats_interval_s: float = 60.0,
     ) -> None:
         self.url = parse_remote_url(url)
+        if not isinstance(seal_key, SealKey):
+            raise ValueError("the remote tier needs the deployment's seal key")  # noqa: TRY004
+        self._seal_key = seal_key
         if not prefix or _GLOB_CHARS & set(prefix):
             raise ValueError(f"prefix must be non-empty without glob characters, got {prefix!r}")
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
@@ -252,7 +261,7 @@ class RemoteStore(BlockStore[Record]):
                 out.append(None)
                 continue
             try:
-                out.append(decode_record(buf, expected_key=key))
+                out.append(decode_record(buf, self._seal_key, key))
             except RecordError as e:
                 logger.warning("remote tier: deleting corrupt record %s: %s", key.short(), e)
                 bad.append(kb)
@@ -280,7 +289,7 @@ class RemoteStore(BlockStore[Record]):
             kb = self._kb(key)
             if record.key != key:
                 raise ValueError(f"record is for {record.key.short()}, put under {key.short()}")
-            encoded.append((kb, encode_record(record)))
+            encoded.append((kb, encode_record(record, self._seal_key)))
         if not encoded:
             return []
         ok, _ = self._pipeline(

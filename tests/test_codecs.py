@@ -16,6 +16,7 @@ from storage.codecs import CodecError, decode_block, encode_block, get_codec
 from storage.codecs.base import KV_DTYPES
 from storage.codecs.kivi import GROUP, kivi_layout
 from storage.record import Record, decode_record, encode_record
+from storage.seal import SealKey
 
 LOSSLESS = ["raw", "zstd", "zstd:5"]
 LOSSY = ["kivi2", "kivi4", "kivi2+zstd", "kivi4+zstd"]
@@ -321,7 +322,8 @@ def test_zstd_bomb_in_a_record_is_refused_without_expanding(bomb: str):
     forged = bomb_frame(bomb, planes)
     payload = struct.pack("<2I", len(forged), lengths[1]) + forged + good.payload[8 + lengths[0] :]
     record = Record(key(1), None, good.token_ids, "zstd", torch.bfloat16, SHAPE, payload)
-    stored = decode_record(encode_record(record), expected_key=key(1))  # checksum and all
+    seal_key = SealKey.generate()
+    stored = decode_record(encode_record(record, seal_key), seal_key, key(1))  # seal and all
     tracemalloc.start()
     try:
         with pytest.raises(CodecError, match="zstd"):
@@ -384,7 +386,8 @@ def test_encode_block_decode_block_through_a_record(spec):
     record = encode_block(key(1), key(0).block_hash, tokens, kv, spec)
     assert record.codec == get_codec(spec).name and record.shape == SHAPE
     assert record.dtype == torch.bfloat16 and record.token_ids == tuple(tokens)
-    back = decode_record(encode_record(record), expected_key=key(1))
+    seal_key = SealKey.generate()
+    back = decode_record(encode_record(record, seal_key), seal_key, key(1))
     assert back.codec == record.codec and back.parent_hash == key(0).block_hash
     out = decode_block(back)
     expected = get_codec(spec).decode(record.payload, kv.dtype, SHAPE)

@@ -28,10 +28,12 @@ from storage.lmdb_store import (
     LmdbStore,
     default_map_size,
 )
-from storage.record import Record, encode_record
+from storage.record import SEAL_SIZE, Record, encode_record
+from storage.seal import KEY_FILE_NAME, SealKey, load_key_file
 
 REPO = Path(__file__).resolve().parents[1]
 NS = hashlib.sha256(b"test namespace").digest()
+KEY = SealKey(b"the tests' own secret, thirty-two bytes+")  # compares records as bytes
 OTHER_NS = hashlib.sha256(b"other namespace").digest()
 
 
@@ -57,7 +59,7 @@ def put(store: LmdbStore, i: int, size: int = 1000, ns: bytes = NS) -> bool:
 
 
 def same(a: Record | None, b: Record) -> bool:
-    return a is not None and encode_record(a) == encode_record(b)
+    return a is not None and encode_record(a, KEY) == encode_record(b, KEY)
 
 
 @pytest.fixture
@@ -86,7 +88,7 @@ def test_new_store_is_private_and_described(path: Path) -> None:
     with LmdbStore(path, 1 << 20) as store:
         assert store.info().entries == 0
     assert stat.S_IMODE(path.stat().st_mode) == 0o700
-    for name in ("data.mdb", "lock.mdb", "writer.lock", DESCRIPTOR_NAME):
+    for name in ("data.mdb", "lock.mdb", "writer.lock", DESCRIPTOR_NAME, KEY_FILE_NAME):
         assert stat.S_IMODE((path / name).stat().st_mode) & 0o077 == 0, name
     fields = json.loads((path / DESCRIPTOR_NAME).read_text())
     assert fields["format"] == FORMAT_NAME
@@ -523,12 +525,12 @@ def test_full_map_evicts_and_retries(path: Path, caplog) -> None:
         assert evicted and store.stats().evictions == len(evicted)
         assert len(kept()) >= 10
         assert not put(store, 1000, size=1 << 20)  # more than half the map: refused
-        assert put(store, 1001, size=900_000)  # fits once (most of) the rest is evicted
+        assert put(store, 1001, size=700_000)  # fits once (most of) the rest is evicted
         store.flush()
         stats = store.stats()
         assert stats.dropped == 1 and stats.evictions == len(evicted)
         assert all(same(store.get(key(i)), record(i, 50_000)) for i in kept() if i < 120)
-        assert same(store.get(key(1001)), record(1001, 900_000))
+        assert same(store.get(key(1001)), record(1001, 700_000))
     with LmdbStore(path, 16 << 20, map_size=2 << 20) as store:
         assert sorted(store.keys()) == sorted(key(i) for i in kept())
 
@@ -552,7 +554,7 @@ def flip(buf: bytearray) -> bytes:
 
 @pytest.mark.parametrize(
     "change, reason",
-    [(flip, "checksum"), (lambda b: bytes(b[:100]), "length"), (lambda b: b"junk" * 40, "magic")],
+    [(flip, "mac"), (lambda b: bytes(b[:100]), "length"), (lambda b: b"junk" * 50, "magic")],
 )
 def test_corrupt_record_is_a_miss_and_quarantined(path: Path, change, reason: str) -> None:
     with LmdbStore(path, 16 << 20) as store:
@@ -598,11 +600,89 @@ def test_record_under_the_wrong_key_is_corrupt(path: Path) -> None:
     with LmdbStore(path, 16 << 20) as store:
         put(store, 1)
         put(store, 2)
-    corrupt_stored(path, key(1), lambda _: encode_record(record(2)))
+    corrupt_stored(path, key(1), lambda _: encode_record(record(2), load_key_file(path / KEY_FILE_NAME)))
     with LmdbStore(path, 16 << 20) as store:
         assert store.get(key(1)) is None
         store.flush()
         assert [e.reason.split(":")[0] for e in store.quarantined()] == ["key"]
+
+
+def resealed_with_altered_kv(buf: bytearray) -> bytes:
+    """What a writer without the key can do: change the KV and recompute an unkeyed
+    checksum (xxh3-64, the last eight bytes) over the rest."""
+    import xxhash
+
+    buf[len(buf) - SEAL_SIZE - 1] ^= 0x55  # the payload's last byte
+    buf[-8:] = xxhash.xxh3_64_intdigest(bytes(buf[:-8])).to_bytes(8, "little")
+    return bytes(buf)
+
+
+def test_a_resealed_record_with_altered_kv_is_refused_and_deleted(path: Path) -> None:
+    with LmdbStore(path, 16 << 20) as store:
+        for i in range(3):
+            put(store, i)
+    corrupt_stored(path, key(1), resealed_with_altered_kv)
+    with LmdbStore(path, readonly=True) as ro:
+        assert ro.verify().corrupt == 1
+    with LmdbStore(path, 16 << 20) as store:
+        assert store.get(key(1)) is None and store.stats().corrupt == 1
+        store.flush()
+        assert not store.contains(key(1)) and key(1) not in set(store.keys())
+        assert [e.reason.split(":")[0] for e in store.quarantined()] == ["mac"]
+        assert same(store.get(key(0)), record(0)) and same(store.get(key(2)), record(2))
+
+
+def unsealed_store(path: Path) -> None:
+    """Make ``path`` look like a store of record format 1 (before records were sealed)."""
+    (path / KEY_FILE_NAME).unlink()
+    fields = json.loads((path / DESCRIPTOR_NAME).read_text())
+    (path / DESCRIPTOR_NAME).write_text(json.dumps(fields | {"record_format_version": 1}))
+
+
+def test_an_existing_store_gets_a_private_key_and_drops_what_it_cannot_verify(
+    path: Path, caplog
+) -> None:
+    with LmdbStore(path, 16 << 20) as store:
+        for i in range(3):
+            put(store, i)
+    unsealed_store(path)
+    with pytest.raises(StoreError, match="storage init"):
+        LmdbStore(path, readonly=True)  # a reader changes nothing and verifies nothing
+    old = os.umask(0)
+    try:
+        with caplog.at_level(logging.WARNING), LmdbStore(path, None) as store:
+            assert store.stats().entries == 0 and store.get(key(0)) is None
+            put(store, 5)
+    finally:
+        os.umask(old)
+    assert "dropped 3 records" in caplog.text
+    assert stat.S_IMODE((path / KEY_FILE_NAME).stat().st_mode) == 0o600
+    assert json.loads((path / DESCRIPTOR_NAME).read_text())["record_format_version"] == 2
+    with LmdbStore(path, readonly=True) as ro:
+        assert same(ro.get(key(5)), record(5)) and ro.seal_key == load_key_file(path / KEY_FILE_NAME)
+
+
+def test_a_looser_key_file_is_made_private(path: Path) -> None:
+    LmdbStore(path, 1 << 20).close()
+    os.chmod(path / KEY_FILE_NAME, 0o644)
+    LmdbStore(path, None).close()
+    assert stat.S_IMODE((path / KEY_FILE_NAME).stat().st_mode) == 0o600
+
+
+def test_records_of_another_store_do_not_verify(path: Path, tmp_path: Path) -> None:
+    with LmdbStore(path, 16 << 20) as store, LmdbStore(tmp_path / "other", 16 << 20) as other:
+        put(store, 1)
+        store.flush()
+        assert store.seal_key != other.seal_key
+    with LmdbStore(path, readonly=True) as ro:
+        raw = dict(ro.raw_records())[key(1)]
+    with LmdbStore(tmp_path / "other", None) as other:
+        put(other, 1)
+    corrupt_stored(tmp_path / "other", key(1), lambda _: raw)
+    with LmdbStore(tmp_path / "other", None) as other:
+        assert other.get(key(1)) is None
+        other.flush()
+        assert [e.reason.split(":")[0] for e in other.quarantined()] == ["keyid"]
 
 
 # ---------------------------------------------------------------- admin helpers
@@ -618,9 +698,10 @@ def test_namespaces_metadata_and_raw_records(path: Path) -> None:
         meta = {m.key: m for m in store.metadata(NS)}
         assert set(meta) == {key(i) for i in range(3)}
         assert meta[key(1)].created_ns == 1_001 and meta[key(1)].last_access_ns > 0
-        assert meta[key(1)].nbytes == len(encode_record(record(1)))
+        assert meta[key(1)].nbytes == len(encode_record(record(1), store.seal_key))
         raw = dict(store.raw_records())
-    assert raw[key(7, OTHER_NS)] == encode_record(record(7, ns=OTHER_NS)) and len(raw) == 4
+    assert raw[key(7, OTHER_NS)] == encode_record(record(7, ns=OTHER_NS), store.seal_key)
+    assert len(raw) == 4
     with LmdbStore(path, readonly=True) as reader:
         assert sorted(reader.namespaces()) == sorted([NS, OTHER_NS])
         assert len(list(reader.metadata())) == 4
@@ -926,8 +1007,10 @@ def test_an_existing_store_directory_is_made_private(path: Path, tmp_path: Path)
         store.flush()
         store.copy_compacted(tmp_path / "copy")
     assert stat.S_IMODE(path.stat().st_mode) == 0o700
-    for name in ("data.mdb", DESCRIPTOR_NAME):
+    for name in ("data.mdb", DESCRIPTOR_NAME, KEY_FILE_NAME):
         assert stat.S_IMODE((tmp_path / "copy" / name).stat().st_mode) == 0o600, name
+    with LmdbStore(tmp_path / "copy", readonly=True) as copy:  # the copy verifies: same key
+        assert same(copy.get(key(1)), record(1))
     LmdbStore(path, None).compact_and_close()
     assert stat.S_IMODE((path / "data.mdb").stat().st_mode) == 0o600
 

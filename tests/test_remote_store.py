@@ -10,10 +10,12 @@ import torch
 
 from redis_server import DripServer, RedisServer, server_binary
 from storage.base import BlockKey
-from storage.record import Record, encode_record
+from storage.record import SEAL_SIZE, Record, encode_record
 from storage.remote_store import BreakerConfig, RemoteStore, parse_remote_url, redact_url
+from storage.seal import SealKey
 
 NS = hashlib.sha256(b"ns").digest()
+KEY = SealKey(b"the deployment's shared secret for these tests")
 
 
 def key(i: int) -> BlockKey:
@@ -28,6 +30,7 @@ def record(i: int) -> Record:
 def store(url: str, **kw) -> RemoteStore:
     kw.setdefault("timeout_s", 0.2)
     kw.setdefault("stats_interval_s", 0)  # fresh server-side stats on every call
+    kw.setdefault("seal_key", KEY)
     return RemoteStore(url, prefix=f"t-{uuid.uuid4().hex}:", **kw)
 
 
@@ -46,6 +49,42 @@ def test_corrupt_record_is_a_counted_miss_and_deleted(redis_server):
     assert st.corrupt == 2 and st.hits == 0
     assert client.exists(kb0, kb1) == 0  # deleted: the next engine stores a good copy
     s.close()
+
+
+def test_a_resealed_record_with_altered_kv_is_refused_and_deleted(redis_server):
+    """Anyone who can write to the server can change a record's KV and recompute an
+    unkeyed checksum (xxh3-64, the last eight bytes): without the secret it never verifies."""
+    import xxhash
+
+    s = store(redis_server.url)
+    s.put(key(0), record(0))
+    client = redis_server.client()
+    kb = s._kb(key(0))
+    forged = bytearray(client.get(kb))
+    forged[len(forged) - SEAL_SIZE - 1] ^= 0x55  # the KV's last byte
+    forged[-8:] = xxhash.xxh3_64_intdigest(bytes(forged[:-8])).to_bytes(8, "little")
+    client.set(kb, bytes(forged))
+    assert s.get(key(0)) is None
+    assert s.stats().corrupt == 1 and s.stats().hits == 0
+    assert client.exists(kb) == 0
+    s.close()
+
+
+def test_an_instance_with_another_secret_serves_nothing_of_ours(redis_server):
+    ours = store(redis_server.url)
+    theirs = RemoteStore(
+        redis_server.url, prefix=ours.prefix, seal_key=SealKey(b"not the deployment's secret, though long"),
+    )
+    theirs.put(key(0), record(0))
+    assert ours.contains(key(0)) and ours.get(key(0)) is None  # a miss, counted, deleted
+    assert ours.stats().corrupt == 1 and not ours.contains(key(0))
+    ours.close()
+    theirs.close()
+
+
+def test_a_store_needs_a_seal_key(redis_server):
+    with pytest.raises(ValueError, match="seal key"):
+        RemoteStore(redis_server.url, seal_key=None)
 
 
 def test_record_under_another_key_is_not_served(redis_server):
@@ -95,7 +134,7 @@ def test_unreachable_server_is_misses_and_drops_and_breaker_skips_the_network(tm
         assert s.available
         r = record(0)
         assert s.put(key(0), r)  # the probe reconnects; a fresh, empty server: store again
-        assert encode_record(s.get(key(0))) == encode_record(r)
+        assert encode_record(s.get(key(0)), KEY) == encode_record(r, KEY)
     finally:
         s.close()
         server.stop()
@@ -137,7 +176,7 @@ def test_a_paused_server_opens_the_breaker_and_a_probe_closes_it(private_server)
         while not s.available:
             assert time.monotonic() - resumed_at < 5
             time.sleep(0.02)
-        assert encode_record(s.get(key(0))) == encode_record(r)  # the probe closes it
+        assert encode_record(s.get(key(0)), KEY) == encode_record(r, KEY)  # the probe closes it
         assert s.available
         assert s.stats().hits == 2
     finally:
@@ -185,9 +224,9 @@ def test_urls():
 
 def test_bad_prefix_and_ttl(redis_server):
     with pytest.raises(ValueError):
-        RemoteStore(redis_server.url, prefix="a*")
+        RemoteStore(redis_server.url, seal_key=KEY, prefix="a*")
     with pytest.raises(ValueError):
-        RemoteStore(redis_server.url, ttl_s=0)
+        RemoteStore(redis_server.url, seal_key=KEY, ttl_s=0)
 
 
 def test_stats_never_scan_on_the_callers_thread(redis_server, monkeypatch):

@@ -16,6 +16,9 @@ from storage.circuit_breaker import BreakerConfig
 from storage.remote_store import RemoteStore
 from test_tier_manager import BLOCK, FLUSH, GREEDY, PROMPTS, hit_tokens, make_llm
 from tiered_kv import TierConfig, tier_manager
+from tiered_kv.tier_manager import TierManager, remote_seal_key
+
+SECRET = "the deployment's shared secret, 32 bytes or more"
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +31,7 @@ def remote(url: str, **fields) -> TierConfig:
     """A remote tier with its own key prefix (tests share one server), no CPU pool."""
     fields.setdefault("cpu_bytes", 0)
     fields.setdefault("remote_timeout_s", 1.0)
+    fields.setdefault("remote_secret", SECRET)
     return TierConfig(remote_url=url, remote_prefix=f"t-{uuid.uuid4().hex}:", **fields)
 
 
@@ -43,6 +47,27 @@ def test_config_is_validated():
     assert TierConfig(cpu_bytes=0, remote_url="valkey://h:6379/0").has_remote
 
 
+def test_a_remote_tier_without_its_secret_fails_at_start_with_one_line(tmp_path):
+    url = "redis://127.0.0.1:1/0"  # never contacted
+    with pytest.raises(ValueError, match="--kv-secret-file FILE or TIERED_KV_SECRET") as err:
+        TierManager(TierConfig(cpu_bytes=0, remote_url=url))
+    assert "\n" not in str(err.value)
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(SECRET + "\n")
+    from_file = TierConfig(cpu_bytes=0, remote_url=url, remote_secret_file=secret_file)
+    from_env = TierConfig(cpu_bytes=0, remote_url=url, remote_secret=SECRET)
+    assert remote_seal_key(from_file) == remote_seal_key(from_env)
+    assert SECRET not in repr(from_env) and SECRET not in repr(remote_seal_key(from_env))
+    with pytest.raises(ValueError, match="given twice"):
+        remote_seal_key(TierConfig(cpu_bytes=0, remote_url=url, remote_secret_file=secret_file,
+                                   remote_secret=SECRET))
+    with pytest.raises(ValueError, match="TIERED_KV_SECRET is 8 bytes") as err:
+        remote_seal_key(TierConfig(cpu_bytes=0, remote_url=url, remote_secret="hunter22"))
+    assert "hunter22" not in str(err.value)
+    with pytest.raises(ValueError, match="no such file"):
+        remote_seal_key(TierConfig(cpu_bytes=0, remote_url=url, remote_secret_file=tmp_path / "x"))
+
+
 def test_a_second_engine_reuses_the_first_engines_prefix(redis_server, reference, tmp_path):
     a_tiers = remote(redis_server.url, cpu_bytes=4 << 20)
     with make_llm(a_tiers) as a:
@@ -55,6 +80,7 @@ def test_a_second_engine_reuses_the_first_engines_prefix(redis_server, reference
     b_tiers = TierConfig(
         kv_cache_dir=tmp_path / "b", cpu_bytes=4 << 20, disk_bytes=64 << 20,
         remote_url=redis_server.url, remote_prefix=a_tiers.remote_prefix, remote_timeout_s=1.0,
+        remote_secret=SECRET,
     )
     with make_llm(b_tiers) as b:
         manager = b.engine.connector
@@ -175,7 +201,7 @@ def test_hits_resume_after_the_server_was_frozen(tmp_path, reference, monkeypatc
     writer = remote(server.url, remote_timeout_s=0.2)
     reader = TierConfig(
         remote_url=server.url, remote_prefix=writer.remote_prefix, remote_timeout_s=0.2,
-        remote_write_policy="read-only", cpu_bytes=0,
+        remote_write_policy="read-only", cpu_bytes=0, remote_secret=SECRET,
     )
 
     def cached_tokens(llm: LLM) -> int:

@@ -15,6 +15,7 @@ from storage.base import BlockKey, BlockStore
 from storage.cpu_pool import CpuBlockPool, HostBlock
 from storage.lmdb_store import LmdbStore
 from storage.record import Record, encode_record
+from storage.seal import SealKey
 from storage.remote_store import RemoteStore
 
 NS = hashlib.sha256(b"namespace-a").digest()
@@ -58,9 +59,10 @@ def _record(i: int) -> Record:
 
 
 def _same_record(a: Record, b: Record) -> bool:
-    return encode_record(a) == encode_record(b)
+    return encode_record(a, TEST_KEY) == encode_record(b, TEST_KEY)
 
 
+TEST_KEY = SealKey.generate()  # compares records as bytes
 BLOCK_BYTES = kv_tensor(0).numel() * 2
 RECORD_BYTES = _record(0).nbytes
 
@@ -78,7 +80,7 @@ def make_remote(tmp_path, capacity_blocks: int, url: str) -> Tier:
     # Capacity is the server's (maxmemory, allkeys-lru), not the store's: evicts=False.
     # Each store gets its own prefix, so tests sharing one server never see each other.
     store = RemoteStore(url, prefix=f"tkv-test-{uuid.uuid4().hex}:", timeout_s=1.0,
-                        stats_interval_s=0)
+                        stats_interval_s=0, seal_key=SealKey.generate())
     return Tier(store, _record, _same_record, evicts=False)
 
 

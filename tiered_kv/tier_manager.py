@@ -51,6 +51,7 @@ from storage.codecs import get_codec
 from storage.cpu_pool import CpuBlockPool
 from storage.lmdb_store import LmdbStore
 from storage.remote_store import RemoteStore
+from storage.seal import SealKey, load_key_file
 from tiered_kv.block_loader import BlockLoader, LoadResult, WantedBlock
 from tiered_kv.block_mover import BlockMover, Copy
 from tiered_kv.config import TierConfig
@@ -130,13 +131,36 @@ class _DropWarning:
             self._count, self._last = 0, now
 
 
+def remote_seal_key(config: TierConfig) -> SealKey:
+    """The key of the deployment's shared secret, which seals the remote tier's records.
+
+    ``ValueError`` (one line, naming the setting, never the secret) if it is missing, given
+    twice, unreadable or too short.
+    """
+    if config.remote_secret_file is not None and config.remote_secret is not None:
+        raise ValueError(
+            "the remote tier's secret is given twice (--kv-secret-file and TIERED_KV_SECRET); "
+            "give one"
+        )
+    if config.remote_secret_file is not None:
+        return load_key_file(config.remote_secret_file)
+    if config.remote_secret is not None:
+        return SealKey(config.remote_secret.encode("utf-8"), source="TIERED_KV_SECRET")
+    raise ValueError(
+        "the remote tier (--kv-remote-url) needs the deployment's shared secret, which seals "
+        "its records: give every instance the same one with --kv-secret-file FILE or "
+        "TIERED_KV_SECRET (at least 32 bytes, e.g. `openssl rand -hex 32`)"
+    )
+
+
 class TierManager(KVConnector):
     """Implements :class:`engine.connector.KVConnector` with the tiers ``config`` describes.
 
     Pass it to the engine (``LLM(model, kv_connector=TierManager(config))``, or use
     :func:`build_llm`). The disk store is opened here, so a directory problem (not a store,
     already open for writing by another process) raises :class:`storage.base.StoreError`
-    at once; the CPU pool is reserved when the engine registers its KV cache.
+    at once, and a missing or unusable remote secret raises ``ValueError`` before anything
+    is opened; the CPU pool is reserved when the engine registers its KV cache.
     One manager serves one engine.
     """
 
@@ -154,6 +178,7 @@ class TierManager(KVConnector):
         self._remote: RemoteStore | None = None
         self._writers: list[PoolWriter] = []
         self._final_stats: dict[str, StoreStats] | None = None
+        remote_key = remote_seal_key(config) if config.has_remote else None
         if config.has_disk:
             self._disk = LmdbStore(
                 config.cache_path, config.disk_bytes, sync=config.sync,
@@ -163,6 +188,7 @@ class TierManager(KVConnector):
         if config.has_remote:
             self._remote = RemoteStore(
                 config.remote_url,
+                seal_key=remote_key,
                 prefix=config.remote_prefix,
                 timeout_s=config.remote_timeout_s,
                 ttl_s=config.remote_ttl_s,

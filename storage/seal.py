@@ -1,0 +1,134 @@
+"""The key that seals records: a keyed BLAKE3 MAC under a secret, and the secret's files.
+
+Every record carries a *seal* (see :mod:`storage.record`): the sealing key's id and a
+BLAKE3 MAC in keyed mode over everything before it. Without the secret nobody can build a
+record that verifies, so whoever can write to a store, a remote server or an archive can
+destroy records but never make one serve wrong KV.
+
+Secrets
+    A secret is text of at least :data:`MIN_SECRET_BYTES` bytes (surrounding whitespace is
+    ignored), e.g. the output of ``openssl rand -hex 32``. Two keys are derived from it with
+    BLAKE3's key derivation: the MAC key, and a public 8-byte key id that names the key in
+    records and messages without revealing anything about it.
+
+    - The disk tier's own secret is the file :data:`KEY_FILE_NAME` in the store directory,
+      created 0600 with the store (:func:`create_key_file`).
+    - The remote tier's secret is the deployment's, shared by every instance: a file or an
+      environment variable (``tiered_kv.tier_manager`` reads the configuration).
+
+A :class:`SealKey` never shows its secret: its ``repr`` is the key id.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import secrets
+import stat
+from pathlib import Path
+
+from blake3 import blake3
+
+logger = logging.getLogger(__name__)
+
+MIN_SECRET_BYTES = 32
+MAX_SECRET_FILE_BYTES = 4096
+KEY_FILE_NAME = "seal.key"
+KEY_ID_SIZE = 8
+MAC_SIZE = 32
+# BLAKE3 key-derivation contexts: fixed, unique to this use, never changed.
+_MAC_CONTEXT = "tiered-kv record seal v2: MAC key"
+_ID_CONTEXT = "tiered-kv record seal v2: key id"
+
+
+class SealKey:
+    """A MAC key derived from a secret, and its public id. Immutable; safe to share."""
+
+    __slots__ = ("_mac_key", "key_id")
+
+    def __init__(self, secret: bytes, *, source: str = "the secret") -> None:
+        secret = bytes(secret).strip()
+        if len(secret) < MIN_SECRET_BYTES:
+            raise ValueError(
+                f"{source} is {len(secret)} bytes; a secret needs at least {MIN_SECRET_BYTES} "
+                "(e.g. the output of `openssl rand -hex 32`)"
+            )
+        self._mac_key = blake3(secret, derive_key_context=_MAC_CONTEXT).digest()
+        self.key_id = blake3(secret, derive_key_context=_ID_CONTEXT).digest(length=KEY_ID_SIZE)
+
+    @classmethod
+    def generate(cls) -> SealKey:
+        """A key from a fresh random secret (not kept anywhere: for tests and throwaways)."""
+        return cls(secrets.token_hex(32).encode("ascii"))
+
+    def mac(self, *parts: bytes | memoryview) -> bytes:
+        """The MAC of the concatenation of ``parts``."""
+        hasher = blake3(key=self._mac_key)
+        for part in parts:
+            hasher.update(part)
+        return hasher.digest()
+
+    def check(self, mac: bytes | memoryview, *parts: bytes | memoryview) -> bool:
+        """Whether ``mac`` is this key's MAC of ``parts`` (compared in constant time)."""
+        return hmac.compare_digest(self.mac(*parts), bytes(mac))
+
+    @property
+    def name(self) -> str:
+        """The key id as hex: what messages and listings show."""
+        return self.key_id.hex()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SealKey) and hmac.compare_digest(self._mac_key, other._mac_key)
+
+    def __hash__(self) -> int:
+        return hash(self.key_id)
+
+    def __repr__(self) -> str:
+        return f"SealKey(id={self.name})"
+
+    def __reduce__(self):
+        raise TypeError("a SealKey is not picklable")
+
+
+def load_key_file(path: str | os.PathLike[str]) -> SealKey:
+    """The key of a secret file. ``ValueError`` (naming the file, never its content) if the
+    file is missing, unreadable, too large or too short; a warning if others may read it."""
+    path = Path(path)
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise ValueError(f"secret file {path}: no such file") from None
+    except OSError as e:
+        raise ValueError(f"secret file {path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"secret file {path}: not a regular file")
+    if st.st_size > MAX_SECRET_FILE_BYTES:
+        raise ValueError(f"secret file {path}: {st.st_size} bytes, not a secret (at most {MAX_SECRET_FILE_BYTES})")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        logger.warning("secret file %s is readable by other users (mode %o); make it 0600", path, mode)
+    try:
+        secret = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"secret file {path}: cannot read it: {e.strerror or e}") from None
+    return SealKey(secret, source=f"secret file {path}")
+
+
+def create_key_file(path: str | os.PathLike[str]) -> SealKey:
+    """Write a new random secret to ``path`` (created 0600, never replaced); its key.
+
+    ``FileExistsError`` if ``path`` exists.
+    """
+    path = Path(path)
+    text = (secrets.token_hex(32) + "\n").encode("ascii")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask
+        os.write(fd, text)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    return SealKey(text)

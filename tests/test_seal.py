@@ -1,0 +1,77 @@
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import stat
+
+import pytest
+
+from storage.seal import MIN_SECRET_BYTES, SealKey, create_key_file, load_key_file
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+
+
+def test_the_same_secret_gives_the_same_key_and_another_does_not():
+    assert SealKey(SECRET) == SealKey(SECRET + b"\n")  # surrounding whitespace is not the secret
+    assert SealKey(SECRET).key_id == SealKey(SECRET).key_id
+    other = SealKey(SECRET[::-1])
+    assert other != SealKey(SECRET) and other.key_id != SealKey(SECRET).key_id
+    assert SealKey(SECRET).mac(b"ab", b"c") == SealKey(SECRET).mac(b"abc")
+    assert other.mac(b"abc") != SealKey(SECRET).mac(b"abc")
+
+
+def test_a_short_secret_is_refused_without_showing_it():
+    with pytest.raises(ValueError, match=f"at least {MIN_SECRET_BYTES}") as err:
+        SealKey(b"hunter2-hunter2", source="TIERED_KV_SECRET")
+    assert "TIERED_KV_SECRET" in str(err.value) and "hunter2" not in str(err.value)
+
+
+def test_the_key_never_shows_its_secret():
+    key = SealKey(SECRET)
+    assert repr(key) == f"SealKey(id={key.key_id.hex()})" and SECRET.decode() not in repr(key)
+    with pytest.raises(TypeError):
+        pickle.dumps(key)
+
+
+def test_a_key_file_is_created_private_whatever_the_umask(tmp_path):
+    old = os.umask(0)
+    try:
+        key = create_key_file(tmp_path / "k")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "k").stat().st_mode) == 0o600
+    assert load_key_file(tmp_path / "k") == key
+    with pytest.raises(FileExistsError):
+        create_key_file(tmp_path / "k")
+
+
+def test_secret_files_are_checked_with_clear_errors(tmp_path, caplog):
+    with pytest.raises(ValueError, match="no such file"):
+        load_key_file(tmp_path / "missing")
+    with pytest.raises(ValueError, match="not a regular file"):
+        load_key_file(tmp_path)
+    short = tmp_path / "short"
+    short.write_bytes(b"pw\n")
+    with pytest.raises(ValueError, match=f"{short}.*at least") as err:
+        load_key_file(short)
+    assert "pw" not in str(err.value).replace(str(tmp_path), "")
+    huge = tmp_path / "huge"
+    huge.write_bytes(b"x" * 5000)
+    with pytest.raises(ValueError, match="not a secret"):
+        load_key_file(huge)
+    shared = tmp_path / "shared"
+    shared.write_bytes(SECRET)
+    shared.chmod(0o644)
+    with caplog.at_level(logging.WARNING):
+        assert load_key_file(shared) == SealKey(SECRET)
+    assert "readable by other users" in caplog.text and SECRET.decode() not in caplog.text
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
+def test_an_unreadable_secret_file_is_a_clear_error(tmp_path):
+    locked = tmp_path / "locked"
+    locked.write_bytes(SECRET)
+    locked.chmod(0)
+    with pytest.raises(ValueError, match="cannot read it"):
+        load_key_file(locked)
