@@ -299,7 +299,7 @@ def remote_hit(model: Path, prompts: list[list[int]], prefix_tokens: int, url: s
     """``prompts[0]`` stores the prefix through one engine; a second engine (nothing local)
     serves the rest from the remote tier."""
     tiers = TierConfig(cpu_bytes=0, remote_url=url, remote_timeout_s=5.0,
-                       remote_prefix=f"ttft-{time.time_ns()}:")
+                       remote_prefix=f"ttft-{time.time_ns()}:", remote_secret=os.urandom(32).hex())
     engine = engine_args(prefix_tokens, enable_prefix_caching=False)
     with build_llm(model, tiers, **engine) as llm:
         timed(llm, prompts[0])
