@@ -22,11 +22,15 @@ from typing import Any
 from engine.config import DTYPES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, EngineConfig
 from tiered_kv.config import GiB, MiB, OFFLOAD_MODES, REMOTE_WRITE_POLICIES, WRITE_POLICIES, TierConfig
 from tiered_kv.serve_option import ENGINE, SERVER, TIERS, EnvAlias, Setting, option, settings_of
+from tiered_kv.serve_option import flag_name as _flag
 from tiered_kv.serve_sources import merge
 
 ENV_PREFIX = "TIERED_KV_"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-SINGLE_DEVICE = "this server runs the model on one device; run one server per GPU behind a load balancer (they share KV through --kv-remote-url)"
+SINGLE_DEVICE = (
+    "this server runs the model on one device; run one server per GPU behind a load balancer "
+    "(they share KV through --kv-remote-url)"
+)
 
 
 def _gib_to_bytes(text: str) -> int | None:
@@ -354,10 +358,6 @@ class ServeConfig:
 
 SETTINGS: tuple[Setting, ...] = settings_of(ServeConfig)
 SETTINGS_BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 _RENAMED = {  # engine/tier field -> the flag that sets it
