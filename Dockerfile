@@ -1,7 +1,8 @@
 # tiered-kv server image: `tiered-kv serve` on port 8000, KV cache under /var/lib/tiered-kv.
-# The torch wheel brings its own CUDA libraries; the CUDA base image provides the matching
-# user-space pieces the NVIDIA container runtime expects.
-FROM nvidia/cuda:12.8.1-runtime-ubuntu24.04
+# torch 2.13.0 from PyPI is built for CUDA 13 and brings its own CUDA libraries; the CUDA 13
+# base image makes the NVIDIA container runtime check that the host driver is new enough
+# (580 or later) before the container starts.
+FROM nvidia/cuda:13.0.2-runtime-ubuntu24.04
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -11,10 +12,14 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PATH=/opt/venv/bin:$PATH \
     TIERED_KV_HOME=/var/lib/tiered-kv
 
+# Triton compiles a small C launcher for each kernel when it first runs: it needs a C
+# compiler and the headers of the Python that runs it (python3-dev for this python3).
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/* \
-    && python3 -m venv /opt/venv
+    && python3 -m venv /opt/venv \
+    && printf '#include <Python.h>\nint main(void) { return 0; }\n' \
+       | gcc -x c -fsyntax-only -I"$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" -
 
 WORKDIR /src
 # Dependencies first: this layer is rebuilt only when the pins change.

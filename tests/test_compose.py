@@ -1,4 +1,5 @@
-"""The container deployment: docker-compose.yml, the Dockerfile, Prometheus and Grafana files.
+"""The container deployment: docker-compose.yml, Prometheus and Grafana files (the Dockerfile:
+test_dockerfile.py).
 
 No Docker is needed: the files are parsed and checked against each other and against the
 metrics a live server's ``/metrics`` really exports.
@@ -74,11 +75,17 @@ def test_the_server_is_published_on_loopback_only(compose: dict):
         assert str(mapping).startswith("127.0.0.1:"), mapping
 
 
+def unset(volume: str) -> str:
+    """A volume mapping as compose reads it with no variable set: ``${VAR:-default}``
+    becomes ``default``."""
+    return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", volume)
+
+
 def test_named_volumes_are_declared_and_used(compose: dict):
     declared = set(compose["volumes"])
     used = set()
     for service in compose["services"].values():
-        for volume in service.get("volumes", []):
+        for volume in map(unset, service.get("volumes", [])):
             source = volume.split(":")[0]
             if not source.startswith((".", "/")):
                 used.add(source)
@@ -88,6 +95,13 @@ def test_named_volumes_are_declared_and_used(compose: dict):
     assert len(cache_mounts) == 1 and cache_mounts[0].split(":")[0] in declared
     for service in ("valkey", "prometheus", "grafana"):
         assert any(not v.startswith(".") for v in compose["services"][service]["volumes"]), service
+
+
+def test_models_are_a_named_volume_or_the_host_folder_models_dir(compose: dict):
+    (mount,) = [v for v in compose["services"]["tiered-kv"]["volumes"] if ":/models" in v]
+    assert mount == "${MODELS_DIR:-models}:/models:ro"
+    assert unset(mount).split(":")[0] in compose["volumes"]
+    assert "MODELS_DIR=" in (ROOT / "docs" / "deployment.md").read_text()
 
 
 def test_bind_mounted_files_exist(compose: dict):
@@ -119,19 +133,6 @@ def test_dependencies_wait_for_health(compose: dict):
 def test_gpu_reservation(compose: dict):
     devices = compose["services"]["tiered-kv"]["deploy"]["resources"]["reservations"]["devices"]
     assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
-
-
-def test_dockerfile():
-    text = (ROOT / "Dockerfile").read_text()
-    assert re.search(r"^FROM nvidia/cuda:12\.\S+-runtime-ubuntu", text, re.M)
-    assert "pip install -c constraints.txt ." in text
-    assert re.search(r"^EXPOSE 8000$", text, re.M)
-    assert re.search(r"^HEALTHCHECK .*\n?.*/health", text, re.M)
-    assert 'ENTRYPOINT ["tiered-kv", "serve"]' in text
-    ignored = (ROOT / ".dockerignore").read_text().split()
-    assert ".venv" in ignored and ".git" in ignored
-    for needed in ("pyproject.toml", "constraints.txt", "engine", "storage", "tiered_kv"):
-        assert needed not in ignored
 
 
 def test_prometheus_scrapes_the_server(compose: dict):
