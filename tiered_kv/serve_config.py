@@ -20,7 +20,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from engine.config import DTYPES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, EngineConfig
-from tiered_kv.config import GiB, MiB, OFFLOAD_MODES, REMOTE_WRITE_POLICIES, WRITE_POLICIES, TierConfig
+from engine.kv_events import KVEventsConfig
+from tiered_kv.config import (
+    GiB, MiB, OFFLOAD_MODES, REMOTE_WRITE_POLICIES, WRITE_POLICIES, TierConfig, load_tenant_priorities,
+)
 from tiered_kv.serve_option import ENGINE, SERVER, TIERS, EnvAlias, Setting, option, settings_of
 from tiered_kv.serve_option import flag_name as _flag
 from tiered_kv.serve_sources import merge
@@ -178,6 +181,11 @@ class ServeConfig:
         "(lower first).", ENGINE, choices=SCHEDULING_POLICIES,
     )
     seed: int = option(0, "Seeds the sampling of requests that send no seed.", ENGINE)
+    kv_events_config: str | None = option(
+        None, "Publish what the block pool caches and evicts for KV-aware routers: vLLM's JSON, "
+        "e.g. `{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}` "
+        "(docs/scale_out.md).", ENGINE, metavar="JSON", default_text="off",
+    )
     tensor_parallel_size: int = option(
         1, "Only 1: one device per server.", ENGINE, aliases=("-tp",),
         vllm_note="1 only",
@@ -233,6 +241,12 @@ class ServeConfig:
     kv_secret_file: str | None = option(
         None, "A file holding the deployment's shared secret, which seals the remote tier's "
         "records (docs/security.md).", TIERS, vllm=False,
+    )
+    tenant_priorities: str | None = option(
+        None, "A YAML or JSON file mapping tenants (a request's `cache_salt`) to priorities "
+        "(lower is kept longer): when the CPU pool or the disk tier must evict, the blocks of "
+        "the highest value go first (docs/tiers.md).", TIERS, vllm=False, metavar="FILE",
+        default_text="every tenant 0",
     )
     secret: str | None = option(
         None, "The deployment's shared secret itself (instead of --kv-secret-file); never a "
@@ -311,7 +325,16 @@ class ServeConfig:
             enforce_eager=self.enforce_eager,
             scheduling_policy=self.scheduling_policy,
             seed=self.seed,
+            kv_events_config=self._kv_events(),
         )
+
+    def _kv_events(self) -> KVEventsConfig | None:
+        if self.kv_events_config is None:
+            return None
+        try:
+            return KVEventsConfig.from_json(self.kv_events_config)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--kv-events-config: {e}") from None
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.model, **self.engine_kwargs())
@@ -340,7 +363,16 @@ class ServeConfig:
             remote_ttl_s=self.kv_remote_ttl,
             remote_secret_file=self.kv_secret_file,
             remote_secret=self.secret,
+            tenant_priorities=self._tenant_priorities(),
         )
+
+    def _tenant_priorities(self) -> dict[str, int]:
+        if self.tenant_priorities is None:
+            return {}
+        try:
+            return load_tenant_priorities(self.tenant_priorities)
+        except ValueError as e:
+            raise ValueError(f"--tenant-priorities: {e}") from None
 
     @classmethod
     def load(
