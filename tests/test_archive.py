@@ -11,16 +11,20 @@ import zstandard
 
 from storage.base import BlockKey
 from storage.record import Record, encode_record
+from storage.seal import SealKey
 from tiered_kv.archive import (
     FLAG_ZSTD, MAGIC, VERSION, ArchiveError, ArchiveWriter, check_archive, read_archive,
+    read_key_id,
 )
+
+KEY = SealKey(b"the exporting store's secret, 32 bytes+")
 
 
 def item(i: int) -> tuple[BlockKey, bytes]:
     key = BlockKey(hashlib.sha256(b"ns").digest(), hashlib.sha256(bytes([i])).digest())
     payload = bytes([i]) * (100 + i)
     return key, encode_record(
-        Record(key, None, tuple(range(16)), "raw", torch.uint8, (len(payload),), payload, 1)
+        Record(key, None, tuple(range(16)), "raw", torch.uint8, (len(payload),), payload, 1), KEY
     )
 
 
@@ -29,7 +33,7 @@ ITEMS = [item(i) for i in range(20)]
 
 def write(path: Path, items=ITEMS, compress: bool = False) -> Path:
     with open(path, "wb") as f:
-        writer = ArchiveWriter(f, compress=compress)
+        writer = ArchiveWriter(f, KEY.key_id, compress=compress)
         for key, data in items:
             writer.add(key, data)
         writer.finish()
@@ -40,11 +44,12 @@ def write(path: Path, items=ITEMS, compress: bool = False) -> Path:
 def test_round_trip(tmp_path: Path, compress: bool):
     path = write(tmp_path / "a", compress=compress)
     assert list(read_archive(path)) == ITEMS
-    assert check_archive(path) == (20, sum(len(d) for _, d in ITEMS))
+    assert check_archive(path) == (20, sum(len(d) for _, d in ITEMS), KEY.key_id)
+    assert read_key_id(path) == KEY.key_id
 
 
 def test_empty_archive(tmp_path: Path):
-    assert check_archive(write(tmp_path / "a", [])) == (0, 0)
+    assert check_archive(write(tmp_path / "a", [])) == (0, 0, KEY.key_id)
 
 
 def test_progress_counts_file_bytes(tmp_path: Path):
@@ -68,7 +73,9 @@ def test_every_truncation_is_detected(tmp_path: Path, compress: bool):
     "damage, message",
     [
         (lambda d: b"NOTARCHV" + d[8:], "bad magic"),
-        (lambda d: d[:8] + b"\x02\x00" + d[10:], "archive version 2"),
+        (lambda d: d[:8] + b"\x03\x00" + d[10:], "archive version 3"),
+        (lambda d: d[:8] + b"\x01\x00" + d[10:], "no key sealed"),  # the unsealed format
+        (lambda d: d[:12] + bytes(8) + d[20:], "checksum mismatch"),  # the key id
         (lambda d: d[:10] + b"\x04\x00" + d[12:], "unknown archive flags"),
         (lambda d: d[:-21] + bytes([d[-21] ^ 1]) + d[-20:], "checksum mismatch"),  # a record's
         (lambda d: d + b"\x00", "bytes after the end"),
@@ -83,7 +90,7 @@ def test_damage_is_detected(tmp_path: Path, damage, message):
 
 def test_refuses_an_empty_record(tmp_path: Path):
     with open(tmp_path / "a", "wb") as f, pytest.raises(ValueError):
-        ArchiveWriter(f).add(ITEMS[0][0], b"")
+        ArchiveWriter(f, KEY.key_id).add(ITEMS[0][0], b"")
 
 
 @pytest.mark.parametrize("declared", ["zeros", "another length"])
@@ -91,7 +98,7 @@ def test_a_forged_record_length_is_refused_before_it_is_read(tmp_path: Path, dec
     length = 256 << 20  # 256 MiB of zeros: about 8 KiB of zstd
     key, record = ITEMS[0]
     with open(tmp_path / "bomb", "wb") as f:
-        f.write(struct.pack("<8sHH", MAGIC, VERSION, FLAG_ZSTD))
+        f.write(struct.pack("<8sHH", MAGIC, VERSION, FLAG_ZSTD) + KEY.key_id)
         body = zstandard.ZstdCompressor().stream_writer(f, closefd=False)
         body.write(struct.pack("<I", length) + key.to_bytes())
         body.write(record if declared == "another length" else b"")

@@ -21,6 +21,8 @@ from engine.hashing import block_hash
 from storage.base import BlockKey
 from storage.codecs import encode_block
 from storage.lmdb_store import LmdbStore
+from storage.record import SEAL_SIZE
+from storage.seal import KEY_FILE_NAME, load_key_file
 from tiered_kv.archive import ArchiveWriter
 from tiered_kv.cli import app
 
@@ -74,6 +76,15 @@ def ok_json(*args: str):
 def records(path: Path) -> dict[BlockKey, bytes]:
     with LmdbStore(path, readonly=True) as store:
         return dict(store.raw_records())
+
+
+def unsealed(path: Path) -> dict[BlockKey, bytes]:
+    """The records of ``path`` without their seals, after checking that they carry the
+    store's own key id: what an import must keep byte for byte while it re-seals."""
+    key_id = load_key_file(path / KEY_FILE_NAME).key_id
+    found = records(path)
+    assert all(data[-SEAL_SIZE:][: len(key_id)] == key_id for data in found.values())
+    return {key: data[:-SEAL_SIZE] for key, data in found.items()}
 
 
 def set_access_times(path: Path, when_ns: dict[bytes, int]) -> None:
@@ -210,9 +221,10 @@ def test_export_import_round_trip_is_byte_exact(store_dir: Path, tmp_path: Path,
     flags = ["--compress"] if compress else []
     exported = ok_json("export", store_dir, archive, *flags)
     assert exported["records"] == 9 and exported["skipped_corrupt"] == 0
-    imported = ok_json("import", archive, tmp_path / "restored", "--size", "32MiB")
+    imported = ok_json("import", archive, tmp_path / "restored", "--size", "32MiB",
+                       "--key-file", store_dir / KEY_FILE_NAME)
     assert (imported["created"], imported["imported"], imported["skipped_corrupt"]) == (True, 9, 0)
-    assert records(tmp_path / "restored") == records(store_dir)
+    assert unsealed(tmp_path / "restored") == unsealed(store_dir)  # re-sealed, else the same
     with LmdbStore(tmp_path / "restored", readonly=True) as store:
         assert store.capacity_bytes == 32 << 20
 
@@ -237,7 +249,7 @@ def test_export_one_namespace_into_an_existing_store(store_dir: Path, tmp_path: 
     target = tmp_path / "other"
     with LmdbStore(target, 16 << 20) as store:
         put_chain(store, NS_A, ["kept"])
-    assert ok_json("import", archive, target)["imported"] == 3
+    assert ok_json("import", archive, target, "--key-file", store_dir / KEY_FILE_NAME)["imported"] == 3
     assert len(records(target)) == 4
     assert run("export", store_dir, archive).exit_code == 2  # never overwrites
 
@@ -276,18 +288,19 @@ def test_import_skips_records_that_fail_verification(tmp_path: Path, store_dir: 
     good = records(store_dir)
     archive = tmp_path / "mixed.tkv"
     with open(archive, "wb") as f:
-        writer = ArchiveWriter(f)
+        writer = ArchiveWriter(f, load_key_file(store_dir / KEY_FILE_NAME).key_id)
         items = list(good.items())
         for key, data in items[:5]:
             writer.add(key, data)
         tampered = bytearray(items[5][1])
         tampered[200] ^= 1
-        writer.add(items[5][0], bytes(tampered))  # a checksum mismatch
-        writer.add(items[0][0], items[6][1])  # a record under another key
+        writer.add(items[5][0], bytes(tampered))  # a MAC mismatch
+        writer.add(items[6][0], items[7][1])  # a record under another key
         writer.finish()
-    fields = ok_json("import", archive, tmp_path / "t")
+    fields = ok_json("import", archive, tmp_path / "t", "--key-file", store_dir / KEY_FILE_NAME)
     assert (fields["records"], fields["imported"], fields["skipped_corrupt"]) == (7, 5, 2)
-    assert records(tmp_path / "t") == dict(items[:5])
+    assert fields["skipped_by_reason"] == {"key": 1, "mac": 1}
+    assert unsealed(tmp_path / "t") == {k: d[:-SEAL_SIZE] for k, d in items[:5]}
 
 
 def test_import_errors(tmp_path: Path, store_dir: Path):
@@ -297,7 +310,7 @@ def test_import_errors(tmp_path: Path, store_dir: Path):
     (tmp_path / "stray" / "file").write_text("x")
     archive = tmp_path / "a.tkv"
     ok_json("export", store_dir, archive)
-    not_store = run("import", archive, tmp_path / "stray")
+    not_store = run("import", archive, tmp_path / "stray", "--key-file", store_dir / KEY_FILE_NAME)
     assert not_store.exit_code == 2 and "not a tiered-kv disk store" in not_store.output
 
 

@@ -16,6 +16,8 @@ from typer.testing import CliRunner
 from storage.base import BlockKey
 from storage.codecs import encode_block
 from storage.lmdb_store import LmdbStore
+from storage.record import SEAL_SIZE
+from storage.seal import KEY_FILE_NAME, load_key_file
 from tiered_kv.cli import app
 
 runner = CliRunner()
@@ -333,7 +335,13 @@ def test_repair_in_place_keeps_the_damaged_store_aside(big_store: Path):
         after = dict(store.raw_records())
     # The other meta page is the snapshot before the last commit; what only the last
     # commit wrote is found by scanning the pages, so nothing readable is lost.
-    assert after == {k: v for k, v in before.items() if k != key(NS_A, 6)}
+    # Re-sealed under the fresh store's own new key, and otherwise byte for byte the same.
+    new_key = load_key_file(big_store / KEY_FILE_NAME)
+    assert new_key != load_key_file(aside / KEY_FILE_NAME)
+    assert all(v[-SEAL_SIZE:].startswith(new_key.key_id) for v in after.values())
+    assert {k: v[:-SEAL_SIZE] for k, v in after.items()} == {
+        k: v[:-SEAL_SIZE] for k, v in before.items() if k != key(NS_A, 6)
+    }
     assert fields["salvaged"] == len(after)
     assert run("verify", big_store).exit_code == 0
 
@@ -364,3 +372,99 @@ def test_repair_refuses_a_store_a_server_holds(store_dir: Path):
     finally:
         holder.communicate("done\n", timeout=30)
     assert sorted(p.name for p in store_dir.parent.iterdir()) == ["kv"]
+
+
+# ---------------------------------------------------------------------------- sealing
+
+
+def stored(path: Path, k: BlockKey, change=None) -> bytes:
+    """The bytes stored under ``k``, rewritten first by ``change`` behind the store's back."""
+    env = lmdb.open(str(path), max_dbs=8)
+    with env.begin(write=change is not None, db=env.open_db(b"records")) as txn:
+        data = bytes(txn.get(k.to_bytes()))
+        if change is not None:
+            data = change(bytearray(data))
+            txn.put(k.to_bytes(), data)
+    env.close()
+    return data
+
+
+def forge(buf: bytearray) -> bytes:
+    """Altered KV under a recomputed unkeyed checksum (xxh3-64, the last eight bytes)."""
+    import xxhash
+
+    buf[len(buf) - SEAL_SIZE - 1] ^= 0x55
+    buf[-8:] = xxhash.xxh3_64_intdigest(bytes(buf[:-8])).to_bytes(8, "little")
+    return bytes(buf)
+
+
+def test_verify_flags_a_resealed_record(store_dir: Path):
+    stored(store_dir, key(NS_A, 3), forge)
+    result = run("verify", store_dir, "--json")
+    assert result.exit_code == 1, result.output
+    assert json.loads(result.output)["corrupt"] == 1
+
+
+def test_init_gives_an_existing_store_a_private_key(store_dir: Path):
+    (store_dir / KEY_FILE_NAME).unlink()  # as a store written before records were sealed
+    descriptor = store_dir / "tiered_kv.json"
+    descriptor.write_text(json.dumps(json.loads(descriptor.read_text()) | {"record_format_version": 1}))
+    refused = run("stats", store_dir)
+    assert refused.exit_code == 2 and "storage init" in refused.output
+    result = run("init", store_dir, "--json")
+    assert result.exit_code == 0, result.output
+    fields = json.loads(result.output)
+    assert fields["sealed_now"] and fields["entries"] == 0 and fields["record_format_version"] == 2
+    assert (store_dir / KEY_FILE_NAME).stat().st_mode & 0o777 == 0o600
+    assert fields["key_id"] == load_key_file(store_dir / KEY_FILE_NAME).name
+    assert run("init", store_dir, "--json").exit_code == 0
+
+
+def other_store(tmp_path: Path, name: str) -> Path:
+    path = tmp_path / name
+    LmdbStore(path, 16 << 20).close()
+    return path
+
+
+def test_import_with_the_wrong_key_refuses_and_writes_nothing(store_dir: Path, tmp_path: Path):
+    archive = tmp_path / "a.tkv"
+    assert run("export", store_dir, archive).exit_code == 0
+    target = other_store(tmp_path, "target")
+    before = (target / "data.mdb").read_bytes()
+    stranger = other_store(tmp_path, "stranger") / KEY_FILE_NAME
+    for extra in ([], ["--key-file", stranger]):
+        result = run("import", archive, target, *extra)
+        assert result.exit_code == 2 and "nothing imported" in result.output, result.output
+        assert "sealed under key" in result.output and len(result.output.strip().splitlines()) == 1
+    new = run("import", archive, tmp_path / "new")
+    assert new.exit_code == 2 and "--key-file" in new.output and not (tmp_path / "new").exists()
+    assert (target / "data.mdb").read_bytes() == before
+
+
+def test_import_never_overwrites_and_reports_what_it_skipped(store_dir: Path, tmp_path: Path):
+    archive = tmp_path / "a.tkv"
+    stored(store_dir, key(NS_B, 2), forge)  # exported as stored: its seal no longer verifies
+    with LmdbStore(store_dir, readonly=True) as store:
+        from tiered_kv.archive import write_archive
+
+        write_archive(archive, store.raw_records(), store.seal_key.key_id)
+    target = tmp_path / "target"
+    kv = torch.zeros(2, 2, 16, 2, 8).half()
+    with LmdbStore(target, 16 << 20) as store:
+        for i in (0, 1):  # the target's own, different KV under two of the archive's keys
+            store.put(key(NS_A, i), encode_block(key(NS_A, i), None, range(16), kv, "zstd"))
+    mine = {i: stored(target, key(NS_A, i)) for i in (0, 1)}
+    result = run("import", archive, target, "--key-file", store_dir / KEY_FILE_NAME, "--json")
+    assert result.exit_code == 0, result.output
+    fields = json.loads(result.output)
+    assert (fields["records"], fields["imported"]) == (8, 5)
+    assert (fields["skipped_existing"], fields["skipped_corrupt"]) == (2, 1)
+    assert fields["skipped_by_reason"] == {"exists": 2, "mac": 1}
+    assert {i: stored(target, key(NS_A, i)) for i in (0, 1)} == mine
+    imported = stored(target, key(NS_A, 3))
+    assert imported[-SEAL_SIZE:].startswith(load_key_file(target / KEY_FILE_NAME).key_id)
+    assert imported[:-SEAL_SIZE] == stored(store_dir, key(NS_A, 3))[:-SEAL_SIZE]
+    assert run("verify", target).exit_code == 0
+    again = json.loads(run("import", archive, target, "--key-file", store_dir / KEY_FILE_NAME,
+                           "--json").output)
+    assert (again["imported"], again["skipped_existing"]) == (0, 7)

@@ -3,18 +3,23 @@
 Layout (little-endian)::
 
     0   8   magic b"TKVARCHV"
-    8   2   archive version (1)
+    8   2   archive version (2)
     10  2   flags (bit 0: everything after the header is one zstd stream)
-    12  ...  body, zstd-compressed when flag 0 is set:
+    12  8   id of the key that sealed the records (storage.seal; the exporting store's)
+    20  ...  body, zstd-compressed when flag 0 is set:
             per record:  u32 length N (> 0) ‖ 64-byte key ‖ N bytes: the record as stored
             end:         u32 0 ‖ u64 record count ‖ u64 xxh3-64 of every byte before it
 
 The hash covers the header and the uncompressed body up to and including the count, so a
 truncated or damaged archive is detected as a whole. Records are kept byte for byte as the
-store holds them, with their own checksums. Reading and writing are streamed: memory use
-is one record, whatever the archive's size. A reader checks that a record's own header
-declares the length N before reading the rest of it, so a forged length (a few KiB of
-zstd that expand to a gigabyte of zeros) is refused at once, not read.
+store holds them, each with its own seal (a keyed MAC): the hash only finds damage, the
+seals are what an importer trusts, and only with the exporting store's key. The key id in
+the header names that key, so an importer can refuse at once an archive it has no key for.
+Version 1 archives held records of the unsealed format and are refused. Reading and
+writing are streamed: memory use is one record, whatever the archive's size. A reader
+checks that a record's own header declares the length N before reading the rest of it, so
+a forged length (a few KiB of zstd that expand to a gigabyte of zeros) is refused at once,
+not read.
 :func:`write_archive` creates the file 0600 (records hold users' prompts as KV) and only
 under its name once it is complete.
 """
@@ -30,17 +35,19 @@ import xxhash
 import zstandard
 
 from storage.base import KEY_SIZE, BlockKey
+from storage.record import FORMAT_VERSION as RECORD_FORMAT_VERSION
 from storage.record import MAGIC as RECORD_MAGIC
+from storage.record import SEAL_SIZE
+from storage.seal import KEY_ID_SIZE
 
 MAGIC = b"TKVARCHV"
-VERSION = 1
+VERSION = 2
 FLAG_ZSTD = 1
 MAX_RECORD_BYTES = 1 << 30  # larger lengths are damage, not records
-_HEADER = struct.Struct("<8sHH")
+_HEADER = struct.Struct(f"<8sHH{KEY_ID_SIZE}s")
 _LENGTH = struct.Struct("<I")
 _TRAILER = struct.Struct("<QQ")
 _RECORD_HEAD = struct.Struct("<4sHHIQ")  # a record's magic, version, flags, H and P lengths
-_RECORD_CHECKSUM = 8
 
 
 class ArchiveError(ValueError):
@@ -50,13 +57,29 @@ class ArchiveError(ValueError):
 class ArchiveSummary(NamedTuple):
     records: int
     record_bytes: int
+    key_id: bytes  # of the key that sealed the records
+
+
+def read_key_id(path: str | Path) -> bytes:
+    """The id of the key that sealed the archive's records, from its header alone."""
+    header = _read(path, None, header_only=True)
+    try:
+        return next(header)
+    finally:
+        header.close()
 
 
 class ArchiveWriter:
-    """Writes records to ``file`` (opened for binary writing); :meth:`finish` writes the end."""
+    """Writes records sealed under the key ``key_id`` names to ``file`` (opened for binary
+    writing); :meth:`finish` writes the end."""
 
-    def __init__(self, file: BinaryIO, *, compress: bool = False, level: int = 3) -> None:
-        header = _HEADER.pack(MAGIC, VERSION, FLAG_ZSTD if compress else 0)
+    def __init__(
+        self, file: BinaryIO, key_id: bytes, *, compress: bool = False, level: int = 3
+    ) -> None:
+        if len(key_id) != KEY_ID_SIZE:
+            raise ValueError(f"a key id is {KEY_ID_SIZE} bytes, got {len(key_id)}")
+        self.key_id = key_id
+        header = _HEADER.pack(MAGIC, VERSION, FLAG_ZSTD if compress else 0, key_id)
         file.write(header)
         self._hash = xxhash.xxh3_64(header)
         self._compressor = None
@@ -86,13 +109,15 @@ class ArchiveWriter:
         self._out.write(struct.pack("<Q", self._hash.intdigest()))
         if self._compressor is not None:
             self._compressor.close()
-        return ArchiveSummary(self.records, self.record_bytes)
+        return ArchiveSummary(self.records, self.record_bytes, self.key_id)
 
 
 def write_archive(
-    path: str | Path, records: Iterable[tuple[BlockKey, bytes]], *, compress: bool = False
+    path: str | Path, records: Iterable[tuple[BlockKey, bytes]], key_id: bytes, *,
+    compress: bool = False,
 ) -> ArchiveSummary:
-    """Write ``records`` to a new archive at ``path``, readable by its owner only.
+    """Write ``records`` (sealed under the key ``key_id`` names) to a new archive at
+    ``path``, readable by its owner only.
 
     The archive is written under a temporary name, fsynced and renamed, so a failure
     (an exception from ``records`` included) leaves no plausible-looking file.
@@ -103,7 +128,7 @@ def write_archive(
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         with os.fdopen(fd, "wb") as file:
-            writer = ArchiveWriter(file, compress=compress)
+            writer = ArchiveWriter(file, key_id, compress=compress)
             for key, data in records:
                 writer.add(key, data)
             summary = writer.finish()
@@ -139,17 +164,33 @@ def read_archive(
     act on a damaged archive reads it once to the end (:func:`check_archive`) first.
     ``progress(n)`` is called with the number of file bytes read.
     """
+    items = _read(path, progress)
+    next(items)  # the key id
+    yield from items
+
+
+def _read(path: str | Path, progress: Callable[[int], None] | None, *, header_only: bool = False):
+    """The key id, then (unless ``header_only``) every ``(key, record bytes)`` pair."""
     try:
         with open(path, "rb") as raw:
             counted = _Counting(raw, progress)
-            header = _read_exact(counted, _HEADER.size, "header")
-            magic, version, flags = _HEADER.unpack(header)
+            head = _read_exact(counted, 12, "header")
+            magic, version, flags = struct.unpack("<8sHH", head)
             if magic != MAGIC:
                 raise ArchiveError("not a tiered-kv archive (bad magic)")
+            if version == 1:
+                raise ArchiveError(
+                    "archive version 1 holds records that no key sealed (written before "
+                    f"records were sealed); this build reads version {VERSION} only"
+                )
             if version != VERSION:
                 raise ArchiveError(f"archive version {version}, this build reads {VERSION}")
             if flags & ~FLAG_ZSTD:
                 raise ArchiveError(f"unknown archive flags {flags:#x}")
+            header = head + _read_exact(counted, _HEADER.size - len(head), "header")
+            yield _HEADER.unpack(header)[3]
+            if header_only:
+                return
             digest = xxhash.xxh3_64(header)
             body = counted
             if flags & FLAG_ZSTD:
@@ -187,17 +228,21 @@ def check_archive(
 ) -> ArchiveSummary:
     """Read the whole archive and check its framing, count and hash."""
     records = nbytes = 0
-    for _, data in read_archive(path, progress):
+    items = _read(path, progress)
+    key_id = next(items)
+    for _, data in items:
         records += 1
         nbytes += len(data)
-    return ArchiveSummary(records, nbytes)
+    return ArchiveSummary(records, nbytes, key_id)
 
 
 def _read_record(stream, length: int, index: int) -> bytes:
     """A record of ``length`` bytes whose own header says it is that long."""
     head = _read_exact(stream, min(length, _RECORD_HEAD.size), "record")
-    magic, _, _, header_len, payload_len = _RECORD_HEAD.unpack(head.ljust(_RECORD_HEAD.size, b"\0"))
-    if magic != RECORD_MAGIC or header_len + payload_len + _RECORD_CHECKSUM != length:
+    magic, version, _, header_len, payload_len = _RECORD_HEAD.unpack(head.ljust(_RECORD_HEAD.size, b"\0"))
+    if magic != RECORD_MAGIC or version != RECORD_FORMAT_VERSION or (
+        header_len + payload_len + SEAL_SIZE != length
+    ):
         raise ArchiveError(f"damaged (record {index} is not a record of {length} bytes)")
     return head + _read_exact(stream, length - len(head), "record")
 

@@ -41,6 +41,7 @@ from rich.table import Table
 
 from storage.base import BlockKey, StoreError
 from storage.lmdb_store import DamagedStore, LmdbStore, StoreInfo
+from storage.seal import KEY_FILE_NAME
 from tiered_kv.storage_errors import CommandError, StorageGroup
 from tiered_kv.storage_errors import fail as _fail
 from tiered_kv.units import format_age, format_size, parse_duration, parse_size
@@ -131,15 +132,22 @@ def init(
     as_json: AsJson = False,
 ) -> None:
     """Create a KV cache directory, or describe it if it exists already (and resize it to
-    --size if given; that needs the writer lock)."""
+    --size if given; that needs the writer lock).
+
+    The store's records are sealed with the secret in DIR/seal.key, created 0600 with the
+    store. A store written before records were sealed gets its key here and drops its old
+    records (they cannot be verified).
+    """
     try:
         capacity = parse_size(size) if size is not None else None
     except ValueError as e:
         raise _fail(str(e)) from None
     existed = (path / "tiered_kv.json").exists()
+    sealed = (path / KEY_FILE_NAME).exists()
     new_capacity = None if existed else capacity or parse_size(DEFAULT_SIZE)
-    with _open(path, readonly=existed, capacity=new_capacity) as store:
+    with _open(path, readonly=existed and sealed, capacity=new_capacity) as store:
         info = store.info()
+        key_id = store.seal_key.name
     before = info.descriptor.capacity_bytes
     resized = existed and capacity is not None and capacity != before
     evicted = 0
@@ -156,8 +164,11 @@ def init(
                       f"{format_size(capacity)}; {evicted:,} blocks evicted.")
         else:
             out.print(f"KV cache directory {path} {'exists' if existed else 'created'}.")
+        out.print(f"Its records are sealed with {path / KEY_FILE_NAME} (key {key_id})"
+                  + ("; the records of the unsealed format were dropped." if existed and not sealed else "."))
     extra = {"created": not existed, "resized_from": before if resized else None,
-             "evicted_blocks": evicted}
+             "evicted_blocks": evicted, "sealed_now": existed and not sealed,
+             "key_file": str(path / KEY_FILE_NAME), "key_id": key_id}
     _print_info(info, as_json, extra)
 
 
@@ -220,7 +231,8 @@ def list_namespaces(path: Dir, as_json: AsJson = False) -> None:
 
 @app.command()
 def verify(path: Dir, as_json: AsJson = False) -> None:
-    """Check every record; quarantine the bad ones. Exit 1 if any record was bad.
+    """Check every record (its seal under the store's key, its fields, its key); quarantine
+    the bad ones. Exit 1 if any record was bad.
 
     When a server holds the store, bad records are reported but left for the server to
     quarantine on its next read.
@@ -499,8 +511,9 @@ def repair_(
     """Salvage the readable records of a damaged store into a fresh one.
 
     data.mdb is read page by page, never mapped, so no damage can crash it; every record
-    is checked against its key and checksum, and what cannot be read or fails is skipped
-    and counted. Needs the writer lock: stop the server first.
+    is checked against its key and its seal under DIR's key, and what cannot be read or
+    fails is skipped and counted. The fresh store has a new key: what is salvaged is
+    re-sealed under it. Needs the writer lock: stop the server first.
     """
     if not path.is_dir():
         raise _fail(f"{path}: no such KV cache directory")

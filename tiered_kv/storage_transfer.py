@@ -1,7 +1,13 @@
 """``tiered-kv storage export`` and ``import``: records to and from a portable archive
-(``tiered_kv.archive``). Registered on :data:`storage_cli.app`."""
+(``tiered_kv.archive``). Registered on :data:`storage_cli.app`.
+
+An archive's records stay sealed under the exporting store's key. ``import`` verifies them
+with that key (the store's own, or ``--key-file``), never overwrites a record the store
+has, and re-seals what it adds under the store's key.
+"""
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 from typing import Annotated
 
@@ -10,6 +16,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 from storage.lmdb_store import DESCRIPTOR_NAME
 from storage.record import RecordError, decode_record
+from storage.seal import KEY_FILE_NAME, SealKey, load_key_file
 from tiered_kv.archive import ArchiveError, check_archive, read_archive, write_archive
 from tiered_kv.storage_cli import (
     PUT_BATCH, AsJson, Dir, Namespace, _fail, _open, _open_writer, _print_fields, _progress,
@@ -33,7 +40,8 @@ def export(
     compress: Annotated[bool, typer.Option("--compress", help="zstd-compress the archive.")] = False,
     as_json: AsJson = False,
 ) -> None:
-    """Write records (all, or one namespace) to a portable archive, checksums and all.
+    """Write records (all, or one namespace) to a portable archive, sealed under the
+    store's key: importing them elsewhere needs this store's key file (DIR/seal.key).
 
     Records that fail verification are left out and counted.
     """
@@ -49,7 +57,7 @@ def export(
             for key, data in store.raw_records(ns):
                 bar.advance(task)
                 try:
-                    decode_record(data, expected_key=key)
+                    decode_record(data, store.seal_key, key)
                 except RecordError:
                     bad += 1
                     continue
@@ -58,7 +66,8 @@ def export(
         try:
             with _progress("exporting", total) as bar:
                 summary = write_archive(
-                    archive, verified(bar, bar.add_task("", total=total)), compress=compress
+                    archive, verified(bar, bar.add_task("", total=total)),
+                    store.seal_key.key_id, compress=compress,
                 )
         except OSError as e:
             raise _fail(f"cannot write {archive}: {e}") from None
@@ -70,6 +79,7 @@ def export(
         "archive_bytes": archive.stat().st_size,
         "skipped_corrupt": bad,
         "compressed": compress,
+        "key_id": summary.key_id.hex(),
     }
     _print_fields(f"export {path}", fields, as_json)
 
@@ -81,12 +91,19 @@ def import_(
     size: Annotated[
         str, typer.Option("--size", help="Disk budget if DIR is a new store, e.g. 4GiB.")
     ] = "4GiB",
+    key_file: Annotated[
+        Path | None,
+        typer.Option("--key-file", help="The key file of the store that exported the archive "
+                     "(its seal.key), when that is not DIR itself."),
+    ] = None,
     as_json: AsJson = False,
 ) -> None:
     """Check a whole archive, then add its valid records to a store (created if missing).
 
-    A truncated or damaged archive is refused before anything is written; a record that
-    fails verification is skipped and counted.
+    A truncated or damaged archive, or one sealed under another key than the one given, is
+    refused before anything is written. Records are verified with the exporting store's
+    key (DIR's own, or --key-file) and re-sealed under DIR's; a record DIR has already is
+    never overwritten. What is skipped is counted by reason.
     """
     if not archive.is_file():
         raise _fail(f"{archive}: no such archive")
@@ -101,7 +118,9 @@ def import_(
     except ArchiveError as e:
         raise _fail(f"{archive}: {e}; nothing imported") from None
     new = not (path / DESCRIPTOR_NAME).exists()
-    imported = bad = refused = 0
+    archive_key = _archive_key(archive, summary.key_id, path, new, key_file)
+    imported = refused = 0
+    skipped: collections.Counter[str] = collections.Counter()
     with _open_writer(path, "import", capacity if new else None) as store:
         evictions_before = store.stats().evictions
         try:
@@ -110,10 +129,13 @@ def import_(
                 batch = []
                 for key, data in read_archive(archive):
                     bar.advance(task)
+                    if store.contains(key):
+                        skipped["exists"] += 1
+                        continue
                     try:
-                        batch.append((key, decode_record(data, expected_key=key)))
-                    except RecordError:
-                        bad += 1
+                        batch.append((key, decode_record(data, archive_key, key)))
+                    except RecordError as e:
+                        skipped[e.reason] += 1
                     if len(batch) >= PUT_BATCH:
                         accepted = store.put_many(batch)
                         imported += sum(accepted)
@@ -133,10 +155,35 @@ def import_(
         "created": new,
         "records": summary.records,
         "imported": imported,
-        "skipped_corrupt": bad,
+        "skipped_existing": skipped["exists"],
+        "skipped_corrupt": sum(skipped.values()) - skipped["exists"],
+        "skipped_by_reason": dict(sorted(skipped.items())),
         "refused_too_large": refused,
         "evicted_for_room": evicted,
     }
     _print_fields(f"import {archive}", fields, as_json)
+
+
+def _archive_key(
+    archive: Path, key_id: bytes, path: Path, new: bool, key_file: Path | None
+) -> SealKey:
+    """The key that verifies the archive's records: ``--key-file``, else the store's own.
+    Refused (nothing written) unless the archive says it was sealed under that key."""
+    if key_file is None and new:
+        raise _fail(
+            f"{archive} is sealed under key {key_id.hex()}; {path} is a new store: give the "
+            f"exporting store's key with --key-file (its {KEY_FILE_NAME}); nothing imported"
+        )
+    try:
+        key = load_key_file(key_file if key_file is not None else path / KEY_FILE_NAME)
+    except ValueError as e:
+        raise _fail(f"{e}; nothing imported") from None
+    if key.key_id != key_id:
+        given = "the --key-file" if key_file is not None else f"{path}'s own key"
+        raise _fail(
+            f"{archive} is sealed under key {key_id.hex()}, not {given} ({key.name}); give "
+            f"the exporting store's key with --key-file (its {KEY_FILE_NAME}); nothing imported"
+        )
+    return key
 
 
