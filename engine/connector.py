@@ -45,6 +45,7 @@ class SavedBlock:
     token_ids: tuple[int, ...]
     block_id: int  # index into the KV cache's block dimension
     is_prompt: bool  # all of its tokens are prompt tokens (not generated ones)
+    cache_salt: str | None = None  # the request's tenant, for the tiers' eviction order
 
 
 @dataclasses.dataclass(frozen=True)

@@ -370,4 +370,5 @@ class Scheduler:
             token_ids=tuple(seq.block_tokens(index)),
             block_id=seq.block_table[index],
             is_prompt=(index + 1) * self.block_size <= seq.num_prompt_tokens,
+            cache_salt=seq.cache_salt,
         )

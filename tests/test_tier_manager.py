@@ -143,9 +143,9 @@ def test_queued_blocks_are_found_before_they_are_written(reference, disk, monkey
     release = threading.Event()
     put_many = LmdbStore.put_many
 
-    def stalled_put_many(self, items):
+    def stalled_put_many(self, items, **kwargs):
         release.wait(30)
-        return put_many(self, items)
+        return put_many(self, items, **kwargs)
 
     monkeypatch.setattr(LmdbStore, "put_many", stalled_put_many)
     tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=0, disk_bytes=64 << 20)
@@ -201,6 +201,21 @@ def test_cache_salt_separates_at_every_tier(reference, disk):
     assert outputs == [reference[0]] * 4
 
 
+def test_the_cpu_pool_evicts_the_lower_priority_tenant_first(reference):
+    # 16 slots: "gold" fills 8, then "batch" 8 (more recently used), then "gold" 8 more.
+    # Plain LRU would evict gold's first prompt; by priority batch's blocks go.
+    tiers = TierConfig(cpu_bytes=16 * _block_nbytes(), tenant_priorities={"gold": -10, "batch": 10})
+    with make_llm(tiers) as llm:
+        llm.generate(PROMPTS[0], GREEDY, cache_salt="gold")
+        llm.generate(PROMPTS[1], GREEDY, cache_salt="batch")
+        llm.generate(PROMPTS[2], GREEDY, cache_salt="gold")
+        gold = llm.generate(PROMPTS[0], GREEDY, cache_salt="gold")[0]
+        batch = llm.generate(PROMPTS[1], GREEDY, cache_salt="batch")[0]
+    assert gold.num_cached_tokens == hit_tokens(PROMPTS[0])
+    assert batch.num_cached_tokens == 0
+    assert [gold.token_ids, batch.token_ids] == reference[:2]
+
+
 def test_another_block_size_never_hits(disk):
     tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=0, disk_bytes=64 << 20)
     with make_llm(tiers) as llm:
@@ -221,9 +236,9 @@ def test_write_pressure_drops_stores_and_never_stalls(reference, disk, monkeypat
     release = threading.Event()
     put_many = LmdbStore.put_many
 
-    def stalled_put_many(self, items):
+    def stalled_put_many(self, items, **kwargs):
         release.wait(30)  # a disk that does not keep up
-        return put_many(self, items)
+        return put_many(self, items, **kwargs)
 
     monkeypatch.setattr(LmdbStore, "put_many", stalled_put_many)
     monkeypatch.setattr(tier_manager, "SAVE_WAIT_S", 0.0)
@@ -248,9 +263,9 @@ def test_a_save_waits_for_a_slot_instead_of_dropping(reference, disk, monkeypatc
     writer frees a slot: nothing is dropped."""
     put_many = LmdbStore.put_many
 
-    def slow_put_many(self, items):
+    def slow_put_many(self, items, **kwargs):
         time.sleep(0.02)
-        return put_many(self, items)
+        return put_many(self, items, **kwargs)
 
     monkeypatch.setattr(LmdbStore, "put_many", slow_put_many)
     tiers = TierConfig(
@@ -269,9 +284,9 @@ def test_close_gives_up_on_the_queue_after_flush_timeout(reference, disk, monkey
     release = threading.Event()
     put_many = LmdbStore.put_many
 
-    def stalled_put_many(self, items):
+    def stalled_put_many(self, items, **kwargs):
         release.wait(30)
-        return put_many(self, items)
+        return put_many(self, items, **kwargs)
 
     monkeypatch.setattr(LmdbStore, "put_many", stalled_put_many)
     tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=0, disk_bytes=64 << 20, flush_timeout_s=0.1)

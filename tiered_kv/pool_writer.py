@@ -48,6 +48,7 @@ class PoolWriter:
         *,
         write_back: bool = False,
         low_watermark: int = 0,
+        by_priority: bool = False,
     ) -> None:
         self._pool = pool
         self._store = store
@@ -56,6 +57,7 @@ class PoolWriter:
         self.tier = tier
         self._write_back = write_back
         self._low_watermark = low_watermark
+        self._by_priority = by_priority  # the store evicts by the blocks' tenant priority
         self._draining = threading.Event()  # write-back: write everything now
         self._closing = False
         self._stopping = threading.Event()
@@ -111,18 +113,24 @@ class PoolWriter:
     def _write(self, batch: list[SlotBlock]) -> None:
         start = time.perf_counter()
         records: list[Record] = []
+        priorities: list[int] = []
         for block in batch:
             try:
                 records.append(
                     encode_block(block.key, block.parent_hash, block.token_ids, block.kv, self._codec)
                 )
+                priorities.append(block.priority)
             except ValueError as e:
                 logger.error("%s writer: cannot encode %s: %s", self.tier, block.key.short(), e)
                 self._metrics.add(self.tier, dropped=1)
         if not records:
             return
         try:
-            accepted = self._store.put_many([(r.key, r) for r in records])
+            items = [(r.key, r) for r in records]
+            if self._by_priority:
+                accepted = self._store.put_many(items, priorities=priorities)
+            else:
+                accepted = self._store.put_many(items)
         except StoreError as e:  # the store was closed under us
             logger.error("%s writer: %s", self.tier, e)
             self._metrics.add(self.tier, dropped=len(records))

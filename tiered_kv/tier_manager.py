@@ -344,7 +344,7 @@ class TierManager(KVConnector):
             stores["disk"] = self._disk
             self._writers.append(PoolWriter(
                 self._pool, self._disk, self._codec, self.metrics, "disk",
-                write_back=config.write_policy == "write-back",
+                write_back=config.write_policy == "write-back", by_priority=True,
                 low_watermark=max(1, self._pool.num_slots // 8),
             ))
         if self._remote is not None:
@@ -513,7 +513,7 @@ class TierManager(KVConnector):
             if self._pool.contains(key):
                 done.append(block.block_id)  # already below (e.g. it was loaded from there)
                 continue
-            slot = self._pool.reserve()
+            slot = self._pool.reserve(self.config.tenant_priority(block.cache_salt))
             if slot is None:
                 self._deferred.extend((b, started) for b in blocks[i:])
                 self._drop_deferred(time.monotonic())
@@ -573,7 +573,7 @@ class TierManager(KVConnector):
                 tiers = tuple(t for t in tiers if t != "disk")
             if self._pool.commit(
                 key, slot, self._kv_cache.dtype, self._block_shape, block.parent_hash,
-                block.token_ids, tiers,
+                block.token_ids, tiers, priority=self.config.tenant_priority(block.cache_salt),
             ):
                 stored += 1
         if self.config.has_cpu:
