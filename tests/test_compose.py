@@ -111,6 +111,24 @@ def test_bind_mounted_files_exist(compose: dict):
                 assert (ROOT / volume.split(":")[0]).exists(), volume
 
 
+def test_the_server_reads_the_deployment_secret_from_a_secret_file(compose: dict):
+    """A remote URL needs the shared secret that seals records, or serve exits at start."""
+    from tiered_kv.serve_config import ServeConfig
+
+    server = compose["services"]["tiered-kv"]
+    assert "--kv-remote-url" in server["command"]
+    environment = server["environment"]
+    assert not any("SECRET" in name and not name.endswith("_FILE") for name in environment)
+    (name,) = server["secrets"]
+    assert environment["TIERED_KV_KV_SECRET_FILE"] == f"/run/secrets/{name}"
+    assert unset(compose["secrets"][name]["file"]) == "./kv_secret.key"
+    settings = ServeConfig.load(
+        {"kv_remote_url": flag(server["command"], "--kv-remote-url")}, environ=environment
+    )
+    assert settings.tier_config().remote_secret_file == f"/run/secrets/{name}"
+    assert "kv_secret.key" in (ROOT / "docs" / "deployment.md").read_text()
+
+
 def test_every_service_has_a_healthcheck(compose: dict):
     for name, service in compose["services"].items():
         test = service.get("healthcheck", {}).get("test")

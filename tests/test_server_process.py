@@ -30,7 +30,9 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, cache_dir: Path, log: Path, extra: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, cache_dir: Path, log: Path, extra: tuple[str, ...] = (), env: dict | None = None
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [
@@ -41,7 +43,7 @@ class Server:
             "--kv-offloading-size", "0.01", "--kv-disk-size", "0.25", "--log-level", "warning",
             *extra,
         ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         self.log = log
         self.proc = subprocess.Popen(args, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
         self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
@@ -84,8 +86,8 @@ class Server:
 def servers(tmp_path):
     started: list[Server] = []
 
-    def start(cache: str = "kv_cache", extra: tuple[str, ...] = ()) -> Server:
-        server = Server(tmp_path / cache, tmp_path / f"{cache}.log", extra)
+    def start(cache: str = "kv_cache", extra: tuple[str, ...] = (), env: dict | None = None) -> Server:
+        server = Server(tmp_path / cache, tmp_path / f"{cache}.log", extra, env)
         started.append(server)
         return server
 
@@ -170,16 +172,33 @@ def test_openai_client_sigterm_and_restart_from_disk(servers):
     assert restarted.terminate() == 0
 
 
-def test_two_servers_share_a_prefix_through_the_remote_tier(servers, redis_server):
+def test_two_servers_share_a_prefix_through_the_remote_tier(servers, redis_server, tmp_path):
     remote = ("--kv-remote-url", redis_server.url, "--kv-remote-timeout", "1")
-    a = servers("kv_a", remote)
+    secret = "the deployment's secret: " + "5f" * 16
+    secret_file = tmp_path / "kv_secret"
+    secret_file.write_text(secret + "\n")
+    secret_file.chmod(0o600)
+    a = servers("kv_a", remote, {"TIERED_KV_KV_SECRET_FILE": str(secret_file)})
     first = a.client.completions.create(model="tiny", prompt=LONG_PROMPT + "shared", **GREEDY)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert a.admin.post("/admin/flush", json={"timeout": 30}).json()["flushed"]
-    b = servers("kv_b", remote)  # its own CPU pool and disk directory: both empty
+    b = servers("kv_b", remote, {"TIERED_KV_SECRET": secret})  # its own, empty CPU pool and disk
     again = b.client.completions.create(model="tiny", prompt=LONG_PROMPT + "shared", **GREEDY)
     assert again.choices[0].text == first.choices[0].text
     assert again.usage.prompt_tokens_details.cached_tokens >= 16 * 16
     tiers = b.tiers()
     assert tiers["tiers"]["remote"]["hit_blocks"] >= 16
     assert tiers["kv_remote_url"] == redis_server.url
+
+
+def test_a_remote_tier_without_a_secret_is_one_line_and_exit_two(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERED_KV_")}
+    done = subprocess.run(
+        [sys.executable, "-c", "from tiered_kv.cli import main; main()", "serve",
+         "--port", str(free_port()), "--kv-cache-dir", str(tmp_path / "kv"),
+         "--kv-remote-url", "redis://127.0.0.1:1/0", "--max-model-len", "256"],
+        capture_output=True, text=True, env=env | {"OMP_NUM_THREADS": "1"}, timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()]
+    assert "TIERED_KV_SECRET" in done.stderr and "Traceback" not in done.stderr
