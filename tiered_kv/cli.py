@@ -5,10 +5,18 @@
 """
 from __future__ import annotations
 
+import sys
+
 import typer
+
+try:  # recent typer releases carry their own copy of click
+    from typer._click.exceptions import NoArgsIsHelpError, UsageError
+except ImportError:  # pragma: no cover - older typer on click itself
+    from click.exceptions import NoArgsIsHelpError, UsageError
 
 from tiered_kv.serve_cli import ServeCommand, make_serve, settings_from_params
 from tiered_kv.storage_cli import app as storage_app
+from tiered_kv.storage_errors import usage_line
 
 app = typer.Typer(
     name="tiered-kv",
@@ -48,4 +56,16 @@ serve = app.command("serve", cls=ServeCommand)(make_serve(_serve, """Serve a mod
 
 
 def main() -> None:
-    app()
+    """Run the CLI. A usage error of the top-level command or a group (an unknown command or
+    option) is one ``error:`` line and exit code 2, as the commands' own errors are."""
+    try:
+        code = app(standalone_mode=False)
+    except NoArgsIsHelpError as e:  # bare `tiered-kv`: the help, exit 2
+        e.show()
+        sys.exit(2)
+    except UsageError as e:
+        typer.echo(f"error: {usage_line(e)}", err=True)
+        sys.exit(2)
+    except typer.Abort:
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -64,11 +64,12 @@ class StorageGroup(TyperGroup):
             if not hasattr(e, "format_message"):  # a bug, not a usage error
                 report(f"internal error: {type(e).__name__}: {e}", as_json)
                 raise typer.Exit(EXIT_INTERNAL) from None
-            report(_usage_line(e), as_json)  # a missing argument, an unknown option or command
+            report(usage_line(e), as_json)  # a missing argument, an unknown option or command
         raise typer.Exit(EXIT_ERROR)
 
 
-def _usage_line(error: Exception) -> str:
+def usage_line(error: Exception) -> str:
+    """A click usage error in one line, with where to find help."""
     message = error.format_message()
     command = getattr(error, "ctx", None)
     if command is not None:
