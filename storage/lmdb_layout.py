@@ -356,11 +356,11 @@ def open_for_writing(
             old.record_format_version < RECORD_FORMAT_VERSION
             or not (path / KEY_FILE_NAME).exists()
         )
-        seal_key = store_key(path, create=True) if old is None else None
         if capacity_bytes is None:
             if old is None:
                 raise StoreError(f"{path}: a new store needs capacity_bytes")
             capacity_bytes = old.capacity_bytes
+        seal_key = store_key(path, create=True) if old is None else None
         if map_size is None:
             map_size = max(default_map_size(capacity_bytes), old.map_size if old else 0)
         descriptor = StoreDescriptor(
