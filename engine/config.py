@@ -11,6 +11,7 @@ import re
 import torch
 
 from engine.kv_events import KVEventsConfig
+from engine.spec_decode.config import SpeculativeConfig
 
 DTYPES = {
     "float32": torch.float32,
@@ -55,6 +56,8 @@ class EngineConfig:
     enforce_eager: bool = False  # False: decode runs under CUDA graphs on a GPU
     scheduling_policy: str = "fcfs"  # or "priority", as in vLLM
     kv_events_config: KVEventsConfig | None = None  # publish KV events for routers
+    # draft tokens verified in one forward (engine/spec_decode); a dict of vLLM's keys is parsed
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -87,6 +90,13 @@ class EngineConfig:
         _bool("enforce_eager", self.enforce_eager)
         if self.kv_events_config is not None and not isinstance(self.kv_events_config, KVEventsConfig):
             raise ValueError(f"kv_events_config must be a KVEventsConfig, got {self.kv_events_config!r}")
+        if isinstance(self.speculative_config, dict):
+            object.__setattr__(
+                self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config)
+            )
+        spec = self.speculative_config
+        if spec is not None and not isinstance(spec, SpeculativeConfig):
+            raise ValueError(f"speculative_config must be a SpeculativeConfig or a dict, got {spec!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "

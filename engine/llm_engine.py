@@ -39,6 +39,8 @@ from engine.penalties import TokenCounts
 from engine.sampler import Sample, SampleError, SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.spec_decode.draft import DraftProposer, draft_kv_spec
+from engine.spec_decode.speculator import NgramProposer, Speculator
 from engine.stats import EngineStats, NvmlTelemetry, StatsCollector
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -99,12 +101,14 @@ class LLMEngine:
             model.model, config, spec, self.eos_token_ids, mc.vocab_size
         )
 
+        draft = self._load_draft(model)
         kv_scales = None
         if config.kv_cache_dtype == "fp8":
             calibration = self.tokenizer.encode(FP8_CALIBRATION_TEXT)
             limit = min(config.max_model_len - 1, config.max_num_batched_tokens)
             kv_scales = self.model_runner.calibrate_fp8_scales(calibration[:limit])
-        num_blocks = self._num_blocks(spec, kv_scales)
+        draft_bytes = draft_kv_spec(draft, config.block_size).bytes_per_block if draft else 0
+        num_blocks = self._num_blocks(spec, kv_scales, draft_bytes)
         kv_cache = self.model_runner.init_kv_cache(num_blocks, kv_scales)
         if self.device.type == "cuda" and not config.enforce_eager:
             graphs = self.model_runner.enable_decode_graphs(capture=True)
@@ -126,6 +130,15 @@ class LLMEngine:
         if kv_connector is not None:
             kv_connector.register_kv_cache(kv_cache, self.namespace, config.block_size)
         self._stats = StatsCollector()
+        self.speculator: Speculator | None = None
+        if config.speculative_config is not None:
+            proposer = (
+                DraftProposer(draft, config, num_blocks) if draft is not None
+                else NgramProposer(config.speculative_config)
+            )
+            self.speculator = Speculator(
+                config.speculative_config, proposer, self._stats, config.max_model_len
+            )
         self._telemetry = NvmlTelemetry(self.device)
         events = config.kv_events_config
         self._kv_events = KVEventLog(config.block_size) if events and events.enable_kv_cache_events else None
@@ -251,6 +264,8 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         if self.connector is not None:
             self.scheduler.apply_transfers(self.connector.poll())
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
         if plan.is_empty and self.scheduler.has_pending_transfers():
             self.scheduler.apply_transfers(self.connector.poll(TRANSFER_WAIT_S))
@@ -259,20 +274,40 @@ class LLMEngine:
             if self.scheduler.has_unfinished() and not self.scheduler.has_pending_transfers():
                 raise RuntimeError("the scheduler could not schedule any of the queued requests")
             return []
-        samples = self.model_runner.run(plan)
-        self.scheduler.complete_step(plan)
+        results = self.model_runner.run(plan)
         now = time.perf_counter()
-        outputs = []
-        for (seq, _), sample in zip(plan.scheduled, samples):
-            if sample is None:
+        num_rejected = [0] * len(plan.scheduled)
+        done: list[tuple[Sequence, str | None, Exception | None]] = []  # (seq, reason, error)
+        for k, ((seq, _), result) in enumerate(zip(plan.scheduled, results)):
+            if seq.spec_token_ids:
+                num_rejected[k] = self.speculator.verified(seq, result)
+            if result is None:
                 continue
-            if isinstance(sample, SampleError):
-                outputs.append(self._fail(seq, sample.error))
+            if isinstance(result, SampleError):
+                done.append((seq, None, result.error))
                 continue
             try:
-                outputs.append(self._append(seq, sample, now))
+                reason = None
+                for sample in result:  # stops apply token by token: none past a stop is kept
+                    reason = self._append(seq, sample, now)
+                    if reason is not None:
+                        break
             except Exception as e:
-                outputs.append(self._fail(seq, e))
+                done.append((seq, None, e))
+                continue
+            done.append((seq, reason, None))
+        # Blocks are registered once the tokens they hold are appended, before finishing.
+        self.scheduler.complete_step(plan, num_rejected)
+        outputs = []
+        for seq, reason, error in done:
+            if error is not None:
+                outputs.append(self._fail(seq, error))
+                continue
+            state = self._texts[seq.request_id]
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                del self._texts[seq.request_id]
+            outputs.append(self._output(seq, state))
         return outputs
 
     def stats(self) -> EngineStats:
@@ -295,6 +330,10 @@ class LLMEngine:
             ttft_s=tuple(s.ttft_s),
             itl_s=tuple(s.itl_s),
             gpu_memory=self._telemetry.memory(),
+            spec_num_drafts=s.spec_num_drafts,
+            spec_num_draft_tokens=s.spec_num_draft_tokens,
+            spec_num_accepted_tokens=s.spec_num_accepted_tokens,
+            spec_accepted_per_pos=tuple(s.spec_accepted_per_pos),
         )
 
     def close(self) -> None:
@@ -311,6 +350,8 @@ class LLMEngine:
         self._publish_kv_events()
         if self._kv_publisher is not None:
             self._kv_publisher.close()
+        if self.speculator is not None and isinstance(self.speculator.proposer, DraftProposer):
+            self.speculator.proposer.close()
         self.model_runner.free_kv_cache()
 
     def _detokenizer(
@@ -324,16 +365,39 @@ class LLMEngine:
             detokenizer.finish()
         return detokenizer
 
-    def _num_blocks(self, spec: KVCacheSpec, kv_scales: list[KVScales] | None) -> int:
+    def _load_draft(self, target: LoadedModel) -> LoadedModel | None:
+        """The draft model of ``speculative_config``, in the target's dtype, checked against it."""
+        spec = self.config.speculative_config
+        if spec is None or spec.resolved_method != "draft_model":
+            return None
+        draft = load_model(spec.model, dtype=target.dtype, device=self.device)
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({draft.config.vocab_size} tokens) is not the "
+                f"target's ({target.config.vocab_size}): they must share the tokenizer"
+            )
+        if draft.config.max_position_embeddings < self.config.max_model_len:
+            raise ValueError(
+                f"the draft model's max_position_embeddings={draft.config.max_position_embeddings}"
+                f" is shorter than max_model_len={self.config.max_model_len}"
+            )
+        return draft
+
+    def _num_blocks(
+        self, spec: KVCacheSpec, kv_scales: list[KVScales] | None, draft_bytes: int = 0
+    ) -> int:
+        """Blocks of the pool; with a draft model, each block of the pool has one of the
+        draft's pool beside it (``draft_bytes`` each) within the same budget."""
         config = self.config
+        share = spec.bytes_per_block / (spec.bytes_per_block + draft_bytes)
         if config.num_gpu_blocks_override is not None:
             num_blocks = config.num_gpu_blocks_override
         elif self.device.type == "cuda":
             peak = self.model_runner.profile_peak_memory(kv_scales)
             budget = cuda_kv_budget(self.device, config.gpu_memory_utilization, peak)
-            num_blocks = num_blocks_for_budget(spec, max(budget, 0))
+            num_blocks = num_blocks_for_budget(spec, int(max(budget, 0) * share))
         else:
-            num_blocks = num_blocks_for_budget(spec, config.cpu_kv_cache_bytes)
+            num_blocks = num_blocks_for_budget(spec, int(config.cpu_kv_cache_bytes * share))
         needed = -(-config.max_model_len // config.block_size)
         if num_blocks < needed:
             raise ValueError(
@@ -344,8 +408,9 @@ class LLMEngine:
             )
         return num_blocks
 
-    def _append(self, seq: Sequence, sample: Sample, now: float) -> RequestOutput:
-        """Append a sampled token; detokenize; finish the request on a stop condition."""
+    def _append(self, seq: Sequence, sample: Sample, now: float) -> str | None:
+        """Append a sampled token and detokenize it; the finish reason if it ends the
+        request (the caller finishes it)."""
         params, state = seq.params, self._texts[seq.request_id]
         token = sample.token_id
         grammar_ended = seq.grammar is not None and seq.grammar.advance(token)
@@ -386,10 +451,7 @@ class LLMEngine:
             if cut is not None:
                 state.text = state.text[: cut[0]]
                 reason, state.stop_reason = "stop", cut[1]
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-            del self._texts[seq.request_id]
-        return self._output(seq, state)
+        return reason
 
     def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
         """Finish a request whose sampling or detokenization raised, and only it: its output

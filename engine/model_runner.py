@@ -14,6 +14,9 @@ from engine.kv_cache import KVCacheSpec, fp8_scales_from_cache
 from engine.sampler import Sample, SampleError, Sampler, SamplingRow
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
+from engine.spec_decode.rejection import verify_drafts
+
+StepResult = list[Sample] | SampleError | None
 
 
 @dataclasses.dataclass
@@ -23,7 +26,7 @@ class BatchInputs:
     input_ids: torch.Tensor  # [N] int64
     positions: torch.Tensor  # [N] int64
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [M] rows of the hidden states whose next token is sampled
+    logits_indices: torch.Tensor  # [M] rows of the hidden states whose logits are wanted
 
 
 class ModelRunner:
@@ -88,41 +91,58 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     @torch.inference_mode()
-    def run(self, output: SchedulerOutput) -> list[Sample | SampleError | None]:
-        """Forward the step; a sample (or the error sampling it raised) for each scheduled
-        sequence that completes its tokens."""
+    def run(self, output: SchedulerOutput) -> list[StepResult]:
+        """Forward the step; for each scheduled sequence that completes its tokens the tokens
+        to append (one sample, or with draft tokens those that verification accepted and
+        the target's next; :mod:`engine.spec_decode`), or the error sampling raised."""
         if self.kv_cache is None:
             raise RuntimeError("init_kv_cache() must be called before run()")
         items = output.scheduled
-        sampled = [
-            i for i, (seq, n) in enumerate(items) if seq.num_computed_tokens + n == seq.num_tokens
-        ]
+        num_logits = [_num_logits(seq, n) for seq, n in items]
         graphs = self.decode_graphs
-        if graphs is not None and len(sampled) == len(items) <= graphs.max_batch and all(
-            n == 1 for _, n in items
+        if graphs is not None and len(items) <= graphs.max_batch and all(
+            n == 1 and m == 1 for (_, n), m in zip(items, num_logits)
         ):
             hidden = self._run_decode_graph(graphs, [seq for seq, _ in items])
             logits = self.model.compute_logits(hidden)  # [B, vocab] float32
             rows = [self._sampling_row(seq) for seq, _ in items]
-            return list(self.sampler(logits, rows))
-        batch = self._prepare(
-            [seq.token_ids for seq, _ in items],
+            return [_as_result(s) for s in self.sampler(logits, rows)]
+        logits = self.forward_logits(
+            [seq.token_ids + seq.spec_token_ids for seq, _ in items],
             [seq.num_computed_tokens for seq, _ in items],
             [n for _, n in items],
             [seq.block_table for seq, _ in items],
-            sampled,
-        )
+            num_logits,
+        )  # [sum(num_logits), vocab] float32
+        results: list[StepResult] = [None] * len(items)
+        offsets = np.cumsum([0, *num_logits])
+        plain = [i for i, m in enumerate(num_logits) if m == 1 and not items[i].seq.spec_token_ids]
+        if plain:
+            index = torch.as_tensor(offsets[plain], device=logits.device)
+            rows = [self._sampling_row(items[i].seq) for i in plain]
+            for i, sample in zip(plain, self.sampler(logits.index_select(0, index), rows)):
+                results[i] = _as_result(sample)
+        for i, (seq, _) in enumerate(items):
+            if num_logits[i] and seq.spec_token_ids:
+                results[i] = verify_drafts(seq, logits[offsets[i] : offsets[i + 1]])
+        return results
+
+    @torch.inference_mode()
+    def forward_logits(
+        self,
+        token_ids: Seq[Seq[int]],
+        starts: Seq[int],
+        query_lens: Seq[int],
+        block_tables: Seq[Seq[int]],
+        num_logits: Seq[int],
+    ) -> torch.Tensor:
+        """One eager forward over the paged cache; the logits of the last ``num_logits[b]``
+        positions of each sequence ``b``, in order: ``[sum(num_logits), vocab]`` float32."""
+        batch = self._prepare(token_ids, starts, query_lens, block_tables, num_logits)
         hidden = self.model(
             batch.input_ids, batch.positions, self.kv_cache, batch.meta, self.kv_scales
         )
-        results: list[Sample | SampleError | None] = [None] * len(items)
-        if not sampled:
-            return results
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [M, vocab] float32
-        rows = [self._sampling_row(items[i].seq) for i in sampled]
-        for i, sample in zip(sampled, self.sampler(logits, rows)):
-            results[i] = sample
-        return results
+        return self.model.compute_logits(hidden[batch.logits_indices])
 
     def _run_decode_graph(self, graphs: DecodeGraphs, seqs: Seq[Sequence]) -> torch.Tensor:
         """One new token per sequence through the decode graphs; hidden states ``[B, hidden]``."""
@@ -170,7 +190,7 @@ class ModelRunner:
             num_blocks += count
         cache = spec.allocate(num_blocks, self.device)  # [num_blocks, L, 2, T, H, D]
         lengths = [len(p) for p in prompts]
-        batch = self._prepare(prompts, [0] * len(prompts), lengths, tables, range(len(prompts)))
+        batch = self._prepare(prompts, [0] * len(prompts), lengths, tables, [1] * len(prompts))
         hidden = self.model(batch.input_ids, batch.positions, cache, batch.meta, kv_scales)
         torch.softmax(self.model.compute_logits(hidden[batch.logits_indices]), dim=-1)
         return cache
@@ -181,9 +201,10 @@ class ModelRunner:
         starts: Seq[int],
         query_lens: Seq[int],
         block_tables: Seq[Seq[int]],
-        sampled: Seq[int],
+        num_logits: Seq[int],
     ) -> BatchInputs:
-        """Flatten a batch: sequence ``b`` computes ``query_lens[b]`` tokens from ``starts[b]``."""
+        """Flatten a batch: sequence ``b`` computes ``query_lens[b]`` tokens from ``starts[b]``
+        and wants the logits of its last ``num_logits[b]`` of them."""
         bs = self.block_size
         num_seqs = len(query_lens)
         seq_lens = [s + n for s, n in zip(starts, query_lens)]
@@ -215,7 +236,10 @@ class ModelRunner:
             seq_lens_cpu=list(seq_lens),
             query_lens_cpu=list(query_lens),
         )
-        logits_indices = torch.from_numpy(query_start_loc[1:][list(sampled)] - 1).long()
+        ends = query_start_loc[1:].astype(np.int64)
+        logits_indices = torch.from_numpy(
+            np.concatenate([np.arange(e - m, e) for e, m in zip(ends, num_logits)])
+        )
         return BatchInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
             positions=torch.from_numpy(positions).to(device),
@@ -232,3 +256,14 @@ class ModelRunner:
         return SamplingRow(
             params, seq.generator, suppressed, grammar=seq.grammar, token_counts=seq.token_counts
         )
+
+
+def _num_logits(seq: Sequence, num_new: int) -> int:
+    """Rows of logits ``seq`` needs this step: none mid-prefill, one to sample, one more per
+    draft token to verify."""
+    complete = seq.num_computed_tokens + num_new == seq.num_tokens + len(seq.spec_token_ids)
+    return 1 + len(seq.spec_token_ids) if complete else 0
+
+
+def _as_result(sample: Sample | SampleError) -> StepResult:
+    return sample if isinstance(sample, SampleError) else [sample]

@@ -30,6 +30,12 @@ finished load always finds a running slot. ::
       '--admit, start_load--> loading --poll: n loaded'
                                  '--abort--> finished (blocks freed once the load is reported)
 
+Speculative decoding: a decoding sequence that carries draft tokens (``spec_token_ids``)
+computes its newest token and the drafts in one chunk; the drafts that do not fit the
+budget are dropped, and all of them when the pool has no blocks for them (the sequence
+then decodes one token, as without speculation). Rejected drafts' slots are rolled back in
+:meth:`Scheduler.complete_step`.
+
 Blocks offered to ``save_blocks`` are held (:meth:`BlockManager.hold`) until ``poll``
 reports them saved.
 """
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
 from engine.block_manager import BlockManager
@@ -59,7 +66,7 @@ class _Load(NamedTuple):
 
 class ScheduledSequence(NamedTuple):
     seq: Sequence
-    num_new_tokens: int  # computed this step, starting at seq.num_computed_tokens
+    num_new_tokens: int  # computed this step, from seq.num_computed_tokens; drafts included
 
 
 @dataclasses.dataclass
@@ -146,8 +153,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):
+            seq.keep_drafts(budget - 1)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget) + len(seq.spec_token_ids)
+            allocated = self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
+            if not allocated and seq.spec_token_ids:  # no blocks for the drafts: one token
+                seq.keep_drafts(0)
+                num_new = 1
+                allocated = self.block_manager.allocate(seq, seq.num_computed_tokens + 1)
+            if allocated:
                 scheduled.append(ScheduledSequence(seq, num_new))
                 budget -= num_new
                 i += 1
@@ -200,12 +213,20 @@ class Scheduler:
         self._lookups_pending = bool(looking)
         return SchedulerOutput(scheduled, preempted)
 
-    def complete_step(self, output: SchedulerOutput) -> None:
-        """Account the step's computed tokens; register and offer the blocks that became full."""
+    def complete_step(self, output: SchedulerOutput, num_rejected: Seq[int] = ()) -> None:
+        """Account the step's computed tokens, once its sampled tokens are appended; register
+        and offer the blocks that became full.
+
+        ``num_rejected[i]``: draft tokens of ``output.scheduled[i]`` that verification
+        rejected. Their KV stays in the sequence's blocks past ``num_computed_tokens``, to be
+        overwritten by the next step, so no block holding one is ever full of computed
+        tokens: none is registered or offered. A sequence that stopped before the end of its
+        accepted tokens counts only the tokens it kept."""
         saved: list[SavedBlock] = []
-        for seq, num_new in output.scheduled:
+        for k, (seq, num_new) in enumerate(output.scheduled):
             start = seq.num_computed_tokens
-            seq.num_computed_tokens += num_new
+            rejected = num_rejected[k] if num_rejected else 0
+            seq.num_computed_tokens = min(start + num_new - rejected, seq.num_tokens)
             if start < seq.num_prompt_tokens:
                 done = min(seq.num_computed_tokens, seq.num_prompt_tokens)
                 self.stats.num_prompt_tokens += done - start
@@ -356,6 +377,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        seq.keep_drafts(0)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1

@@ -8,6 +8,10 @@
 
 ``num_computed_tokens`` only ever lags ``num_tokens``: the newest sampled token is fed to
 the model in the next step. ``block_table[i]`` holds tokens ``i*B .. i*B+B-1``.
+
+With speculative decoding a decoding sequence may carry draft tokens
+(``spec_token_ids``) past its tokens: the step computes the newest token and the drafts
+together and keeps the KV of those verification accepts (:mod:`engine.spec_decode`).
 """
 from __future__ import annotations
 
@@ -74,6 +78,8 @@ class Sequence:
         )
         self.grammar: GrammarState | None = None  # set by the engine for structured output
         self.token_counts: TokenCounts | None = None  # set by the engine for penalties
+        self.spec_token_ids: list[int] = []  # draft tokens to verify in the next step
+        self.spec_draft_probs: torch.Tensor | None = None  # [k, vocab] their q; None: one-hot
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
@@ -102,6 +108,12 @@ class Sequence:
     def is_prefilling(self) -> bool:
         """More than one token still lacks KV (a prompt, or a sequence being recomputed)."""
         return self.num_tokens - self.num_computed_tokens > 1
+
+    def keep_drafts(self, num: int) -> None:
+        """Keep only the first ``num`` draft tokens (0: none)."""
+        del self.spec_token_ids[num:]
+        if self.spec_draft_probs is not None:
+            self.spec_draft_probs = self.spec_draft_probs[:num] if num else None
 
     def append_token(self, token_id: int) -> None:
         """Append a sampled token (and count it for the penalties)."""

@@ -36,6 +36,17 @@ class EngineStats:
     ttft_s: tuple[float, ...]  # recent time-to-first-token samples
     itl_s: tuple[float, ...]  # recent inter-token latency samples
     gpu_memory: GpuMemory | None  # NVML telemetry; None without CUDA or NVML
+    # speculative decoding (vLLM's spec_decode counters; zero without speculative_config)
+    spec_num_drafts: int = 0  # verifications of a sequence's draft tokens
+    spec_num_draft_tokens: int = 0  # draft tokens verified
+    spec_num_accepted_tokens: int = 0  # of those, accepted
+    spec_accepted_per_pos: tuple[int, ...] = ()  # [i]: verifications that accepted draft i
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        if not self.spec_num_draft_tokens:
+            return 0.0
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens
 
     @property
     def kv_usage(self) -> float:
@@ -60,6 +71,10 @@ class StatsCollector:
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
         self.num_finished_requests = 0
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos: list[int] = []  # num_speculative_tokens long when on
         self.ttft_s: deque[float] = deque(maxlen=max_samples)
         self.itl_s: deque[float] = deque(maxlen=max_samples)
 
