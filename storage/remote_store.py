@@ -23,7 +23,8 @@ dead server from costing a timeout per call::
 
 While open, lookups are misses and stores are dropped without touching the network. After
 the cooldown the next call, whichever it is, probes the server (a ``PING`` before the call
-itself); the client's pool reconnects by itself. :attr:`RemoteStore.available` is true
+itself; on a cluster, of every primary, from a fresh view of the slots); the client's pool
+reconnects by itself. :attr:`RemoteStore.available` is true
 once a probe is due, so a caller that checks it first does not keep the breaker open.
 
 Puts are synchronous (one pipelined round-trip per :meth:`RemoteStore.put_many`), so a put
@@ -38,8 +39,12 @@ A scan walks the whole keyspace, so ``stats()`` never runs one itself: it return
 figures and, at most every ``stats_interval_s`` (a minute), starts a refresh in the
 background.
 
-Cluster mode (Valkey/Redis Cluster) is not supported yet: the URL is a single server, with
-optional replicas behind it managed by the operator. See ``docs/scale_out.md``.
+The URL names one server (with replicas behind it, if any, managed by the operator) or,
+with ``?cluster=1``, a Valkey/Redis Cluster (:mod:`storage.remote_client`). On a cluster,
+keys spread over the slots (no hash tag), a pipelined call is split by node, ``SCAN`` and
+the memory figures cover every primary, and a call whose commands failed on one node still
+returns what the other nodes answered: that node's keys are misses or drops, and the call
+counts as a failure for the breaker. See ``docs/scale_out.md``.
 """
 from __future__ import annotations
 
@@ -48,58 +53,29 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from urllib.parse import parse_qs, urlsplit, urlunsplit
-
-import valkey
-from valkey.backoff import NoBackoff
-from valkey.retry import Retry
 
 from storage.base import DIGEST_SIZE, BlockKey, BlockStore, StoreStats
-from storage.call_deadline import CallDeadline, connection_class
+from storage.call_deadline import CallDeadline
 from storage.circuit_breaker import BreakerConfig, CircuitBreaker, Permit
 from storage.record import Record, RecordError, decode_record, encode_record
+from storage.remote_client import RemoteClient, parse_remote_url, redact_url, remote_client
 from storage.seal import SealKey
+
+__all__ = ["BreakerConfig", "RemoteStore", "parse_remote_url", "redact_url"]
 
 logger = logging.getLogger(__name__)
 
-URL_SCHEMES = ("redis", "rediss", "valkey", "valkeys")
 _GLOB_CHARS = set("*?[]\\")
 _SCAN_COUNT = 1000
 
 
-def parse_remote_url(url: str) -> str:
-    """Check a ``redis://``, ``rediss://`` (TLS), ``valkey://`` or ``valkeys://`` (TLS) URL,
-    e.g. ``redis://:password@host:6379/0``; returns it unchanged. Raises ``ValueError``."""
-    if not isinstance(url, str):
-        raise ValueError(f"remote URL must be a string, got {url!r}")  # noqa: TRY004 - config
-    parts = urlsplit(url)
-    if parts.scheme not in URL_SCHEMES:
-        raise ValueError(
-            f"remote URL must start with one of {', '.join(s + '://' for s in URL_SCHEMES)}, "
-            f"got {redact_url(url)!r}"
-        )
-    if not parts.hostname:
-        raise ValueError(f"remote URL has no host: {redact_url(url)!r}")
-    query = parse_qs(parts.query)
-    if "cluster" in query:
-        raise ValueError("Valkey/Redis Cluster is not supported yet; give one server's URL")
-    try:
-        parts.port  # noqa: B018 - raises ValueError on a bad port
-    except ValueError:
-        raise ValueError(f"remote URL has an invalid port: {redact_url(url)!r}") from None
-    return url
+class _PartlyFailed(Exception):
+    """Some commands of a pipeline failed (a cluster node down): the replies, each an
+    exception where its command failed."""
 
-
-def redact_url(url: str) -> str:
-    """``url`` without its password, for logs and error messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.hostname or ""
-    if parts.port:
-        netloc = f"{netloc}:{parts.port}"
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+    def __init__(self, replies: list) -> None:
+        super().__init__(next(r for r in replies if isinstance(r, Exception)))
+        self.replies = replies
 
 
 class RemoteStore(BlockStore[Record]):
@@ -143,15 +119,8 @@ class RemoteStore(BlockStore[Record]):
         self._timeout = timeout_s
         self._breaker = CircuitBreaker(breaker or BreakerConfig())
         self._deadline = CallDeadline()
-        self._client = valkey.Valkey.from_url(
-            url,
-            connection_class=connection_class(url),
-            call_deadline=self._deadline,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            max_connections=max_connections,
-            retry=Retry(NoBackoff(), 0),  # the breaker decides when to try again
-            retry_on_timeout=False,
+        self._remote: RemoteClient = remote_client(
+            url, self._deadline, timeout_s=timeout_s, max_connections=max_connections
         )
         self._stats_interval = stats_interval_s
         self._lock = threading.Lock()
@@ -179,8 +148,9 @@ class RemoteStore(BlockStore[Record]):
     # ------------------------------------------------------------------ the network
 
     def _call(self, fn, what: str):
-        """Run ``fn(client)`` behind the breaker and within the deadline; ``(True, result)``
-        or ``(False, None)``."""
+        """Run ``fn(remote client)`` behind the breaker and within the deadline;
+        ``(True, result)``, or ``(False, None)`` on failure. A pipeline that partly failed
+        is a failure with the replies it got: ``(False, replies)``."""
         if self._closed:
             return False, None
         permit = self._breaker.allow()
@@ -190,9 +160,11 @@ class RemoteStore(BlockStore[Record]):
         ok, result, error = False, None, None
         try:
             if permit is Permit.PROBE:  # half-open: one cheap probe before the real call
-                self._client.ping()
-            result = fn(self._client)
+                self._remote.probe()
+            result = fn(self._remote)
             ok = True
+        except _PartlyFailed as e:
+            result, error = e.replies, e
         except Exception as e:  # noqa: BLE001 - any client error is a miss or a drop, never a failure
             error = e
         finally:
@@ -207,13 +179,24 @@ class RemoteStore(BlockStore[Record]):
             )
         return ok, result
 
-    def _pipeline(self, ops, what: str):
-        def run(client):
-            pipe = client.pipeline(transaction=False)
-            ops(pipe)
-            return pipe.execute()
+    def _pipeline(self, ops, n: int, what: str) -> list:
+        """The ``n`` replies of the commands ``ops(pipe)`` queues, sent in one pipelined
+        round-trip (per node, on a cluster); a reply is an exception where its command
+        failed, e.g. all of them when the server is down, those of one node when that node
+        is. Any failure counts against the breaker."""
 
-        return self._call(run, what)
+        def run(remote: RemoteClient) -> list:
+            pipe = remote.client().pipeline(transaction=False)
+            ops(pipe)
+            replies = pipe.execute(raise_on_error=False)
+            if any(isinstance(r, Exception) for r in replies):
+                raise _PartlyFailed(replies)
+            return replies
+
+        _, replies = self._call(run, what)
+        if replies is None:
+            return [ConnectionError(f"remote {what} failed")] * n
+        return replies
 
     @property
     def available(self) -> bool:
@@ -230,8 +213,8 @@ class RemoteStore(BlockStore[Record]):
         kbs = [self._kb(k) for k in keys]
         if not kbs:
             return []
-        ok, replies = self._pipeline(lambda p: [p.exists(kb) for kb in kbs], "exists")
-        return [bool(r) for r in replies] if ok else [False] * len(kbs)
+        replies = self._pipeline(lambda p: [p.exists(kb) for kb in kbs], len(kbs), "exists")
+        return [not isinstance(r, Exception) and bool(r) for r in replies]
 
     def longest_prefix(self, keys: Sequence[BlockKey]) -> int:
         """One pipelined round-trip of ``EXISTS`` for the whole chain."""
@@ -247,16 +230,12 @@ class RemoteStore(BlockStore[Record]):
         kbs = [self._kb(k) for k in keys]
         if not kbs:
             return []
-        ok, bufs = self._pipeline(lambda p: [p.get(kb) for kb in kbs], "get")
-        if not ok:
-            with self._lock:
-                self._stats.misses += len(kbs)
-            return [None] * len(kbs)
+        bufs = self._pipeline(lambda p: [p.get(kb) for kb in kbs], len(kbs), "get")
         out: list[Record | None] = []
         bad: list[bytes] = []
         hits = misses = nbytes = 0
         for key, kb, buf in zip(keys, kbs, bufs):
-            if buf is None:
+            if buf is None or isinstance(buf, Exception):
                 misses += 1
                 out.append(None)
                 continue
@@ -276,7 +255,7 @@ class RemoteStore(BlockStore[Record]):
             self._stats.bytes_read += nbytes
             self._stats.corrupt += len(bad)
         if bad:
-            self._call(lambda c: c.delete(*bad), "delete")
+            self._delete_stored(bad)
         return out
 
     def put(self, key: BlockKey, value: Record) -> bool:
@@ -292,48 +271,56 @@ class RemoteStore(BlockStore[Record]):
             encoded.append((kb, encode_record(record, self._seal_key)))
         if not encoded:
             return []
-        ok, _ = self._pipeline(
-            lambda p: [p.set(kb, buf, ex=self._ttl) for kb, buf in encoded], "set"
+        replies = self._pipeline(
+            lambda p: [p.set(kb, buf, ex=self._ttl) for kb, buf in encoded], len(encoded), "set"
         )
+        stored = [not isinstance(r, Exception) for r in replies]
         with self._lock:
-            if ok:
-                self._stats.puts += len(encoded)
-                self._stats.bytes_written += sum(len(buf) for _, buf in encoded)
-            else:
-                self._stats.dropped += len(encoded)
-        return [ok] * len(encoded)
+            self._stats.puts += sum(stored)
+            self._stats.bytes_written += sum(len(buf) for (_, buf), s in zip(encoded, stored) if s)
+            self._stats.dropped += len(stored) - sum(stored)
+        return stored
 
     def delete(self, key: BlockKey) -> bool:
         return self.delete_many([key]) == 1
 
     def delete_many(self, keys: Sequence[BlockKey]) -> int:
-        kbs = [self._kb(k) for k in keys]
+        return self._delete_stored([self._kb(k) for k in keys])
+
+    def _delete_stored(self, kbs: Sequence[bytes]) -> int:
+        """Delete keys as named on the server (one ``DEL`` each, pipelined: a cluster's keys are in many
+        slots); how many existed."""
         if not kbs:
             return 0
-        ok, n = self._call(lambda c: c.delete(*kbs), "delete")
-        return int(n) if ok else 0
+        replies = self._pipeline(lambda p: [p.delete(kb) for kb in kbs], len(kbs), "delete")
+        return sum(int(r) for r in replies if not isinstance(r, Exception))
 
     def keys(self, namespace: bytes | None = None) -> Iterator[BlockKey]:
-        """Keys under this prefix by ``SCAN`` (nothing while the server is unreachable)."""
+        """Keys under this prefix by ``SCAN`` of the server, or of every primary of a
+        cluster, one page per call (stops where the server or a node is unreachable)."""
         pattern = self._prefix + (namespace.hex().encode() + b":" if namespace else b"") + b"*"
-        cursor: int | None = 0
+        ok, nodes = self._call(lambda r: r.scan_nodes(), "scan")
+        if not ok:
+            return
         seen: set[bytes] = set()  # SCAN may return a key twice
-        while cursor is not None:
-            ok, reply = self._call(
-                lambda c, cur=cursor: c.scan(cur, match=pattern, count=_SCAN_COUNT), "scan"
-            )
-            if not ok:
-                return
-            cursor, batch = reply
-            for kb in batch:
-                if kb in seen:
-                    continue
-                seen.add(kb)
-                key = self._key_of(kb)
-                if key is not None:
-                    yield key
-            if cursor == 0:
-                cursor = None
+        for node in nodes:
+            cursor: int | None = 0
+            while cursor is not None:
+                ok, reply = self._call(
+                    lambda r, cur=cursor, node=node: r.scan(node, cur, pattern, _SCAN_COUNT), "scan"
+                )
+                if not ok:
+                    return
+                cursor, batch = reply
+                for kb in batch:
+                    if kb in seen:
+                        continue
+                    seen.add(kb)
+                    key = self._key_of(kb)
+                    if key is not None:
+                        yield key
+                if cursor == 0:
+                    cursor = None
 
     def stats(self) -> StoreStats:
         """The counters, and the server's key count and memory as of the last refresh. A
@@ -365,19 +352,17 @@ class RemoteStore(BlockStore[Record]):
                 self._refreshing = False
 
     def _refresh_server_stats(self) -> None:
-        ok, info = self._call(lambda c: c.info("memory"), "info")
+        ok, memory = self._call(lambda r: r.memory(), "info")
         if not ok:
             return
         entries = sum(1 for _ in self.keys())
         with self._lock:
             self._stats.entries = entries
-            self._stats.bytes_used = int(info.get("used_memory", 0))
-            self._stats.capacity_bytes = int(info.get("maxmemory", 0))
+            self._stats.bytes_used, self._stats.capacity_bytes = memory
 
     def close(self) -> None:
         """Release the connection pool. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._client.close()
-        self._client.connection_pool.disconnect()
+        self._remote.close()

@@ -1,6 +1,7 @@
 """Servers for the remote-tier tests: a throwaway Valkey/Redis server (its own process on a
-free loopback port, no persistence, in a temporary directory) and :class:`DripServer`, a
-fake one that answers slowly."""
+free loopback port, no persistence, in a temporary directory), :class:`RedisCluster` (three
+such servers in cluster mode, the slots split between them) and :class:`DripServer`, a fake
+server that answers slowly."""
 from __future__ import annotations
 
 import select
@@ -12,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import valkey
 
 BINARIES = ("valkey-server", "redis-server")
@@ -32,11 +34,13 @@ def _free_port() -> int:
 
 
 class RedisServer:
-    """Start, stop and restart one server process on a fixed port."""
+    """Start, stop and restart one server process on a fixed port; ``extra``: more
+    command-line options."""
 
-    def __init__(self, binary: str, workdir: Path) -> None:
+    def __init__(self, binary: str, workdir: Path, extra: tuple[str, ...] = ()) -> None:
         self.binary = binary
         self.workdir = workdir
+        self.extra = extra
         self.port = _free_port()
         self.proc: subprocess.Popen | None = None
 
@@ -47,7 +51,7 @@ class RedisServer:
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.workdir)],
+             "--appendonly", "no", "--dir", str(self.workdir), *self.extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         client = valkey.Valkey(port=self.port, socket_connect_timeout=0.2, socket_timeout=0.5)
@@ -80,6 +84,95 @@ class RedisServer:
     def client(self) -> valkey.Valkey:
         return valkey.Valkey(port=self.port)
 
+
+SLOTS = 16384
+
+
+class RedisCluster:
+    """A Valkey/Redis Cluster of ``size`` primaries on loopback, no replicas: each node its
+    own process and directory (its ``nodes.conf`` lets a stopped node rejoin with its slots
+    when started again), on a free port and a free cluster-bus port. The slots are split in
+    equal ranges (``CLUSTER ADDSLOTSRANGE``) and the nodes introduced (``CLUSTER MEET``)."""
+
+    def __init__(self, binary: str, workdir: Path, size: int = 3, node_timeout_ms: int = 5000) -> None:
+        self.nodes: list[RedisServer] = []
+        self.bus_ports: list[int] = []
+        for i in range(size):
+            (workdir / f"node{i}").mkdir(parents=True, exist_ok=True)
+            bus = _free_port()
+            self.bus_ports.append(bus)
+            self.nodes.append(RedisServer(binary, workdir / f"node{i}", (
+                "--cluster-enabled", "yes", "--cluster-port", str(bus),
+                "--cluster-config-file", "nodes.conf",
+                "--cluster-node-timeout", str(node_timeout_ms),
+            )))
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.nodes[0].port}/?cluster=1"
+
+    def start(self, timeout: float = 20.0) -> None:
+        for node in self.nodes:
+            node.start()
+        clients = [node.client() for node in self.nodes]
+        try:
+            bounds = [SLOTS * i // len(clients) for i in range(len(clients) + 1)]
+            for client, start, end in zip(clients, bounds, bounds[1:]):
+                client.execute_command("CLUSTER ADDSLOTSRANGE", start, end - 1)
+            for node, bus in zip(self.nodes[1:], self.bus_ports[1:]):
+                clients[0].execute_command("CLUSTER MEET", "127.0.0.1", node.port, bus)
+            self.wait_ok(timeout, clients)
+        finally:
+            for client in clients:
+                client.close()
+
+    def wait_ok(self, timeout: float = 20.0, clients: list | None = None) -> None:
+        """Until every node sees every other and says ``cluster_state:ok``."""
+        own = clients is None
+        clients = clients or [node.client() for node in self.nodes]
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                try:
+                    infos = [c.execute_command("CLUSTER INFO") for c in clients]
+                    if all(_cluster_ok(info, len(clients)) for info in infos):
+                        return
+                except valkey.ConnectionError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"cluster not ok after {timeout} s")
+                time.sleep(0.05)
+        finally:
+            if own:
+                for client in clients:
+                    client.close()
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()  # SIGKILL: a paused node too
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory) -> RedisCluster:
+    """A 3-node cluster for a test module (import this fixture into it); tests keep apart by
+    key prefix."""
+    binary = server_binary()
+    if binary is None:
+        pytest.skip("no valkey-server or redis-server binary (CI installs redis-server)")
+    cluster = RedisCluster(binary, tmp_path_factory.mktemp("cluster"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _cluster_ok(info, size: int) -> bool:
+    if isinstance(info, bytes):
+        info = info.decode()
+    if isinstance(info, str):
+        info = dict(line.split(":", 1) for line in info.split() if ":" in line)
+    return info.get("cluster_state") == "ok" and int(info.get("cluster_known_nodes", 0)) == size
 
 
 class DripServer:

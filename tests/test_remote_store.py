@@ -183,6 +183,31 @@ def test_a_paused_server_opens_the_breaker_and_a_probe_closes_it(private_server)
         s.close()
 
 
+def test_a_server_out_of_memory_drops_the_stores_it_refuses_and_keeps_the_rest(private_server):
+    """A pipeline whose later SETs the server refuses (maxmemory reached, noeviction) keeps
+    the records stored before: those are puts, the refused ones are drops."""
+    s = store(private_server.url, breaker=BreakerConfig(failures=5, cooldown_s=60))
+    client = private_server.client()
+    try:
+        used = int(client.info("memory")["used_memory"])
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", used + 20 * len(encode_record(big_record(0), KEY)))
+        stored = s.put_many((key(i), big_record(i)) for i in range(60))
+        assert 0 < sum(stored) < 60
+        assert s.contains_many([key(i) for i in range(60)]) == stored
+        st = s.stats()
+        assert st.puts == sum(stored) and st.dropped == 60 - sum(stored)
+    finally:
+        client.config_set("maxmemory", 0)
+        client.close()
+        s.close()
+
+
+def big_record(i: int) -> Record:
+    kv = torch.arange(4096, dtype=torch.float16) + i
+    return Record(key(i), None, (i,), "raw", torch.float16, (4096,), kv.numpy().tobytes())
+
+
 def test_a_server_that_drips_its_reply_costs_one_timeout_per_call():
     drip = DripServer(interval_s=0.05, drip_for_s=3.0)
     timeout = 0.2
@@ -214,8 +239,9 @@ def test_urls():
     assert parse_remote_url("rediss://:pw@h:6380/1")
     with pytest.raises(ValueError, match="start with"):
         parse_remote_url("http://h")
-    with pytest.raises(ValueError, match="Cluster"):
-        parse_remote_url("redis://h:1/0?cluster=1")
+    assert parse_remote_url("redis://h:1/0?cluster=1") == "redis://h:1/0?cluster=1"
+    with pytest.raises(ValueError, match="cluster must be 1"):
+        parse_remote_url("redis://h:1/0?cluster=on")
     with pytest.raises(ValueError, match="no host"):
         parse_remote_url("redis://")
     assert redact_url("redis://u:secret@h:1/0") == "redis://u:***@h:1/0"

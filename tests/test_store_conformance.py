@@ -1,4 +1,5 @@
-"""One contract, every tier: the checks from storage/base.py run against each block store."""
+"""One contract, every tier: the checks from storage/base.py run against each block store,
+the remote one on a single server and on a 3-node cluster."""
 from __future__ import annotations
 
 import hashlib
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from redis_server import redis_cluster  # noqa: F401  (fixture)
 from storage.base import BlockKey, BlockStore
 from storage.cpu_pool import CpuBlockPool, HostBlock
 from storage.lmdb_store import LmdbStore
@@ -84,11 +86,12 @@ def make_remote(tmp_path, capacity_blocks: int, url: str) -> Tier:
     return Tier(store, _record, _same_record, evicts=False)
 
 
-@pytest.fixture(params=["cpu", "disk", "remote"])
+@pytest.fixture(params=["cpu", "disk", "remote", "remote-cluster"])
 def tier_factory(request, tmp_path):
     made: list[Tier] = []
-    if request.param == "remote":
-        url = request.getfixturevalue("redis_server").url
+    if request.param.startswith("remote"):
+        server = "redis_cluster" if request.param == "remote-cluster" else "redis_server"
+        url = request.getfixturevalue(server).url
         make = lambda tmp, n: make_remote(tmp, n, url)  # noqa: E731
     else:
         make = {"cpu": make_cpu, "disk": make_disk}[request.param]

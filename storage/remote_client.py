@@ -1,0 +1,243 @@
+"""How the remote tier reaches Valkey/Redis: its URL, and a client for one server or a cluster.
+
+URLs::
+
+    redis://[user:PASSWORD@]host:6379[/db]        one server (valkey://; TLS: rediss://, valkeys://)
+    redis://[user:PASSWORD@]host:6379/?cluster=1  a Valkey/Redis Cluster; host:port: any node
+
+A cluster URL names the node to start from. The client asks it for the slot map (``CLUSTER
+SLOTS``), learns the other nodes, follows ``MOVED`` and ``ASK`` redirections, and splits a
+pipeline by node: the commands for every node are sent before any reply is read, so a
+pipelined call costs about one round-trip whichever nodes it touches. Keys are hashed
+whole (no ``{hash tag}``), so blocks spread evenly over the 16384 slots and the nodes that
+own them. A cluster has only database 0.
+
+Both clients talk through the call deadline's connections (:mod:`storage.call_deadline`)
+and never retry on their own: the remote store's circuit breaker decides when to try
+again. A cluster client is built on the first call (building it asks a node for the slot
+map, so it happens under that call's deadline); the probe that may close the breaker
+rebuilds it from the URL's node and every node it knew, because the library forgets the
+nodes it saw fail.
+"""
+from __future__ import annotations
+
+import threading
+from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
+
+import valkey
+from valkey.backoff import NoBackoff
+from valkey.cluster import ClusterNode, ValkeyCluster
+from valkey.retry import Retry
+
+from storage.call_deadline import CallDeadline, connection_class
+
+URL_SCHEMES = ("redis", "rediss", "valkey", "valkeys")
+CLUSTER_ON = ("1", "true", "yes")
+CLUSTER_OFF = ("0", "false", "no")
+
+
+def parse_remote_url(url: str) -> str:
+    """Check a ``redis://``, ``rediss://`` (TLS), ``valkey://`` or ``valkeys://`` (TLS) URL,
+    e.g. ``redis://:password@host:6379/0``, or with ``?cluster=1`` a cluster's; returns it
+    unchanged. Raises ``ValueError`` with one line (never showing the password)."""
+    if not isinstance(url, str):
+        raise ValueError(f"remote URL must be a string, got {url!r}")  # noqa: TRY004 - config
+    parts = urlsplit(url)
+    if parts.scheme not in URL_SCHEMES:
+        raise ValueError(
+            f"remote URL must start with one of {', '.join(s + '://' for s in URL_SCHEMES)}, "
+            f"got {redact_url(url)!r}"
+        )
+    if not parts.hostname:
+        raise ValueError(f"remote URL has no host: {redact_url(url)!r}")
+    try:
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        raise ValueError(f"remote URL has an invalid port: {redact_url(url)!r}") from None
+    if is_cluster_url(url) and parts.path.strip("/") not in ("", "0"):
+        raise ValueError(
+            f"a cluster has only database 0; drop {parts.path!r} from {redact_url(url)!r}"
+        )
+    return url
+
+
+def is_cluster_url(url: str) -> bool:
+    """Whether ``url`` asks for a Valkey/Redis Cluster (``?cluster=1``, ``true`` or ``yes``).
+    Raises ``ValueError`` for any other value of ``cluster``."""
+    values = parse_qs(urlsplit(url).query, keep_blank_values=True).get("cluster", [])
+    if not values:
+        return False
+    if len(values) > 1:
+        raise ValueError(f"remote URL gives cluster= {len(values)} times: {redact_url(url)!r}")
+    value = values[0].lower()
+    if value not in CLUSTER_ON + CLUSTER_OFF:
+        raise ValueError(
+            f"remote URL: cluster must be 1 (a Valkey/Redis Cluster) or 0 (one server), "
+            f"got {values[0]!r}"
+        )
+    return value in CLUSTER_ON
+
+
+def redact_url(url: str) -> str:
+    """``url`` without its password, for logs and error messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.hostname or ""
+    if parts.port:
+        netloc = f"{netloc}:{parts.port}"
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
+def _without_cluster(url: str) -> str:
+    """``url`` less its ``cluster`` parameter, which the client library does not know."""
+    parts = urlsplit(url)
+    query = [(k, v) for k, vs in parse_qs(parts.query, keep_blank_values=True).items()
+             for v in vs if k != "cluster"]
+    return urlunsplit(parts._replace(query=urlencode(query)))
+
+
+class RemoteClient:
+    """The client of one server or of a cluster, seen the same way by the remote store.
+    Every method touches the network: call them under the store's deadline."""
+
+    def client(self) -> valkey.Valkey | ValkeyCluster:
+        """The library's client (its ``pipeline(transaction=False)`` splits by node on a
+        cluster)."""
+        raise NotImplementedError
+
+    def probe(self) -> None:
+        """A cheap check that every node answers (``PING``); raises if one does not."""
+        raise NotImplementedError
+
+    def scan_nodes(self) -> list[str]:
+        """The nodes to ``SCAN`` to see every key: the server, or each primary by name."""
+        raise NotImplementedError
+
+    def scan(self, node: str, cursor: int, match: bytes, count: int) -> tuple[int, list[bytes]]:
+        """One ``SCAN`` page of ``node``: the next cursor (0: done) and the keys."""
+        raise NotImplementedError
+
+    def memory(self) -> tuple[int, int]:
+        """``used_memory`` and ``maxmemory``, summed over the primaries."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class ServerClient(RemoteClient):
+    """One server (with replicas behind it, if any, the operator's business). Connects on
+    the first call."""
+
+    def __init__(self, url: str, deadline: CallDeadline, *, timeout_s: float,
+                 max_connections: int) -> None:
+        self._client = valkey.Valkey.from_url(
+            _without_cluster(url),
+            connection_class=connection_class(url),
+            call_deadline=deadline,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            max_connections=max_connections,
+            retry=Retry(NoBackoff(), 0),  # the breaker decides when to try again
+            retry_on_timeout=False,
+        )
+
+    def client(self) -> valkey.Valkey:
+        return self._client
+
+    def probe(self) -> None:
+        self._client.ping()
+
+    def scan_nodes(self) -> list[str]:
+        return ["server"]
+
+    def scan(self, node: str, cursor: int, match: bytes, count: int) -> tuple[int, list[bytes]]:
+        return self._client.scan(cursor, match=match, count=count)
+
+    def memory(self) -> tuple[int, int]:
+        info = self._client.info("memory")
+        return int(info.get("used_memory", 0)), int(info.get("maxmemory", 0))
+
+    def close(self) -> None:
+        self._client.close()
+        self._client.connection_pool.disconnect()
+
+
+class ClusterClient(RemoteClient):
+    """A Valkey/Redis Cluster; see the module docstring. Thread-safe."""
+
+    def __init__(self, url: str, deadline: CallDeadline, *, timeout_s: float,
+                 max_connections: int) -> None:
+        self._url = _without_cluster(url)
+        tls_or_tcp = connection_class(url)
+
+        def pool(**kwargs) -> valkey.ConnectionPool:
+            # The library puts its own class for a TLS URL here; ours bounds every wait.
+            kwargs["connection_class"] = tls_or_tcp
+            return valkey.ConnectionPool(call_deadline=deadline, **kwargs)
+
+        self._options = dict(
+            connection_pool_class=pool,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            max_connections=max_connections,  # per node
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+            cluster_error_retry_attempts=0,
+        )
+        self._lock = threading.Lock()
+        self._cluster: ValkeyCluster | None = None
+        self._known: list[tuple[str, int]] = []  # nodes of the last client, to start from
+
+    def client(self) -> ValkeyCluster:
+        with self._lock:
+            if self._cluster is None:
+                seeds = [ClusterNode(host, port) for host, port in self._known]
+                self._cluster = ValkeyCluster(url=self._url, startup_nodes=seeds, **self._options)
+            return self._cluster
+
+    def probe(self) -> None:
+        self._forget()
+        self.client().ping(target_nodes=ValkeyCluster.PRIMARIES)
+
+    def scan_nodes(self) -> list[str]:
+        return [node.name for node in self.client().get_primaries()]
+
+    def scan(self, node: str, cursor: int, match: bytes, count: int) -> tuple[int, list[bytes]]:
+        cluster = self.client()
+        target = cluster.get_node(node_name=node)
+        if target is None:
+            raise valkey.ConnectionError(f"node {node} is no longer in the cluster")
+        cursors, keys = cluster.scan(cursor, match=match, count=count, target_nodes=target)
+        return cursors[node], keys
+
+    def memory(self) -> tuple[int, int]:
+        cluster = self.client()
+        used = limit = 0
+        for node in cluster.get_primaries():
+            info = cluster.info("memory", target_nodes=node)
+            used += int(info.get("used_memory", 0))
+            limit += int(info.get("maxmemory", 0))
+        return used, limit
+
+    def _forget(self) -> None:
+        """Drop the client, keeping its nodes to start the next one from."""
+        with self._lock:
+            old, self._cluster = self._cluster, None
+            if old is not None:
+                self._known = [(n.host, n.port) for n in old.get_nodes()] or self._known
+        if old is not None:
+            old.disconnect_connection_pools()
+            old.close()
+
+    def close(self) -> None:
+        self._forget()
+
+
+def remote_client(url: str, deadline: CallDeadline, *, timeout_s: float,
+                  max_connections: int) -> RemoteClient:
+    """The client for a checked URL (:func:`parse_remote_url`)."""
+    kind = ClusterClient if is_cluster_url(url) else ServerClient
+    return kind(url, deadline, timeout_s=timeout_s, max_connections=max_connections)
