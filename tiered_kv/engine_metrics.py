@@ -57,11 +57,20 @@ _COUNTERS: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
      lambda s: s.num_generated_tokens),
     ("tiered_kv_connector_load_failures", "Tier loads that failed and were recomputed.",
      lambda s: s.connector_load_failures),
+    ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+     lambda s: s.spec_num_drafts),
+    ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+     lambda s: s.spec_num_draft_tokens),
+    ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+     lambda s: s.spec_num_accepted_tokens),
 )
+_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
 class EngineCollector:
-    """The families above, plus ``tiered_kv_num_requests_inflight`` (the server's count) and,
+    """The families above, ``vllm:spec_decode_num_accepted_tokens_per_pos`` (by ``position``;
+    no samples without speculative decoding), ``tiered_kv_num_requests_inflight`` (the
+    server's count) and,
     with a CPU tier, ``vllm:cpu_prefix_cache_hit_rate`` and ``vllm:cpu_cache_usage_perc``."""
 
     def __init__(
@@ -86,6 +95,12 @@ class EngineCollector:
             families.append(GaugeMetricFamily(name, doc, value=None if s is None else value(s)))
         for name, doc, value in _COUNTERS:
             families.append(CounterMetricFamily(name, doc, value=None if s is None else value(s)))
+        per_pos = CounterMetricFamily(
+            _PER_POS, "Accepted tokens per draft position.", labels=["position"]
+        )
+        for position, count in enumerate(s.spec_accepted_per_pos if s is not None else ()):
+            per_pos.add_metric([str(position)], count)
+        families.append(per_pos)
         families.append(GaugeMetricFamily(
             "tiered_kv_num_requests_inflight", "Requests the server holds (running or queued).",
             value=None if s is None else self._inflight(),
