@@ -42,7 +42,8 @@ class TierConfig:
     what is queued.
     ``sync``: fsync every LMDB commit (``False``: only flush and close fsync).
     ``remote_url``: the shared remote tier, a Valkey/Redis server (``redis://``,
-    ``rediss://``, ``valkey://``, ``valkeys://``; ``None``: no remote tier).
+    ``rediss://``, ``valkey://``, ``valkeys://``), or a cluster with ``?cluster=1`` (any
+    node's URL; see ``storage.remote_client``); ``None``: no remote tier.
     ``remote_write_policy``: ``write-through`` queues every stored block for the remote
     tier too (from its own writer thread); ``read-only`` only reads what others stored.
     ``remote_timeout_s``: the deadline of each remote call as a whole (connect, send, reply).
