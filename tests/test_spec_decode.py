@@ -18,6 +18,8 @@ from engine.spec_decode.ngram import propose_ngram
 from engine.spec_decode.rejection import verify
 from engine_testing import MemoryConnector, one_thread  # noqa: F401  (autouse fixture)
 from tiered_kv.engine_metrics import EngineCollector
+from tiered_kv.serve_config import ServeConfig
+from tiered_kv.vllm_compat import REFUSED_FLAGS
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 REPEAT = "def add(a, b):\n    return a + b\n" * 5
@@ -95,6 +97,14 @@ def test_config_refuses_what_it_does_not_know(data, message):
 def test_config_refuses_bad_json():
     with pytest.raises(ValueError, match="not valid JSON"):
         SpeculativeConfig.from_json("{method: ngram}")
+
+
+def test_serve_flag_reaches_the_engine_config():
+    config = ServeConfig(speculative_config=json.dumps(NGRAM))
+    assert config.engine_config().speculative_config == SpeculativeConfig.from_dict(NGRAM)
+    assert "--speculative-config" not in REFUSED_FLAGS
+    with pytest.raises(ValueError, match="^--speculative-config: unknown speculative method"):
+        ServeConfig(speculative_config='{"method": "medusa2", "num_speculative_tokens": 2}')
 
 
 def test_a_draft_with_another_vocabulary_is_refused(tmp_path):

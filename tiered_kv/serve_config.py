@@ -21,6 +21,7 @@ from typing import Any
 
 from engine.config import DTYPES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, EngineConfig
 from engine.kv_events import KVEventsConfig
+from engine.spec_decode import SpeculativeConfig
 from tiered_kv.config import (
     GiB, MiB, OFFLOAD_MODES, REMOTE_WRITE_POLICIES, WRITE_POLICIES, TierConfig, load_tenant_priorities,
 )
@@ -186,6 +187,12 @@ class ServeConfig:
         "e.g. `{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}` "
         "(docs/scale_out.md).", ENGINE, metavar="JSON", default_text="off",
     )
+    speculative_config: str | None = option(
+        None, "Speculative decoding: vLLM's JSON, `{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}` or `{\"model\": \"/path/to/draft\", "
+        "\"num_speculative_tokens\": 4}` (docs/engine.md#speculative-decoding).", ENGINE,
+        metavar="JSON", default_text="off",
+    )
     tensor_parallel_size: int = option(
         1, "Only 1: one device per server.", ENGINE, aliases=("-tp",),
         vllm_note="1 only",
@@ -326,6 +333,7 @@ class ServeConfig:
             scheduling_policy=self.scheduling_policy,
             seed=self.seed,
             kv_events_config=self._kv_events(),
+            speculative_config=self._speculative(),
         )
 
     def _kv_events(self) -> KVEventsConfig | None:
@@ -335,6 +343,14 @@ class ServeConfig:
             return KVEventsConfig.from_json(self.kv_events_config)
         except (TypeError, ValueError) as e:
             raise ValueError(f"--kv-events-config: {e}") from None
+
+    def _speculative(self) -> SpeculativeConfig | None:
+        if self.speculative_config is None:
+            return None
+        try:
+            return SpeculativeConfig.from_json(self.speculative_config)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--speculative-config: {e}") from None
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.model, **self.engine_kwargs())

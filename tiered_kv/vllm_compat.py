@@ -36,7 +36,6 @@ REFUSED_FLAGS: dict[str, str] = {
     "--tokenizer": "the tokenizer is read from the model folder",
     "--enable-lora": "LoRA adapters are not supported",
     "--lora-modules": "LoRA adapters are not supported",
-    "--speculative-config": "speculative decoding is not supported",
     "--enable-auto-tool-choice": "tool calling is not supported (requests with tools get 400)",
     "--tool-call-parser": "tool calling is not supported (requests with tools get 400)",
     "--reasoning-parser": "reasoning output is not parsed",
