@@ -140,15 +140,17 @@ class Recovery:
     def _pick_victims_locked(
         self, need: int, batch_keys: set[bytes]
     ) -> tuple[list[Snap], dict[bytes, int]]:
-        """Least recently used keys outside the batch worth ``need`` bytes, taken out of
-        the index and queued for deletion; their snapshots and sizes."""
+        """Least recently used keys on disk outside the batch worth ``need`` bytes, taken
+        out of the index and queued for deletion; their snapshots and sizes. A key with an
+        operation still pending is not on disk yet: deleting it frees nothing, and a failed
+        deletion would put it back in the index as if its put had been written."""
         victims: list[Snap] = []
         sizes: dict[bytes, int] = {}
         freed = 0
         for kb in list(self._index):
             if freed >= need:
                 break
-            if kb in batch_keys:
+            if kb in batch_keys or kb in self._pending:
                 continue
             sizes[kb] = self._index.pop(kb)
             freed += sizes[kb]
