@@ -108,7 +108,8 @@ class ModelRunner:
             rows = [self._sampling_row(seq) for seq, _ in items]
             return [_as_result(s) for s in self.sampler(logits, rows)]
         logits = self.forward_logits(
-            [seq.token_ids + seq.spec_token_ids for seq, _ in items],
+            [seq.token_ids + seq.spec_token_ids if seq.spec_token_ids else seq.token_ids
+             for seq, _ in items],
             [seq.num_computed_tokens for seq, _ in items],
             [n for _, n in items],
             [seq.block_table for seq, _ in items],

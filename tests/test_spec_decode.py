@@ -206,6 +206,14 @@ def test_greedy_output_is_identical_across_preemptions(config):
     assert stats.num_preemptions > 0 and stats.spec_num_accepted_tokens > 0
 
 
+def test_steps_without_drafts_stay_on_the_decode_graphs(reference):
+    with make_llm(NGRAM) as llm:
+        graphs = llm.engine.model_runner.enable_decode_graphs(capture=False)
+        assert generate(llm) == reference
+        stats = llm.engine.stats()
+    assert graphs.num_replays > 0 and stats.spec_num_drafts > 0
+
+
 def test_nothing_past_a_stop_is_emitted(reference):
     full = reference[0]
     stop = full[10]
