@@ -228,8 +228,9 @@ class ServeConfig:
         "blocks holding generated tokens).", TIERS, choices=OFFLOAD_MODES, vllm=False,
     )
     kv_remote_url: str | None = option(
-        None, "The shared remote tier, one Valkey/Redis server: redis://, valkey://, or with "
-        "TLS rediss://, valkeys://; credentials in the URL (redis://user:PASSWORD@host:6379/0).",
+        None, "The shared remote tier, a Valkey/Redis server: redis://, valkey://, or with "
+        "TLS rediss://, valkeys://; credentials in the URL (redis://user:PASSWORD@host:6379/0). "
+        "A cluster: any node's URL with `?cluster=1` (docs/scale_out.md).",
         TIERS, vllm=False,
     )
     kv_remote_write_policy: str = option(
