@@ -1,4 +1,6 @@
-"""The paged model against the transformers reference, on checkpoints transformers wrote."""
+"""Every supported architecture against the transformers reference, in fp32, on checkpoints
+transformers wrote: Llama (with biases and RoPE scalings), Qwen2, Qwen3, Mistral (with and
+without a sliding window), Phi-3, Gemma 2 and Gemma 3."""
 from __future__ import annotations
 
 import json
