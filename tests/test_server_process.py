@@ -5,8 +5,6 @@ tier."""
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +14,8 @@ import httpx
 import openai
 import pytest
 
+from server_testing import ServerProcess, free_port
+
 API_KEY = "test-key"
 ADMIN_KEY = "test-admin-key"
 # ~330 tokens with the byte-level tiny tokenizer: 20 full blocks of 16
@@ -23,48 +23,24 @@ LONG_PROMPT = "A long document about persistent KV caches, repeated to fill many
 GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Server(ServerProcess):
+    """A server with both keys, a small disk tier in ``cache_dir`` and clients for the API
+    (``http``, ``client``) and the admin routes (``admin``)."""
 
-
-class Server:
     def __init__(
         self, cache_dir: Path, log: Path, extra: tuple[str, ...] = (), env: dict | None = None
     ) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        args = [
-            sys.executable, "-c", "from tiered_kv.cli import main; main()", "serve",
-            "--port", str(self.port), "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY,
-            "--kv-cache-dir", str(cache_dir),
+        super().__init__([
+            "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY, "--kv-cache-dir", str(cache_dir),
             "--max-model-len", "512", "--num-gpu-blocks-override", "96",
             "--kv-offloading-size", "0.01", "--kv-disk-size", "0.25", "--log-level", "warning",
             *extra,
-        ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-        self.log = log
-        self.proc = subprocess.Popen(args, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
+        ], log, env)
         self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
         self.admin = httpx.Client(
             base_url=self.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30
         )
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0)
-        self._wait_healthy()
-
-    def _wait_healthy(self, timeout: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()}")
-            try:
-                if self.http.get("/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"server not healthy after {timeout} s:\n{self.log.read_text()}")
 
     def tiers(self) -> dict:
         return self.admin.get("/admin/tiers").json()
@@ -73,13 +49,7 @@ class Server:
         self.http.close()
         self.admin.close()
         self.client.close()
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        return self.stop(timeout)
 
 
 @pytest.fixture
