@@ -201,7 +201,7 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sample]:
     random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if random_rows:
         random_logits = logits.index_select(0, to_device(random_rows, torch.int64, device))
-        probs = _filtered_probs(random_logits, [rows[i].params for i in random_rows])
+        probs = filtered_probs(random_logits, [rows[i].params for i in random_rows])
         for j, i in enumerate(random_rows):
             token_ids[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
 
@@ -256,7 +256,7 @@ def _penalized(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tenso
     return logits.index_copy(0, index, values)
 
 
-def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Probabilities after temperature, min-p, top-k and top-p (in that order). [R, vocab].
 
     A row without a finite logit (every token suppressed) has no distribution; it gets its

@@ -123,14 +123,14 @@ def test_a_row_with_every_token_suppressed_gets_its_argmax():
 
 def test_a_row_that_raises_fails_alone(monkeypatch):
     cursed = SamplingParams(temperature=0.5, seed=13)
-    real = engine.sampler._filtered_probs
+    real = engine.sampler.filtered_probs
 
     def filtered_probs(logits, params):
         if cursed in params:
             raise RuntimeError("cursed row")
         return real(logits, params)
 
-    monkeypatch.setattr(engine.sampler, "_filtered_probs", filtered_probs)
+    monkeypatch.setattr(engine.sampler, "filtered_probs", filtered_probs)
     x = logits(3)
     out = Sampler()(x.clone(), [row(SamplingParams()), row(cursed), row(SamplingParams(temperature=0.0))])
     assert isinstance(out[0], Sample) and out[2].token_id == x[2].argmax().item()

@@ -273,14 +273,14 @@ def test_extreme_sampling_values_are_clamped_or_refused(llm):
 def test_a_request_that_fails_in_the_engine_gets_500_and_the_engine_runs_on(llm, monkeypatch):
     """Sampling the requests with seed 13 raises: they get a 500 that does not repeat the
     exception, while a request sampled in the same batch and the ones after succeed."""
-    real = engine.sampler._filtered_probs
+    real = engine.sampler.filtered_probs
 
     def filtered_probs(logits, params):
         if any(p.seed == 13 for p in params):
             raise RuntimeError("secret detail")
         return real(logits, params)
 
-    monkeypatch.setattr(engine.sampler, "_filtered_probs", filtered_probs)
+    monkeypatch.setattr(engine.sampler, "filtered_probs", filtered_probs)
     body = {"prompt": LONG_PROMPT, "max_tokens": 8, "ignore_eos": True, "temperature": 1.0}
     messages = [{"role": "user", "content": "Hi"}]
 

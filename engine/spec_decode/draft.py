@@ -26,7 +26,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCacheSpec
 from engine.model_runner import ModelRunner
 from engine.models import LoadedModel
-from engine.sampler import _filtered_probs
+from engine.sampler import filtered_probs
 from engine.sequence import Sequence
 from engine.spec_decode.speculator import Proposal
 
@@ -169,7 +169,7 @@ class DraftProposer:
         qs: list[torch.Tensor | None] = [None] * len(seqs)
         for r, seq in enumerate(seqs):
             if not seq.params.is_greedy:
-                q = _filtered_probs(logits[r : r + 1], [seq.params])[0]  # [V]
+                q = filtered_probs(logits[r : r + 1], [seq.params])[0]  # [V]
                 tokens[r] = torch.multinomial(q, 1, generator=seq.generator)[0]
                 qs[r] = q
         return list(zip(tokens.tolist(), qs))

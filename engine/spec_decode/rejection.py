@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import Sample, SampleError, SamplingParams, _filtered_probs
+from engine.sampler import Sample, SampleError, SamplingParams, filtered_probs
 from engine.sequence import Sequence
 
 
@@ -50,7 +50,7 @@ def verify(
         return draft_ids[:accepted] + [target[accepted]]
 
     device = logits.device
-    p = _filtered_probs(logits, [params] * (k + 1))  # [k+1, vocab]
+    p = filtered_probs(logits, [params] * (k + 1))  # [k+1, vocab]
     drafts = torch.tensor(draft_ids, dtype=torch.int64, device=device)  # [k]
     rows = torch.arange(k, device=device)
     p_x = p[rows, drafts]
