@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import logging
 import queue
 import threading
@@ -35,6 +34,8 @@ from typing import Any, Union
 
 import msgspec
 import zmq
+
+from engine.json_config import from_json
 
 logger = logging.getLogger(__name__)
 
@@ -78,17 +79,7 @@ class KVEventsConfig:
     @classmethod
     def from_json(cls, text: str) -> KVEventsConfig:
         """Parse ``--kv-events-config``; ``ValueError`` names what is wrong."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise ValueError("expected a JSON object")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown keys {unknown}; known: {', '.join(sorted(known))}")
-        return cls(**data)
+        return from_json(cls, text, "kv_events_config")
 
 
 class BlockStored(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):

@@ -141,7 +141,7 @@ def test_config_parses_vllms_json_and_refuses_unknown_keys():
         '"topic": "kv-events"}'
     )
     assert config.publishes and config.topic == "kv-events"
-    with pytest.raises(ValueError, match="unknown keys"):
+    with pytest.raises(ValueError, match="unknown kv_events_config keys"):
         KVEventsConfig.from_json('{"enable_kv_cache_event": true}')
     with pytest.raises(ValueError, match="publisher"):
         KVEventsConfig.from_json('{"publisher": "kafka"}')

@@ -8,9 +8,10 @@ the target's vocabulary. Keys and defaults are vLLM's ``SpeculativeConfig``'s.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from typing import Any
+
+from engine.json_config import from_json, from_mapping
 
 METHODS = ("ngram", "draft_model")
 # vLLM's other methods need weights or heads this engine does not load.
@@ -83,21 +84,9 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SpeculativeConfig:
         """From vLLM's keys; ``ValueError`` for an unknown key."""
-        if not isinstance(data, Mapping):
-            raise ValueError(f"speculative_config must be a JSON object, got {data!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown speculative_config keys {unknown}; known: {', '.join(sorted(known))}"
-            )
-        return cls(**data)
+        return from_mapping(cls, data, "speculative_config")
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
         """Parse ``--speculative-config``; ``ValueError`` names what is wrong."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"not valid JSON: {e}") from None
-        return cls.from_dict(data)
+        return from_json(cls, text, "speculative_config")

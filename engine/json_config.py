@@ -1,0 +1,30 @@
+"""Frozen config dataclasses read from vLLM-style JSON flags (``--kv-events-config``,
+``--speculative-config``): an object whose keys are the dataclass's fields."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def from_mapping(cls: type[T], data: object, what: str) -> T:
+    """``cls(**data)``; ``ValueError`` naming ``what`` for a non-object or an unknown key."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{what} must be a JSON object, got {data!r}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"unknown {what} keys {unknown}; known: {', '.join(sorted(known))}")
+    return cls(**data)
+
+
+def from_json(cls: type[T], text: str, what: str) -> T:
+    """:func:`from_mapping` of the JSON ``text``."""
+    try:
+        data: Any = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} is not valid JSON: {e}") from None
+    return from_mapping(cls, data, what)
