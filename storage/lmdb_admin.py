@@ -372,10 +372,10 @@ def _copy_verified(
             progress(1)
         if kb in salvaged or scanned and (value is None or not value.startswith(MAGIC)):
             continue  # had already, or (found by scanning) an entry of another db
-        key = BlockKey.from_bytes(kb)
         try:
+            key = BlockKey.from_bytes(kb)  # a damaged page can hold a key of any length
             batch.append((key, decode_record(value or b"", source_key, key)))  # None: unreadable
-        except RecordError:
+        except (ValueError, RecordError):
             failed.add(kb)
             continue
         salvaged.add(kb)

@@ -870,6 +870,25 @@ def test_repair_scans_the_pages_when_no_meta_page_is_left(path: Path, tmp_path: 
         assert fixed.stats().entries == 49
 
 
+def test_repair_skips_an_entry_whose_key_is_not_a_block_key(path: Path, tmp_path: Path, monkeypatch) -> None:
+    """A damaged page can yield a key of any length: the entry is skipped, never a crash."""
+    from storage import lmdb_file
+    from storage.record import MAGIC
+
+    with LmdbStore(path, 16 << 20) as store:
+        for i in range(5):
+            put(store, i, size=200)
+    entries = lmdb_file.Salvage.entries
+
+    def with_a_bad_key(self):
+        yield lmdb_file.Found(b"\x01" * 40, MAGIC + bytes(100), False)
+        yield from entries(self)
+
+    monkeypatch.setattr(lmdb_file.Salvage, "entries", with_a_bad_key)
+    result = LmdbStore.repair(path, tmp_path / "fixed")
+    assert (result.salvaged, result.skipped) == (5, 1)
+
+
 # ---------------------------------------------------------------- a full or failing disk
 
 

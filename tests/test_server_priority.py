@@ -74,9 +74,10 @@ def test_a_higher_priority_request_overtakes_the_queue(by_priority):
 
         tasks = [asyncio.create_task(send("running", 0, max_tokens=200))]
         await until(lambda s: s.num_running == 1)
-        for name in ("queued-1", "queued-2"):
+        for waiting, name in enumerate(("queued-1", "queued-2"), start=1):
             tasks.append(asyncio.create_task(send(name, 5)))
-        await until(lambda s: s.num_waiting == 2)
+            # Prompts are tokenized off the event loop: wait for each to arrive in turn.
+            await until(lambda s, n=waiting: s.num_waiting == n)
         tasks.append(asyncio.create_task(send("urgent", -1, path="/v1/chat/completions")))
         await until(lambda s: s.num_waiting == 3)
         assert finished == []  # the long request still runs: the three wait behind it
