@@ -18,7 +18,7 @@ A new token at context position ``p`` attends to context positions ``0..p`` (cau
 in a layer with a sliding window of ``W`` to ``p-W+1..p`` (see :func:`first_visible`).
 
 :func:`paged_attention` first writes the new K/V into their slots, then attends. On CUDA
-it uses the Triton kernels of :mod:`engine.triton_attention`; elsewhere the torch path
+it uses the Triton kernels of :mod:`engine.triton_kv_write` and :mod:`engine.triton_attention`; elsewhere the torch path
 below, which is also the reference the kernels are tested against.
 """
 from __future__ import annotations
@@ -256,9 +256,9 @@ def paged_attention(
     block manager may have given their blocks away.
     """
     if q.is_cuda:
-        from engine import triton_attention
+        from engine import triton_attention, triton_kv_write
 
-        triton_attention.write_kv(k, v, layer_cache, meta.slot_mapping, scales)
+        triton_kv_write.write_kv(k, v, layer_cache, meta.slot_mapping, scales)
         return triton_attention.attention(
             q, layer_cache, meta, scale, scales, window=window, softcap=softcap
         )

@@ -1,4 +1,4 @@
-"""Triton kernels for paged attention on CUDA: the KV write and the attention itself.
+"""Triton kernels for paged attention on CUDA (the KV write is in :mod:`engine.triton_kv_write`).
 
 They implement the contract of :mod:`engine.attention` (cache layout, metadata, fp8
 scales) and are tested against its torch path on the CPU under ``TRITON_INTERPRET=1``.
@@ -6,10 +6,6 @@ A layer's cache is the strided view :func:`engine.kv_cache.layer_view`: the kern
 the block stride, the token stride and the K->V offset from its strides and need only each
 block's ``[block_size, H, D]`` to be contiguous.
 
-- :func:`write_kv` scatters a step's new K/V into their slots. A cache of the inputs'
-  dtype gets a bit copy; an fp8 cache gets ``x / scale`` clamped to the fp8 range and
-  rounded to nearest-even with integer ops, so the bytes equal the torch path's on any
-  GPU and in the interpreter (whose own fp8 casts do not round to nearest-even).
 - :func:`attention` runs one of two kernels. Decode (every sequence has one new token):
   one program per (sequence, kv head, split) whose ``GROUP`` query heads form the rows of
   one tile; a long context is split into ``num_splits`` partitions whose partial results
@@ -30,7 +26,6 @@ change with its batch (relevant to CUDA-graph capture).
 from __future__ import annotations
 
 import operator
-import struct
 from typing import NamedTuple
 
 import torch
@@ -38,98 +33,23 @@ import triton
 import triton.language as tl
 
 from engine.attention import AttentionMetadata, KVScales
-
-MAX_HEAD_DIM = 256
-QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-INDEX_DTYPES = (torch.int32, torch.int64)
-
-# fp8 formats, as the kernels name them: (id, mantissa bits, exponent bias).
-# An e4m3fn byte is decoded to an fp16 that is 2**-8 times its value, an e5m2 byte to its
-# own value; FP8_FACTOR undoes that.
-FP8_FORMATS = {torch.float8_e4m3fn: (1, 3, 7), torch.float8_e5m2: (2, 2, 15)}
-FP8_FACTOR = {torch.float8_e4m3fn: 256.0, torch.float8_e5m2: 1.0}
+from engine.triton_support import (
+    FP8_FACTOR,
+    FP8_FORMATS,
+    MAX_HEAD_DIM,
+    QUERY_DTYPES,
+    backport_interpreter_index,
+    check_cache,
+    check_index,
+    check_kernel_device,
+    interpreting,
+    pow2,
+)
 
 # Fewest keys a decode split is given: below this the merge costs more than it saves.
 MIN_SPLIT_TOKENS = 256
 
 _LOG2E = 1.4426950408889634
-_TRITON_VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2])
-
-
-# --- KV write ---------------------------------------------------------------------------
-
-
-@triton.jit
-def _fp32_to_fp8_bits(y, MAN: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr):
-    """fp32 -> fp8 byte: clamp to ±max, round to nearest-even; NaN stays NaN."""
-    u = y.to(tl.int32, bitcast=True)
-    sign = (u >> 24) & 0x80
-    is_nan = (u & 0x7FFFFFFF) > 0x7F800000
-    a = tl.minimum(u & 0x7FFFFFFF, MAX_BITS)  # |y| clamped, as bits (monotonic for non-NaN)
-    # normal fp8: drop SHIFT mantissa bits with round-to-nearest-even; a carry bumps the
-    # exponent, which is right. Then re-bias the exponent from 127 to BIAS.
-    SHIFT: tl.constexpr = 23 - MAN
-    r = (a + ((1 << (SHIFT - 1)) - 1) + ((a >> SHIFT) & 1)) >> SHIFT
-    normal = r - ((127 - BIAS) << MAN)
-    # subnormal fp8: |y| / 2**(1 - BIAS - MAN), an integer 0..2**MAN after rounding, is the
-    # 24-bit significand shifted right by s; s is capped where the result is 0 anyway.
-    s = tl.minimum(tl.maximum((SHIFT + 128 - BIAS) - (a >> 23), 1), 30)
-    sig = (a & 0x7FFFFF) | 0x800000
-    q = sig >> s
-    rem = sig & ((1 << s) - 1)
-    half = 1 << (s - 1)
-    q += ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
-    bits = tl.where(a < ((128 - BIAS) << 23), q, normal)
-    bits = tl.where(is_nan, 0x7F, bits) | sign
-    return bits.to(tl.uint8)
-
-
-@triton.jit
-def _load_fp32(ptrs, mask, SRC_BF16: tl.constexpr):
-    if SRC_BF16:
-        # bf16 is the top half of an fp32; the tensor is passed as int16
-        bits = tl.load(ptrs, mask=mask, other=0).to(tl.int32) & 0xFFFF
-        x = (bits << 16).to(tl.float32, bitcast=True)
-    else:
-        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    return x
-
-
-@triton.jit
-def _write_kv_kernel(
-    k_ptr, v_ptr, cache_ptr, slot_ptr,
-    k_scale, v_scale, num_slots, num_heads,
-    stride_kn, stride_kh, stride_vn, stride_vh, stride_blk, stride_tok, stride_head, v_offset,
-    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
-    FP8: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr,
-    SRC_BF16: tl.constexpr,
-):
-    n = tl.program_id(0)
-    slot = tl.load(slot_ptr + n).to(tl.int64)
-    if (slot < 0) | (slot >= num_slots):
-        return
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    d = tl.arange(0, D_PAD)
-    mask = (h < num_heads)[:, None] & (d < HEAD_DIM)[None, :]
-    k_src = k_ptr + n.to(tl.int64) * stride_kn + h[:, None] * stride_kh + d[None, :]
-    v_src = v_ptr + n.to(tl.int64) * stride_vn + h[:, None] * stride_vh + d[None, :]
-    # blocks need not be adjacent (a layer's view skips the other layers' parts of a block)
-    dst = (
-        cache_ptr + (slot // BLOCK_SIZE) * stride_blk + (slot % BLOCK_SIZE) * stride_tok
-        + h[:, None] * stride_head + d[None, :]
-    )
-    if FP8:
-        k = tl.math.div_rn(_load_fp32(k_src, mask, SRC_BF16), k_scale)
-        v = tl.math.div_rn(_load_fp32(v_src, mask, SRC_BF16), v_scale)
-        tl.store(dst, _fp32_to_fp8_bits(k, MAN, BIAS, MAX_BITS), mask=mask)
-        tl.store(dst + v_offset, _fp32_to_fp8_bits(v, MAN, BIAS, MAX_BITS), mask=mask)
-    else:
-        # same dtype: the tensors are passed as same-width integers and copied bit for bit
-        tl.store(dst, tl.load(k_src, mask=mask), mask=mask)
-        tl.store(dst + v_offset, tl.load(v_src, mask=mask), mask=mask)
-
-
-# --- attention: shared pieces ------------------------------------------------------------
 
 
 @triton.jit
@@ -396,133 +316,6 @@ def _prefill_kernel(
 # --- wrappers ---------------------------------------------------------------------------
 
 
-def _interpreting() -> bool:
-    return bool(triton.knobs.runtime.interpret)
-
-
-def _backport_interpreter_index() -> None:
-    """Let Triton 3.6's interpreter take a loop bound computed at run time, under NumPy 2.4.
-
-    Its scalars are NumPy arrays of shape [1], and ``range(lo, hi)`` in a kernel converts
-    them with ``int(array)``, which NumPy 2.4 rejects for ndim > 0. Triton 3.7 squeezes the
-    array first (triton-lang/triton#9171); this installs that line on older versions. The
-    compiled kernels are not affected.
-    """
-    if _TRITON_VERSION >= (3, 7) or not _interpreting():
-        return
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-    if getattr(patch_tensor, "squeezes_index", False):
-        return
-
-    def patched(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    patched.squeezes_index = True
-    interpreter._patch_lang_tensor = patched
-
-
-def _check_device(t: torch.Tensor, name: str, device: torch.device) -> None:
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, expected {device}")
-
-
-def _check_kernel_device(t: torch.Tensor, name: str) -> None:
-    if not (t.is_cuda or _interpreting()):
-        raise ValueError(f"{name} must be on a CUDA device (or run under TRITON_INTERPRET=1)")
-
-
-def _check_cache(layer_cache: torch.Tensor, device: torch.device) -> None:
-    if layer_cache.dim() != 5 or layer_cache.shape[0] != 2:
-        raise ValueError(
-            "layer_cache must be [2, num_blocks, block_size, kv_heads, head_dim], "
-            f"got {list(layer_cache.shape)}"
-        )
-    # blocks may lie anywhere (a layer's view of a block-major cache); within one, the
-    # kernels need [block_size, kv_heads, head_dim] dense
-    if not layer_cache[0, :1].is_contiguous():
-        raise ValueError(
-            "each block of layer_cache must be contiguous [block_size, kv_heads, head_dim], "
-            f"got strides {list(layer_cache.stride())}"
-        )
-    _check_device(layer_cache, "layer_cache", device)
-
-
-def _check_index(t: torch.Tensor, name: str, shape: tuple[int, ...], device: torch.device) -> None:
-    if t.dtype not in INDEX_DTYPES:
-        raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-    if t.numel() and t.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous in its last dim")
-    _check_device(t, name, device)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def _fp8_max_bits(dtype: torch.dtype) -> int:
-    return struct.unpack("<i", struct.pack("<f", torch.finfo(dtype).max))[0]
-
-
-def write_kv(
-    k: torch.Tensor,  # [N, H, D]
-    v: torch.Tensor,  # [N, H, D]
-    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, H, D], may be a strided view
-    slot_mapping: torch.Tensor,  # [N]
-    scales: KVScales = KVScales(),
-) -> None:
-    """Store new keys and values into their cache slots; see :func:`engine.attention.write_kv`.
-
-    ``k`` and ``v`` may be strided views (e.g. slices of a fused QKV projection) as long as
-    their last dim is contiguous. Slots outside the cache are skipped rather than written.
-    """
-    _check_kernel_device(k, "k")
-    if k.dim() != 3 or k.shape != v.shape:
-        raise ValueError(f"k and v must both be [N, H, D], got {list(k.shape)} and {list(v.shape)}")
-    if k.dtype != v.dtype or k.dtype not in QUERY_DTYPES:
-        raise ValueError(f"k and v must both be fp16, bf16 or fp32, got {k.dtype} and {v.dtype}")
-    if k.stride(2) != 1 or v.stride(2) != 1:
-        raise ValueError("k and v must be contiguous in their last dim")
-    _check_device(v, "v", k.device)
-    _check_cache(layer_cache, k.device)
-    N, H, D = k.shape
-    if tuple(layer_cache.shape[3:]) != (H, D):
-        raise ValueError(f"layer_cache holds [H, D] = {list(layer_cache.shape[3:])}, k is {[H, D]}")
-    _check_index(slot_mapping, "slot_mapping", (N,), k.device)
-    fp8 = FP8_FORMATS.get(layer_cache.dtype)
-    if fp8 is None and layer_cache.dtype != k.dtype:
-        dtype = layer_cache.dtype
-        raise ValueError(f"a {dtype} cache needs {dtype} k and v, got {k.dtype}")
-    if N == 0:
-        return
-
-    d_pad = _pow2(D)
-    block_h = min(_pow2(H), max(1, 4096 // d_pad))
-    if fp8 is not None:
-        _, man, bias = fp8
-        cache = layer_cache.view(torch.uint8)
-        src_bf16 = k.dtype == torch.bfloat16
-        k_arg, v_arg = (k.view(torch.int16), v.view(torch.int16)) if src_bf16 else (k, v)
-        max_bits = _fp8_max_bits(layer_cache.dtype)
-    else:
-        man, bias, max_bits, src_bf16 = 0, 0, 0, False
-        as_int = {2: torch.int16, 4: torch.int32}[k.element_size()]
-        cache, k_arg, v_arg = layer_cache.view(as_int), k.view(as_int), v.view(as_int)
-    grid = (N, triton.cdiv(H, block_h))
-    _write_kv_kernel[grid](
-        k_arg, v_arg, cache, slot_mapping,
-        float(scales.k), float(scales.v), layer_cache.shape[1] * layer_cache.shape[2], H,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        layer_cache.stride(1), layer_cache.stride(2), layer_cache.stride(3), layer_cache.stride(0),
-        BLOCK_SIZE=layer_cache.shape[2], HEAD_DIM=D, D_PAD=d_pad, BLOCK_H=block_h,
-        FP8=fp8 is not None, MAN=man, BIAS=bias, MAX_BITS=max_bits, SRC_BF16=src_bf16,
-    )
-
-
 def _check_meta(
     meta: AttentionMetadata,
     num_tokens: int,
@@ -538,12 +331,12 @@ def _check_meta(
         raise ValueError(f"query lengths sum to {total}, q has {num_tokens} tokens")
     if any(map(operator.gt, meta.query_lens_cpu, meta.seq_lens_cpu)):
         raise ValueError("a sequence has more new tokens than its seq_len")
-    _check_index(meta.query_start_loc, "query_start_loc", (B + 1,), device)
-    _check_index(meta.seq_lens, "seq_lens", (B,), device)
+    check_index(meta.query_start_loc, "query_start_loc", (B + 1,), device)
+    check_index(meta.seq_lens, "seq_lens", (B,), device)
     tables = meta.block_tables
     if tables.dim() != 2:
         raise ValueError(f"block_tables must be [B, max_blocks], got {list(tables.shape)}")
-    _check_index(tables, "block_tables", (B, tables.shape[1]), device)
+    check_index(tables, "block_tables", (B, tables.shape[1]), device)
     if tables.shape[1] * block_size < max_seq_len:
         raise ValueError(
             f"block_tables has {tables.shape[1]} blocks of {block_size} per sequence, "
@@ -581,14 +374,14 @@ def attention(
     ``num_splits`` overrides how many partitions the decode kernel splits each context
     (or window) into (by default enough to fill the GPU); it is ignored for prefill steps.
     """
-    _check_kernel_device(q, "q")
+    check_kernel_device(q, "q")
     if q.dim() != 3:
         raise ValueError(f"q must be [N, Hq, D], got {list(q.shape)}")
     if q.dtype not in QUERY_DTYPES:
         raise ValueError(f"q must be fp16, bf16 or fp32, got {q.dtype}")
     if q.stride(2) != 1:
         raise ValueError("q must be contiguous in its last dim")
-    _check_cache(layer_cache, q.device)
+    check_cache(layer_cache, q.device)
     N, Hq, D = q.shape
     _, _, block_size, Hkv, cache_d = layer_cache.shape
     if cache_d != D:
@@ -614,10 +407,10 @@ def attention(
     out = torch.empty(N, Hq, D, dtype=q.dtype, device=q.device)
     if N == 0:
         return out
-    _backport_interpreter_index()
+    backport_interpreter_index()
     factor = FP8_FACTOR.get(layer_cache.dtype, 1.0)
     k_scale, v_factor = (scales.k * factor, scales.v * factor) if fp8 else (1.0, 1.0)
-    d_pad = max(16, _pow2(D))
+    d_pad = max(16, pow2(D))
     tiles = _tiles(q.dtype, d_pad)
     args = (
         q, layer_cache.view(torch.uint8) if fp8 else layer_cache, out,
@@ -631,7 +424,7 @@ def attention(
         BLOCK_SIZE=block_size, HEAD_DIM=D, D_PAD=d_pad, BLOCK_N=tiles.block_n,
         FP8=fp8[0] if fp8 else 0,
         # the interpreter cannot multiply bf16 tiles; fp32 runs as 3xTF32 (about fp32 accuracy)
-        DOT_FP32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _interpreting()),
+        DOT_FP32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreting()),
         PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
         SOFTCAP=softcap is not None, WINDOW=window is not None,
         num_stages=2,
@@ -641,7 +434,7 @@ def attention(
         span = max_seq_len if window is None else min(max_seq_len, window)
         _decode(args, constants, out, meta, v_factor, Hkv, span, num_splits)
         return out
-    block_m = min(tiles.block_m, max(16, _pow2(meta.max_query_len)))
+    block_m = min(tiles.block_m, max(16, pow2(meta.max_query_len)))
     grid = (Hq, triton.cdiv(meta.max_query_len, block_m), meta.num_seqs)
     warps = tiles.prefill_warps if block_m >= 32 else 4
     _prefill_kernel[grid](*args, GROUP=Hq // Hkv, BLOCK_M=block_m, num_warps=warps, **constants)
@@ -687,7 +480,7 @@ def _decode(
     num_splits = triton.cdiv(max_seq_len, split_len)
     group = q_heads // kv_heads
     grid = (kv_heads, num_splits, num_seqs)
-    common = dict(GROUP=group, G_PAD=max(16, _pow2(group)), **constants)
+    common = dict(GROUP=group, G_PAD=max(16, pow2(group)), **constants)
     if num_splits == 1:
         _decode_kernel[grid](*args, out, out, split_len, 0, 0, 0, 0, 0, SPLIT=False, **common)
         return

@@ -166,14 +166,14 @@ def _write_inputs(case: WriteCase, device: str):
 
 def check_write(case: WriteCase, device: str, reference_device: str | None = None) -> dict:
     """Bytes differing between the kernel's cache and the torch path's, over all layers."""
-    from engine import triton_attention
+    from engine import triton_kv_write
 
     k, v, cache, slots, scales = _write_inputs(case, device)
     ref_device = reference_device or device
     expected = cache.to(ref_device, copy=True)
     ref_args = (k.to(ref_device), v.to(ref_device), layer_view(expected, LAYER))
     write_kv(*ref_args, slots.to(ref_device), scales)
-    triton_attention.write_kv(k, v, layer_view(cache, LAYER), slots, scales)
+    triton_kv_write.write_kv(k, v, layer_view(cache, LAYER), slots, scales)
     got, want = cache.cpu(), expected.cpu()
     diff = got.view(torch.uint8) != want.view(torch.uint8)
     if got.element_size() == 1:  # fp8: one byte per element
@@ -271,6 +271,7 @@ BAD_CALLS = {
 
 def _bad_calls(device: str) -> dict:
     from engine import triton_attention as ta
+    from engine import triton_kv_write as kw
 
     def meta(seq_lens, query_lens, max_blocks=4) -> AttentionMetadata:
         qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -301,10 +302,10 @@ def _bad_calls(device: str) -> dict:
         "short table": lambda: ta.attention(q, cache(), meta([5, 90], [1, 1]), 1.0),
         "token count": lambda: ta.attention(q, cache(), meta([5, 9], [1, 2]), 1.0),
         "q last dim": lambda: ta.attention(zeros(2, 16, 4).transpose(1, 2), cache(), m, 1.0),
-        "kv shapes": lambda: ta.write_kv(kv, kv[:1], cache(), slots),
-        "slot dtype": lambda: ta.write_kv(kv, kv, cache(), slots.float()),
-        "cache kind": lambda: ta.write_kv(kv.half(), kv.half(), cache(dtype=torch.bfloat16), slots),
-        "cache heads": lambda: ta.write_kv(kv, kv, cache(h=4), slots),
+        "kv shapes": lambda: kw.write_kv(kv, kv[:1], cache(), slots),
+        "slot dtype": lambda: kw.write_kv(kv, kv, cache(), slots.float()),
+        "cache kind": lambda: kw.write_kv(kv.half(), kv.half(), cache(dtype=torch.bfloat16), slots),
+        "cache heads": lambda: kw.write_kv(kv, kv, cache(h=4), slots),
         "window": lambda: ta.attention(q, cache(), m, 1.0, window=0),
         "softcap": lambda: ta.attention(q, cache(), m, 1.0, softcap=-1.0),
     }
@@ -316,20 +317,20 @@ def check_errors(device: str) -> dict:
 
 def check_skipped_slot(device: str) -> bool:
     """A slot past the end of the cache is not written; the other tokens are."""
-    from engine import triton_attention
+    from engine import triton_kv_write
 
     cache = torch.zeros(2, LAYERS, 2, 16, 1, 16, device=device)  # [B, L, 2, T, H, D]
     kv = torch.ones(2, 1, 16, device=device)
     slots = torch.tensor([3, 32], device=device)
-    triton_attention.write_kv(kv, kv, layer_view(cache, LAYER), slots)
+    triton_kv_write.write_kv(kv, kv, layer_view(cache, LAYER), slots)
     return bool(cache[0, LAYER, :, 3].eq(1).all()) and int(cache.ne(0).sum()) == 2 * 16
 
 
 def interpreter_main() -> None:
     """Run every check on the CPU and print the results as one JSON line."""
-    from engine import triton_attention
+    from engine import triton_support
 
-    assert triton_attention._interpreting(), "TRITON_INTERPRET=1 did not reach triton"
+    assert triton_support.interpreting(), "TRITON_INTERPRET=1 did not reach triton"
     results = {
         "write": {c.name: check_write(c, "cpu") for c in WRITE_CASES},
         "attention": {c.name: check_attention(c, "cpu") for c in ATTN_CASES},
