@@ -14,7 +14,7 @@ from engine.kv_cache import KVCacheSpec, fp8_scales_from_cache
 from engine.sampler import Sample, SampleError, Sampler, SamplingRow
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
-from engine.spec_decode.rejection import verify_drafts
+from engine.spec_decode.rejection import VerifyRow, verifiable, verify_step
 
 StepResult = list[Sample] | SampleError | None
 
@@ -117,15 +117,25 @@ class ModelRunner:
         )  # [sum(num_logits), vocab] float32
         results: list[StepResult] = [None] * len(items)
         offsets = np.cumsum([0, *num_logits])
-        plain = [i for i, m in enumerate(num_logits) if m == 1 and not items[i].seq.spec_token_ids]
+        # With drafts in the step, verification also samples the plain rows it can: their
+        # tokens then come back with the accepted ones, in one host sync.
+        verified: list[int] = []
+        if any(m and items[i].seq.spec_token_ids for i, m in enumerate(num_logits)):
+            verified = [
+                i for i, m in enumerate(num_logits)
+                if m and (items[i].seq.spec_token_ids or verifiable(items[i].seq))
+            ]
+        taken = set(verified)
+        plain = [i for i, m in enumerate(num_logits) if m == 1 and i not in taken]
+        if verified:
+            rows = [_verify_row(items[i].seq, int(offsets[i])) for i in verified]
+            for i, tokens in zip(verified, verify_step(logits, rows)):
+                results[i] = tokens
         if plain:
             index = torch.as_tensor(offsets[plain], device=logits.device)
             rows = [self._sampling_row(items[i].seq) for i in plain]
             for i, sample in zip(plain, self.sampler(logits.index_select(0, index), rows)):
                 results[i] = _as_result(sample)
-        for i, (seq, _) in enumerate(items):
-            if num_logits[i] and seq.spec_token_ids:
-                results[i] = verify_drafts(seq, logits[offsets[i] : offsets[i + 1]])
         return results
 
     @torch.inference_mode()
@@ -264,6 +274,11 @@ def _num_logits(seq: Sequence, num_new: int) -> int:
     draft token to verify."""
     complete = seq.num_computed_tokens + num_new == seq.num_tokens + len(seq.spec_token_ids)
     return 1 + len(seq.spec_token_ids) if complete else 0
+
+
+def _verify_row(seq: Sequence, first_logit: int) -> VerifyRow:
+    draft_probs = seq.spec_draft_probs
+    return VerifyRow(first_logit, seq.spec_token_ids, seq.params, seq.generator, draft_probs)
 
 
 def _as_result(sample: Sample | SampleError) -> StepResult:

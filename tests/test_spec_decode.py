@@ -15,7 +15,8 @@ from engine.config import EngineConfig
 from engine.models.tiny import TINY_CONFIG, tiny_model_path, tiny_weights, write_tiny_checkpoint
 from engine.spec_decode import SpeculativeConfig
 from engine.spec_decode.ngram import propose_ngram
-from engine.spec_decode.rejection import verify
+from engine.sampler import Sampler, SamplingRow
+from engine.spec_decode.rejection import VerifyRow, verify, verify_rows
 from engine_testing import MemoryConnector, one_thread  # noqa: F401  (autouse fixture)
 from tiered_kv.engine_metrics import EngineCollector
 from tiered_kv.serve_config import ServeConfig
@@ -168,7 +169,95 @@ def test_rejection_sampling_keeps_the_target_distribution(with_q):
         assert 0.5 * (q[0] - p[0]).abs().sum() > 0.1
 
 
+def test_batched_verification_is_row_by_row_verification():
+    gen = torch.Generator().manual_seed(2)
+    rows, chunks, first = [], [], 0
+    for r in range(9):  # greedy and sampled rows, draft q and one-hot q, 0..3 drafts
+        k = r % 4
+        chunks.append(torch.randn(k + 1, 12, generator=gen) * 2)
+        q = torch.softmax(torch.randn(k, 12, generator=gen), dim=-1) if r % 3 == 0 else None
+        drafts = torch.randint(0, 12, (k,), generator=gen).tolist()
+        params = SamplingParams(temperature=0.0 if r % 2 else 1.0, top_k=None if r % 4 else 8)
+        rows.append(VerifyRow(first, drafts, params, torch.Generator().manual_seed(r), q))
+        first += k + 1
+    logits = torch.cat(chunks)  # [sum(k + 1), vocab]
+    batched = verify_rows(logits, rows)
+    alone = [
+        verify(logits[row.first_logit : row.first_logit + len(row.draft_ids) + 1], row.draft_ids,
+               row.params, torch.Generator().manual_seed(r), row.draft_probs)
+        for r, row in enumerate(rows)
+    ]
+    assert batched == alone
+    assert any(len(tokens) > 1 for tokens in batched)
+
+
+def test_a_row_without_drafts_is_sampled_as_the_sampler_samples_it():
+    """Plain rows of a speculative step are picked by verification; a seeded request gets
+    the token the sampler would have given it."""
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(3)) * 3
+    settings = [(0.0, 1.0, None, 0.0), (1.0, 1.0, None, 0.0), (0.7, 0.8, None, 0.0),
+                (1.3, 1.0, 5, 0.0), (1.0, 0.9, 10, 0.1), (0.5, 1.0, 1, 0.0)]
+    params = [SamplingParams(temperature=t, top_p=p, top_k=k, min_p=m) for t, p, k, m in settings]
+
+    def gen(seed: int) -> torch.Generator:
+        return torch.Generator().manual_seed(seed)
+
+    sampled = Sampler()(logits.clone(), [SamplingRow(p, gen(i)) for i, p in enumerate(params)])
+    verified = verify_rows(logits, [VerifyRow(i, [], p, gen(i)) for i, p in enumerate(params)])
+    assert verified == [[s.token_id] for s in sampled]
+    assert len({tokens[0] for tokens in verified}) > 1
+
+
 # ---------------------------------------------------------------- the engine
+
+
+_HOST_SYNCS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+def _syncs_per_step(engine, monkeypatch) -> list[tuple[int, int]]:
+    """(host syncs, verified sequences) of each step until the engine is done."""
+    calls = []
+
+    def counted(method):
+        def call(self, *args, **kwargs):
+            calls.append(method.__name__)
+            return method(self, *args, **kwargs)
+        return call
+
+    for name in _HOST_SYNCS:
+        monkeypatch.setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))
+    steps = []
+    while engine.has_unfinished_requests():
+        calls.clear()
+        before = engine.stats().spec_num_drafts
+        engine.step()
+        steps.append((len(calls), engine.stats().spec_num_drafts - before))
+    monkeypatch.undo()
+    return steps
+
+
+@pytest.mark.parametrize("config", [None, "ngram"], ids=["plain", "ngram"])
+def test_a_step_has_one_host_sync(config, monkeypatch):
+    """A step brings its tokens back in one host sync: the sampler's ``tolist`` without
+    drafts (what the non-speculative path does, measured here), verification's with them,
+    for greedy rows, seeded sampled rows and the plain rows of the same step together."""
+    if config == "ngram":  # a one-token lookup in a prompt of every byte: drafts most steps
+        config = {"method": "ngram", "num_speculative_tokens": 3,
+                  "prompt_lookup_max": 1, "prompt_lookup_min": 1}
+    every_byte = list(range(256))
+    requests = [
+        (every_byte, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)),
+        (every_byte[::-1], SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)),
+        ([7, 9], SamplingParams(temperature=0.8, seed=6, max_tokens=12, ignore_eos=True)),
+    ]
+    with LLM(max_model_len=512, device="cpu", num_gpu_blocks_override=64,
+             speculative_config=config) as llm:
+        for prompt, params in requests:
+            llm.engine.add_request(prompt, params)
+        steps = _syncs_per_step(llm.engine, monkeypatch)
+    assert [syncs for syncs, _ in steps] == [1] * len(steps)
+    if config is not None:
+        assert max(verified for _, verified in steps) >= 2
 
 
 @pytest.mark.parametrize("method", ["ngram", "self-draft", "random-draft"])

@@ -26,8 +26,10 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCacheSpec
 from engine.model_runner import ModelRunner
 from engine.models import LoadedModel
+from engine.penalties import to_device
 from engine.sampler import filtered_probs
 from engine.sequence import Sequence
+from engine.spec_decode.rejection import draw
 from engine.spec_decode.speculator import Proposal
 
 
@@ -167,9 +169,12 @@ class DraftProposer:
         request's distribution under the draft (returned as ``q``)."""
         tokens = logits.argmax(dim=-1)  # [R]
         qs: list[torch.Tensor | None] = [None] * len(seqs)
-        for r, seq in enumerate(seqs):
-            if not seq.params.is_greedy:
-                q = filtered_probs(logits[r : r + 1], [seq.params])[0]  # [V]
-                tokens[r] = torch.multinomial(q, 1, generator=seq.generator)[0]
-                qs[r] = q
-        return list(zip(tokens.tolist(), qs))
+        random = [r for r, seq in enumerate(seqs) if not seq.params.is_greedy]
+        if random:
+            index = to_device(random, torch.int64, logits.device)
+            params = [seqs[r].params for r in random]
+            probs = filtered_probs(logits.index_select(0, index), params)  # [S, V]
+            tokens.index_copy_(0, index, draw(probs, [seqs[r].generator for r in random]))
+            for j, r in enumerate(random):
+                qs[r] = probs[j]
+        return list(zip(tokens.tolist(), qs))  # the host sync of this draft position

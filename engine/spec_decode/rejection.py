@@ -1,4 +1,4 @@
-"""Verifying draft tokens against the target model's logits.
+"""Verifying draft tokens against the target model's logits, for a whole step at once.
 
 The target scored the last accepted token and the ``k`` drafts in one forward: row ``i`` of
 its logits predicts the token after draft ``i`` (row 0: after the last accepted token)::
@@ -13,22 +13,60 @@ accepted with probability ``min(1, p(x) / q(x))``; the first rejected one is rep
 sample of ``max(0, p - q)`` normalised; all accepted, a bonus is drawn from ``pk``. Each
 emitted token is then distributed exactly as the target's sampler would draw it. A
 proposer without a distribution (ngram) counts as one-hot ``q``: accept with ``p(x)``.
+
+:func:`verify_rows` does this for every row of a step on the device, padded to the
+longest row's ``K`` drafts, and brings back all the emitted tokens in one host sync. A row
+with no drafts is sampled as :class:`~engine.sampler.Sampler` samples it (same tokens, same
+draws from its generator), so that a step's plain rows share that sync::
+
+    drafts   [R, K]     d (pad -1)          accept  [R, K]  while matching / u·q(x) < p(x)
+    out      [R, K+1]   d1 .. d(a) t        accepted [R]    cumprod(accept).sum()
 """
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
+from typing import NamedTuple
+
+import numpy as np
 import torch
 
+from engine.penalties import to_device
 from engine.sampler import Sample, SampleError, SamplingParams, filtered_probs
 from engine.sequence import Sequence
+from engine.spec_decode.speculator import composes_with_speculation
 
 
-def verify_drafts(seq: Sequence, logits: torch.Tensor) -> list[Sample] | SampleError:
-    """:func:`verify` ``seq``'s pending draft tokens; an error fails only this sequence."""
+class VerifyRow(NamedTuple):
+    """One sequence of the step: where its ``k + 1`` logits start, its drafts and their ``q``."""
+
+    first_logit: int
+    draft_ids: Seq[int]  # k >= 0
+    params: SamplingParams
+    generator: torch.Generator
+    draft_probs: torch.Tensor | None = None  # [k, vocab]; None: one-hot
+
+
+def verifiable(seq: Sequence) -> bool:
+    """Whether verification may pick ``seq``'s tokens: its sampling has no per-token state
+    (logprobs, penalties, bias, grammar, ``min_tokens`` still suppressing stops)."""
+    return seq.num_output_tokens >= seq.params.min_tokens and composes_with_speculation(seq.params)
+
+
+def verify_step(logits: torch.Tensor, rows: Seq[VerifyRow]) -> list[list[Sample] | SampleError]:
+    """:func:`verify_rows`, the samples to append; if the batch raises, each row is verified
+    again alone, so that only the rows that raise on their own fail (their generators have
+    drawn once more then, as in :class:`~engine.sampler.Sampler`)."""
     try:
-        tokens = verify(logits, seq.spec_token_ids, seq.params, seq.generator, seq.spec_draft_probs)
+        return [[Sample(t, None, None) for t in tokens] for tokens in verify_rows(logits, rows)]
+    except Exception:
+        return [_verify_alone(logits, row) for row in rows]
+
+
+def _verify_alone(logits: torch.Tensor, row: VerifyRow) -> list[Sample] | SampleError:
+    try:
+        return [Sample(t, None, None) for t in verify_rows(logits, [row])[0]]
     except Exception as e:
         return SampleError(e)
-    return [Sample(t, None, None) for t in tokens]
 
 
 def verify(
@@ -38,35 +76,98 @@ def verify(
     generator: torch.Generator,
     draft_probs: torch.Tensor | None = None,  # [k, vocab] the drafts' q; None: one-hot
 ) -> list[int]:
-    """The tokens to emit: the accepted drafts, then one target token (1..k+1 tokens)."""
-    k = len(draft_ids)
-    if logits.shape[0] != k + 1:
-        raise ValueError(f"{logits.shape[0]} rows of logits for {k} draft tokens")
-    if params.is_greedy:
-        target = logits.argmax(dim=-1).tolist()  # the step's host sync for this row
-        accepted = 0
-        while accepted < k and draft_ids[accepted] == target[accepted]:
-            accepted += 1
-        return draft_ids[:accepted] + [target[accepted]]
+    """The tokens to emit for one sequence: the accepted drafts, then one target token."""
+    if logits.shape[0] != len(draft_ids) + 1:
+        raise ValueError(f"{logits.shape[0]} rows of logits for {len(draft_ids)} draft tokens")
+    return verify_rows(logits, [VerifyRow(0, draft_ids, params, generator, draft_probs)])[0]
 
+
+def verify_rows(logits: torch.Tensor, rows: Seq[VerifyRow]) -> list[list[int]]:
+    """The tokens each row emits (1..k+1): row ``r`` reads ``logits[first_logit : first_logit
+    + k + 1]`` (``logits``: ``[M, vocab]`` float32). One host sync for the whole step."""
     device = logits.device
-    p = filtered_probs(logits, [params] * (k + 1))  # [k+1, vocab]
-    drafts = torch.tensor(draft_ids, dtype=torch.int64, device=device)  # [k]
-    rows = torch.arange(k, device=device)
-    p_x = p[rows, drafts]
-    q_x = draft_probs[rows, drafts] if draft_probs is not None else torch.ones_like(p_x)
-    u = torch.rand(k, generator=generator, device=device, dtype=p.dtype)
-    rejected = (u * q_x >= p_x).tolist()  # u < p/q accepts; the row's host sync
-    accepted = rejected.index(True) if True in rejected else k
-    if accepted == k:
-        bonus = torch.multinomial(p[k], 1, generator=generator)
-        return draft_ids + [int(bonus)]
-    if draft_probs is not None:
-        residual = (p[accepted] - draft_probs[accepted]).clamp_(min=0)
+    num = len(rows)
+    ks = np.fromiter((len(r.draft_ids) for r in rows), np.int64, num)  # [R]
+    width = int(ks.max()) if num else 0  # K
+    firsts = np.fromiter((r.first_logit for r in rows), np.int64, num)
+    positions = np.minimum(np.arange(width + 1)[None, :], ks[:, None])  # [R, K+1]
+    drafts_np = np.full((num, width + 1), -1, dtype=np.int64)  # [R, K+1]; column K stays -1
+    for r, row in enumerate(rows):
+        drafts_np[r, : ks[r]] = row.draft_ids
+    index = to_device((firsts[:, None] + positions).ravel().tolist(), torch.int64, device)
+    drafts = to_device(drafts_np.ravel().tolist(), torch.int64, device).view(num, width + 1)
+
+    out = logits.argmax(dim=-1).index_select(0, index).view(num, width + 1)  # [R, K+1]
+    # greedy: the argmax where each draft matches it, then the argmax at the first mismatch
+    accept = drafts[:, :width] == out[:, :width]  # [R, K]; padding (-1) never matches
+    random = [r for r, row in enumerate(rows) if not row.params.is_greedy]
+    if random:
+        picked = to_device(random, torch.int64, device)
+        random_logits = logits.index_select(0, index.view(num, width + 1)[picked].ravel())
+        tokens, accepted = _rejection_sample(
+            random_logits, [rows[r] for r in random], drafts.index_select(0, picked)
+        )
+        out.index_copy_(0, picked, tokens)
+        accept.index_copy_(0, picked, accepted)
+    num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1, keepdim=True)  # [R, 1]
+    host = torch.cat([num_accepted, out], dim=1).tolist()  # the step's host sync
+    return [values[1 : values[0] + 2] for values in host]
+
+
+def draw(probs: torch.Tensor, generators: Seq[torch.Generator]) -> torch.Tensor:
+    """A token per row of ``probs`` (``[R, vocab]``, unnormalised), row ``r`` drawn with
+    ``generators[r]``: what ``torch.multinomial(probs[r], 1)`` draws, without the host sync
+    in which it checks its input."""
+    noise = torch.empty_like(probs)  # [R, V]
+    for r, generator in enumerate(generators):
+        noise[r].exponential_(generator=generator)
+    return (probs / noise).argmax(dim=1)  # [R]
+
+
+def _rejection_sample(
+    logits: torch.Tensor, rows: Seq[VerifyRow], drafts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rejection rule for sampled rows (``logits``: ``[S*(K+1), vocab]``, ``drafts``:
+    ``[S, K+1]``). Returns the tokens ``[S, K+1]`` (the drafts, with the correction or bonus
+    written at every position: only the first past the accepted ones is read) and which
+    drafts pass ``[S, K]``. Each row's generator draws ``k`` uniforms, then a token, as
+    ``torch.rand`` and ``torch.multinomial`` would."""
+    num, width = drafts.shape[0], drafts.shape[1] - 1
+    device = logits.device
+    p = filtered_probs(logits, [row.params for row in rows for _ in range(width + 1)])
+    p = p.view(num, width + 1, -1)  # [S, K+1, V]
+    vocab = p.shape[2]
+    valid = drafts[:, :width] >= 0  # [S, K]
+    safe = drafts.clamp(min=0)
+    p_x = p[:, :width].gather(2, safe[:, :width, None]).squeeze(2)  # [S, K]
+    q = None
+    if any(row.draft_probs is not None for row in rows):
+        q = torch.zeros(num, width + 1, vocab, dtype=p.dtype, device=device)  # [S, K+1, V]
+        for s, row in enumerate(rows):
+            k = len(row.draft_ids)
+            if row.draft_probs is not None:
+                q[s, :k].copy_(row.draft_probs)
+            elif k:  # one-hot among rows with a distribution
+                q[s, :k].scatter_(1, safe[s, :k, None], 1.0)
+        q_x = q[:, :width].gather(2, safe[:, :width, None]).squeeze(2)
     else:
-        residual = p[accepted].clone()
-        residual[draft_ids[accepted]] = 0
-    if not residual.sum() > 0:  # p == q (a rejection then has probability 0): sample p
-        residual = p[accepted]
-    fix = torch.multinomial(residual, 1, generator=generator)  # multinomial normalises
-    return draft_ids[:accepted] + [int(fix)]
+        q_x = torch.ones_like(p_x)
+    u = torch.zeros(num, width, dtype=p.dtype, device=device)  # [S, K]
+    for s, row in enumerate(rows):
+        if row.draft_ids:
+            u[s, : len(row.draft_ids)].uniform_(generator=row.generator)
+    accepted = (u * q_x < p_x) & valid  # u < p/q
+    first_rejected = accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [S]
+    at = torch.arange(num, device=device)
+    p_at = p[at, first_rejected]  # [S, V]
+    if q is not None:
+        residual = (p_at - q[at, first_rejected]).clamp_(min=0)
+    else:  # one-hot q: p without the rejected draft (column K is -1: the bonus keeps p)
+        rejected = drafts[at, first_rejected]
+        residual = p_at.masked_fill(torch.arange(vocab, device=device) == rejected[:, None], 0.0)
+    # p == q (a rejection then has probability 0): sample p
+    residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, p_at)
+    token = draw(residual, [row.generator for row in rows])  # [S]
+    tokens = torch.where(torch.arange(width + 1, device=device) < first_rejected[:, None],
+                         safe, token[:, None])
+    return tokens, accepted
