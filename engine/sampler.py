@@ -202,8 +202,9 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sample]:
     if random_rows:
         random_logits = logits.index_select(0, to_device(random_rows, torch.int64, device))
         probs = filtered_probs(random_logits, [rows[i].params for i in random_rows])
-        for j, i in enumerate(random_rows):
-            token_ids[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
+        token_ids[to_device(random_rows, torch.int64, device)] = draw(
+            probs, [rows[i].generator for i in random_rows]
+        )
 
     picked = top = None
     num_top = [rows[i].params.num_top_logprobs for i in logprob_rows]
@@ -221,6 +222,16 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sample]:
             alternatives = dict(zip(top_ids[j][:k], top_values[j][:k])) if k else None
             samples[i] = Sample(chosen[i], picked_list[j], alternatives)
     return samples
+
+
+def draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """A token per row of ``probs`` (``[R, vocab]``, unnormalised), row ``r`` drawn with
+    ``generators[r]``: what ``torch.multinomial(probs[r], 1)`` draws, without the host sync
+    in which it checks its input."""
+    noise = torch.empty_like(probs)  # [R, V]
+    for r, generator in enumerate(generators):
+        noise[r].exponential_(generator=generator)
+    return (probs / noise).argmax(dim=1)  # [R]
 
 
 def _biased(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -260,7 +271,7 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     """Probabilities after temperature, min-p, top-k and top-p (in that order). [R, vocab].
 
     A row without a finite logit (every token suppressed) has no distribution; it gets its
-    argmax, as a greedy row does, rather than NaNs that ``multinomial`` rejects.
+    argmax, as a greedy row does, rather than NaNs.
     """
     device = logits.device
     temperature = to_device([p.temperature for p in params], logits.dtype, device)

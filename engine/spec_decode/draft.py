@@ -27,9 +27,8 @@ from engine.kv_cache import KVCacheSpec
 from engine.model_runner import ModelRunner
 from engine.models import LoadedModel
 from engine.penalties import to_device
-from engine.sampler import filtered_probs
+from engine.sampler import draw, filtered_probs
 from engine.sequence import Sequence
-from engine.spec_decode.rejection import draw
 from engine.spec_decode.speculator import Proposal
 
 

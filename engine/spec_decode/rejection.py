@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from engine.penalties import to_device
-from engine.sampler import Sample, SampleError, SamplingParams, filtered_probs
+from engine.sampler import Sample, SampleError, SamplingParams, draw, filtered_probs
 from engine.sequence import Sequence
 from engine.spec_decode.speculator import composes_with_speculation
 
@@ -112,16 +112,6 @@ def verify_rows(logits: torch.Tensor, rows: Seq[VerifyRow]) -> list[list[int]]:
     num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1, keepdim=True)  # [R, 1]
     host = torch.cat([num_accepted, out], dim=1).tolist()  # the step's host sync
     return [values[1 : values[0] + 2] for values in host]
-
-
-def draw(probs: torch.Tensor, generators: Seq[torch.Generator]) -> torch.Tensor:
-    """A token per row of ``probs`` (``[R, vocab]``, unnormalised), row ``r`` drawn with
-    ``generators[r]``: what ``torch.multinomial(probs[r], 1)`` draws, without the host sync
-    in which it checks its input."""
-    noise = torch.empty_like(probs)  # [R, V]
-    for r, generator in enumerate(generators):
-        noise[r].exponential_(generator=generator)
-    return (probs / noise).argmax(dim=1)  # [R]
 
 
 def _rejection_sample(
