@@ -232,7 +232,11 @@ def _quantize_rows(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tens
 
 def _dequantize_rows(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """fp32 ``[R, N]`` from codes ``[R, N]`` and fp16 scales and zeros ``[R, G]``."""
-    N = q.shape[1]
+    R, N = q.shape
+    G = scale.shape[1]
+    if G * GROUP == N:  # whole groups: broadcast each group's scale and zero, no copies
+        x = q.reshape(R, G, GROUP).float().mul_(scale.float()[..., None])
+        return x.add_(zero.float()[..., None]).view(R, N)
     s = scale.float().repeat_interleave(GROUP, dim=1)[:, :N]
     z = zero.float().repeat_interleave(GROUP, dim=1)[:, :N]
     return q.float().mul_(s).add_(z)
@@ -254,8 +258,11 @@ def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Bytes ``[R, B]`` -> codes ``[R, n]`` (u8)."""
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    q = (packed[..., None] >> shifts) & ((1 << bits) - 1)  # [R, B, per]
+    mask = (1 << bits) - 1
+    # One elementwise op per code position (a broadcast shift is several times slower on
+    # the CPU); the top code needs no mask.
+    parts = [packed & mask] + [(packed >> shift) & mask for shift in range(bits, 8 - bits, bits)]
+    q = torch.stack([*parts, packed >> (8 - bits)], dim=-1)  # [R, B, per]
     return q.view(packed.shape[0], -1)[:, :n]
 
 
