@@ -21,6 +21,7 @@ nodes it saw fail.
 """
 from __future__ import annotations
 
+import abc
 import threading
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
@@ -98,33 +99,34 @@ def _without_cluster(url: str) -> str:
     return urlunsplit(parts._replace(query=urlencode(query)))
 
 
-class RemoteClient:
+class RemoteClient(abc.ABC):
     """The client of one server or of a cluster, seen the same way by the remote store.
     Every method touches the network: call them under the store's deadline."""
 
+    @abc.abstractmethod
     def client(self) -> valkey.Valkey | ValkeyCluster:
         """The library's client (its ``pipeline(transaction=False)`` splits by node on a
         cluster)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def probe(self) -> None:
         """A cheap check that every node answers (``PING``); raises if one does not."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def scan_nodes(self) -> list[str]:
         """The nodes to ``SCAN`` to see every key: the server, or each primary by name."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def scan(self, node: str, cursor: int, match: bytes, count: int) -> tuple[int, list[bytes]]:
         """One ``SCAN`` page of ``node``: the next cursor (0: done) and the keys."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def memory(self) -> tuple[int, int]:
         """``used_memory`` and ``maxmemory``, summed over the primaries."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def close(self) -> None:
-        raise NotImplementedError
+        """Drop the connections."""
 
 
 class ServerClient(RemoteClient):
