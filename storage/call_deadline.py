@@ -13,6 +13,11 @@ connection, so a connection is never returned to its pool in the middle of a rep
     finally:
         deadline.at = None
 
+A call that moves many bytes earns time for them: every byte sent or received moves the
+deadline by ``1 / MIN_RATE_BYTES_S`` seconds, so a batch of large blocks on a slow but working
+link is not cut off, while a server that drips a byte at a time still meets the deadline
+(a byte buys 15 ns).
+
 A pooled connection has one user at a time, so the deadline is the calling thread's.
 Not bounded by it: resolving the host name, and a TLS handshake (the socket timeout alone).
 """
@@ -26,10 +31,20 @@ from urllib.parse import urlsplit
 import valkey
 
 
+# The slowest transfer a call is allowed: a call may take its timeout plus one second per
+# 64 MiB it moves.
+MIN_RATE_BYTES_S = 64 << 20
+
+
 class CallDeadline(threading.local):
     """The deadline of the remote call this thread is making (``at``; ``None``: none)."""
 
     at: float | None = None
+
+    def moved(self, nbytes: int) -> None:
+        """``nbytes`` went over the wire: the deadline moves by their share of time."""
+        if self.at is not None and nbytes > 0:
+            self.at += nbytes / MIN_RATE_BYTES_S
 
     def wait_s(self, timeout: float | None) -> float | None:
         """How long one socket operation may wait: ``timeout`` cut to the time left.
@@ -59,13 +74,18 @@ class _DeadlineSocket:
 
     def recv(self, *args):
         self._sock.settimeout(self._deadline.wait_s(self._timeout))
-        return self._sock.recv(*args)
+        data = self._sock.recv(*args)
+        self._deadline.moved(len(data))
+        return data
 
     def recv_into(self, *args):
         self._sock.settimeout(self._deadline.wait_s(self._timeout))
-        return self._sock.recv_into(*args)
+        count = self._sock.recv_into(*args)
+        self._deadline.moved(count)
+        return count
 
     def sendall(self, data) -> None:
+        self._deadline.moved(memoryview(data).nbytes)  # known up front: one timeout for all
         self._sock.settimeout(self._deadline.wait_s(self._timeout))
         self._sock.sendall(data)
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import valkey
 
-from storage.call_deadline import CallDeadline, _DeadlineSocket, connection_class
+from storage.call_deadline import MIN_RATE_BYTES_S, CallDeadline, _DeadlineSocket, connection_class
 
 
 def test_waits_are_cut_to_the_time_left():
@@ -60,6 +60,46 @@ def test_reads_that_each_get_a_byte_in_time_still_end_at_the_deadline():
         dripper.join()
         ours.close()
         peer.close()
+
+
+def test_a_large_reply_at_a_working_rate_is_not_cut_off():
+    """8 MiB at ~80 MiB/s takes ~0.1 s, longer than the call's 0.05 s: the bytes earn it time."""
+    ours, peer = socket.socketpair()
+    deadline = CallDeadline()
+    ours.settimeout(1.0)
+    sock = _DeadlineSocket(ours, deadline)
+    total, chunk = 8 << 20, b"x" * (256 << 10)
+
+    def send() -> None:
+        try:
+            for _ in range(total // len(chunk)):
+                peer.sendall(chunk)
+                time.sleep(len(chunk) / (80 << 20))
+        except OSError:  # the reader gave up and closed its end
+            pass
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        deadline.at = time.monotonic() + 0.05
+        received = 0
+        while received < total:
+            received += len(sock.recv(1 << 20))
+        assert received == total
+        assert deadline.at > time.monotonic() - 1  # moved by the bytes: about 0.125 s
+    finally:
+        ours.close()
+        peer.close()
+        sender.join()
+
+
+def test_the_bytes_moved_extend_the_deadline_by_their_share():
+    deadline = CallDeadline()
+    deadline.moved(1 << 30)  # no call under way: nothing to move
+    assert deadline.at is None
+    deadline.at = 100.0
+    deadline.moved(MIN_RATE_BYTES_S)
+    assert deadline.at == 101.0
 
 
 def test_tls_urls_get_tls_connections():

@@ -239,8 +239,9 @@ class ServeConfig:
         choices=REMOTE_WRITE_POLICIES, vllm=False,
     )
     kv_remote_timeout: float = option(
-        0.1, "Seconds: the deadline of each remote call as a whole; after 3 failures in a row "
-        "the tier is skipped for 5 s.", TIERS, vllm=False,
+        0.1, "Seconds: the deadline of each remote call as a whole, plus one second per 64 MiB "
+        "the call moves; after 3 failures in a row the tier is skipped for 5 s.", TIERS,
+        vllm=False,
     )
     kv_remote_ttl: int | None = option(
         None, "Expire remote blocks after this many seconds.", TIERS, vllm=False,
