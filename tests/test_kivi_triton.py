@@ -28,6 +28,8 @@ CHECK = r"""
 import json, sys
 import torch
 from storage.codecs import kivi, kivi_triton
+sys.path.insert(0, "tests")
+from interpreter_testing import value_errors
 
 assert kivi_triton._interpreting(), "TRITON_INTERPRET=1 did not reach triton"
 results = {}
@@ -53,7 +55,6 @@ for i, (bits, dtype, shape, layout) in enumerate(json.loads(sys.argv[1])):
         "decoded_dtype": str(dec_tri.dtype),
     }
 
-errors = {}
 kv = torch.zeros(1, 2, 16, 2, 32, dtype=torch.float16)
 lay = kivi.kivi_layout(tuple(kv.shape), 2)
 out = lay.views(torch.empty(lay.meta_bytes + lay.code_bytes, dtype=torch.uint8))
@@ -69,12 +70,7 @@ calls = {
     "three_bits": lambda: kivi_triton.unpack_dequantize(
         out.value_codes, out.value_scale, out.value_zero, 3, kivi.value_rows(kv)),
 }
-for name, call in calls.items():
-    try:
-        call()
-        errors[name] = None
-    except ValueError as e:
-        errors[name] = str(e)
+errors = value_errors(calls)
 print(json.dumps({"results": results, "errors": errors}))
 """
 
