@@ -6,20 +6,26 @@ import gc
 import pytest
 import torch
 
+from storage.codecs import get_codec
+from storage.codecs.kivi import dequantize_block, quantize_block
 from storage.cpu_pool import CpuBlockPool
 from storage.pinned import PinnedSlab
+from tiered_kv import block_mover
 from tiered_kv.block_mover import BlockMover, _runs
 
 SHAPE = (12, 3, 2, 4, 2, 8)  # [num_blocks, L, 2, T, H, D]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def make(device: str = "cpu", num_slots: int = 16) -> tuple[torch.Tensor, CpuBlockPool, BlockMover]:
+def make(
+    device: str = "cpu", num_slots: int = 16, codec: str = "raw"
+) -> tuple[torch.Tensor, CpuBlockPool, BlockMover]:
     g = torch.Generator().manual_seed(0)
     cache = torch.randn(SHAPE, generator=g).to(torch.bfloat16).to(device)
-    nbytes = cache[0].numel() * cache.element_size()
+    stage = get_codec(codec).stage
+    nbytes = stage.payload_size(cache.dtype, SHAPE[1:])
     pool = CpuBlockPool(num_slots * nbytes, block_nbytes=nbytes, pin_memory=device == "cuda")
-    return cache, pool, BlockMover(cache, pool.slab)
+    return cache, pool, BlockMover(cache, pool.slab, stage)
 
 
 def slot(pool: CpuBlockPool, s: int) -> torch.Tensor:
@@ -47,6 +53,28 @@ def test_offload_then_restore_round_trips_the_bytes():
     assert not cache[2].any()  # only the restored blocks were written
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+def test_kivi_slots_hold_payloads_quantized_before_the_copy(monkeypatch, bits):
+    """With a KIVI codec a slot holds the block's KIVI payload (smaller than the block),
+    and a restore writes the dequantized block, in chunks of the staging area."""
+    monkeypatch.setattr(block_mover, "STAGING_BYTES", 3 * 768)  # 3 blocks per chunk
+    cache, pool, mover = make(codec=f"kivi{bits}")
+    block = cache[0].numel() * cache.element_size()
+    assert mover.slot_nbytes == pool.slot_nbytes < block
+    assert (mover.slot_dtype, mover.slot_shape) == (torch.uint8, (mover.slot_nbytes,))
+    pairs = [(0, 5), (1, 6), (7, 0), (3, 9), (4, 10), (11, 11), (2, 1)]  # 3 chunks
+    original = cache.clone()
+    assert mover.offload(pairs).done()
+    for b, s in pairs:
+        assert torch.equal(pool.slab[s], quantize_block(original[b], bits))
+    cache.zero_()
+    assert mover.restore(pairs).done()
+    for b, s in pairs:
+        expected = dequantize_block(pool.slab[s].clone(), bits, torch.bfloat16, SHAPE[1:])
+        assert torch.equal(cache[b], expected)
+    assert not cache[[5, 6, 8, 9, 10]].any()  # only the restored blocks were written
+
+
 def test_a_cache_that_is_not_block_major_is_refused():
     cache, pool, _ = make()
     with pytest.raises(ValueError, match="block-major"):
@@ -71,6 +99,31 @@ def test_cuda_round_trip_and_slot_reuse_after_offload():
     mover.restore(pairs).wait()
     for (b, _), expected in zip(pairs, stored):
         assert torch.equal(cache[b].cpu(), expected)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("codec", ["kivi4", "kivi2"])
+def test_cuda_kivi_round_trip_matches_the_host_and_survives_slot_reuse(codec):
+    """Quantized on the GPU before the copy: the slots hold the same bytes the CPU path
+    writes, the engine may reuse the blocks after the copy's event, and a restore gives
+    the same tensor as decoding on the CPU."""
+    cache, pool, mover = make("cuda", codec=codec)
+    host_cache, host_pool, host_mover = make("cpu", codec=codec)
+    pairs = [(b, 15 - b) for b in range(0, 12, 2)]
+    mover.offload(pairs).wait()
+    host_mover.offload(pairs)
+    stored = [pool.slab[s].clone() for _, s in pairs]
+    cache.fill_(7)  # reused right after the copy's event
+    torch.cuda.synchronize()
+    for (_, s), expected in zip(pairs, stored):
+        assert torch.equal(pool.slab[s], expected)
+        assert torch.equal(pool.slab[s], host_pool.slab[s])
+    mover.restore(pairs).wait()
+    host_mover.restore(pairs)
+    for b, _ in pairs:
+        assert torch.equal(cache[b].cpu(), host_cache[b])
+    assert torch.all(cache[1] == 7)
 
 
 @pytest.mark.cuda

@@ -412,3 +412,40 @@ def test_decode_block_unknown_codec_or_bad_payload():
     truncated = Record(key(), None, good.token_ids, "zstd", kv.dtype, SHAPE, good.payload[:-3])
     with pytest.raises(CodecError):
         decode_block(truncated)
+
+
+# --- stages: the tensor stage on the engine's device, the byte stage on the host -----------
+
+@pytest.mark.parametrize("spec", LOSSLESS + LOSSY)
+def test_pack_of_the_stage_payload_is_the_encoding(spec):
+    """The CPU pool holds a block in its codec's tensor stage; a writer packs it, a reader
+    unpacks into a slot: together they must be ``encode`` and ``decode``."""
+    codec = get_codec(spec)
+    kv = make_kv(dtype=torch.bfloat16, seed=3)
+    staged = codec.stage.encode_array(kv).copy()
+    payload = codec.pack(staged, kv.dtype, SHAPE)
+    assert payload == codec.encode(kv)
+    out = np.full(staged.size, 0xAB, dtype=np.uint8)
+    codec.unpack_into(payload, kv.dtype, SHAPE, out)
+    assert np.array_equal(out, staged)
+    with pytest.raises(CodecError):
+        codec.unpack_into(payload, kv.dtype, SHAPE, out[:-1])
+    with pytest.raises(CodecError):
+        codec.unpack_into(payload[:-1], kv.dtype, SHAPE, out)
+
+
+@pytest.mark.parametrize("spec", ["raw", "kivi2", "kivi4"])
+@pytest.mark.parametrize("shape", [SHAPE, (1, 2, 3, 1, 5)], ids=["block", "odd-payload"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn], ids=str)
+def test_a_batch_of_blocks_encodes_like_each_block(spec, shape, dtype):
+    codec = get_codec(spec)
+    blocks = torch.stack([make_kv(shape, torch.float32, seed=s) for s in range(3)]).to(dtype)
+    payloads = torch.empty(3, codec.payload_size(dtype, shape), dtype=torch.uint8)
+    codec.encode_blocks(blocks, payloads)
+    for i in range(3):
+        assert np.array_equal(payloads[i].numpy(), codec.encode_array(blocks[i]))
+    out = torch.empty_like(blocks)
+    codec.decode_blocks(payloads, out)
+    for i in range(3):
+        expected = codec.decode(payloads[i].numpy().tobytes(), dtype, shape)
+        assert torch.equal(bits_of(out[i]), bits_of(expected))

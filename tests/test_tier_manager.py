@@ -16,6 +16,7 @@ from prometheus_client import generate_latest
 from engine import LLM, SamplingParams
 from engine.models.tiny import TINY_CONFIG
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
+from storage.codecs import get_codec
 from storage.lmdb_store import LmdbStore
 from tiered_kv import TierConfig, TierManager, build_llm, tier_manager
 from tiered_kv.tier_manager import SWITCH_INTERVAL_S
@@ -408,6 +409,31 @@ def test_lossy_codec_divergence_is_measured(disk, codec):
     # Lossy records live in their own namespace: a lossless configuration never sees them.
     with make_llm(dataclasses.replace(tiers, codec="raw")) as llm:
         assert llm.generate(PROMPTS[0], params)[0].num_cached_tokens == 0
+
+
+def test_a_lossy_codec_quantizes_blocks_before_the_cpu_tier(disk):
+    """With kivi4 the pool holds KIVI payloads, quantized before the copy: more blocks fit
+    in the same bytes, and a CPU hit restores exactly what a disk hit after a restart does
+    (the disk's records are the pool's payloads, sealed)."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=20)
+    tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=4 << 20, disk_bytes=64 << 20, codec="kivi4")
+    with make_llm(tiers) as llm:
+        llm.generate(PROMPTS[0], params)
+        llm.generate(FLUSH, params)  # the engine's blocks now hold another request
+        cpu_hit = llm.generate(PROMPTS[0], params)[0]
+        manager = llm.engine.connector
+        kv_cache = llm.engine.model_runner.kv_cache
+        block = tuple(kv_cache.shape[1:])
+        slot_nbytes = manager.stores()["cpu"].slot_nbytes
+        assert manager.stats()["cpu"]["hit_blocks"] == 8
+    assert slot_nbytes == get_codec("kivi4").payload_size(kv_cache.dtype, block)
+    assert slot_nbytes * 2 < math.prod(block) * kv_cache.element_size()
+    with make_llm(tiers) as llm:
+        disk_hit = llm.generate(PROMPTS[0], params)[0]
+        assert llm.engine.connector.stats()["disk"]["hit_blocks"] == 8
+    assert cpu_hit.num_cached_tokens == disk_hit.num_cached_tokens == hit_tokens(PROMPTS[0])
+    assert cpu_hit.token_ids == disk_hit.token_ids
+    assert cpu_hit.top_logprobs == disk_hit.top_logprobs
 
 
 # ---------------------------------------------------------------- metrics

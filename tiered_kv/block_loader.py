@@ -29,7 +29,7 @@ import torch
 
 from engine.hashing import block_hash as chain_hash
 from storage.base import BlockKey, BlockStore
-from storage.codecs import CodecError, decode_block
+from storage.codecs import CodecError, get_codec
 from storage.cpu_pool import CpuBlockPool
 from storage.record import Record
 from tiered_kv.block_mover import BlockMover, Copy
@@ -206,7 +206,7 @@ class BlockLoader:
         if slot is None:
             logger.warning("CPU pool has no free slot for a %s hit; recomputing", tier)
             return None
-        out = self._pool.slot_view(slot, self._dtype, self._block_shape)
+        out = self._pool.slab[slot].numpy()
         try:
             self._decode_into(record, want.parent, out)
         except BadRecord as e:
@@ -215,7 +215,7 @@ class BlockLoader:
             self._metrics.add(tier, corrupt=1)
             return None
         committed = self._pool.commit(
-            want.key, slot, self._dtype, self._block_shape, record.parent_hash,
+            want.key, slot, self._mover.slot_dtype, self._mover.slot_shape, record.parent_hash,
             record.token_ids, self._promote(tier), hold=True,
         )
         if not committed:  # another load promoted the same block meanwhile
@@ -223,19 +223,19 @@ class BlockLoader:
             return None if got is None else got.slot
         return slot
 
-    def _decode_into(self, record: Record, parent: bytes | None, out: torch.Tensor) -> None:
-        """Write the block in ``record`` into ``out`` (a host slot) after checking that it
-        belongs there.
+    def _decode_into(self, record: Record, parent: bytes | None, out: np.ndarray) -> None:
+        """Write the block in ``record`` into ``out`` (a host slot's bytes, in the form of the
+        mover's stage) after checking that it belongs there.
 
         The key was checked by the store. Here: the record's parent is the request's previous
         block, and its token ids hash with that parent to its key (so they are the request's
         tokens); a request's first block has the salted root as its parent, which the
         connector does not know, so for it only ``parent is None`` is checked.
         """
-        if record.dtype != out.dtype or tuple(record.shape) != self._block_shape:
+        if record.dtype != self._dtype or tuple(record.shape) != self._block_shape:
             raise BadRecord(
                 f"record holds {record.dtype}{list(record.shape)}, the engine's blocks are "
-                f"{out.dtype}{list(self._block_shape)}"
+                f"{self._dtype}{list(self._block_shape)}"
             )
         if len(record.token_ids) != self._block_shape[2]:
             raise BadRecord(
@@ -245,18 +245,18 @@ class BlockLoader:
             raise BadRecord("record's parent is not the request's previous block")
         if parent is not None and chain_hash(parent, record.token_ids) != record.key.block_hash:
             raise BadRecord("record's token ids do not hash to its key")
-        if record.codec == "raw":
-            # The raw payload is the block's bytes in memory order: one copy into the slot.
-            dst = out.view(-1).view(torch.uint8).numpy()
-            src = np.frombuffer(record.payload, dtype=np.uint8)
-            if src.size != dst.size:
-                raise BadRecord(f"raw payload of {src.size} bytes for a {dst.size}-byte block")
-            dst[:] = src
-            return
         try:
-            kv = decode_block(record)
-        except CodecError as e:
+            codec = get_codec(record.codec)
+        except ValueError as e:
             raise BadRecord(str(e)) from None
-        if kv.dtype != out.dtype or tuple(kv.shape) != self._block_shape:
-            raise BadRecord(f"decoded to {kv.dtype}{list(kv.shape)}")
-        out.copy_(kv)
+        stage = self._mover.stage
+        try:
+            if codec.stage.name == stage.name:
+                # The slot holds the stage's payload: only the byte stage (zstd) runs here,
+                # straight into the slot.
+                codec.unpack_into(record.payload, record.dtype, self._block_shape, out)
+            else:  # another stage (a store shared with another codec): decode, re-encode
+                kv = codec.decode(record.payload, record.dtype, self._block_shape)
+                out[:] = stage.encode_array(kv)
+        except (CodecError, ValueError) as e:
+            raise BadRecord(str(e)) from None

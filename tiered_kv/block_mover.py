@@ -12,14 +12,31 @@ On CUDA the copies are asynchronous DMA on side streams, ordered by events:
 - ``restore_stream`` writes blocks the engine does not use until the ``copied`` event of
   the restore has completed (the connector reports a load only then).
 
+A slot holds a block in the form of the codec's tensor stage (:attr:`Codec.stage`): the
+block's own bytes for ``raw`` (and ``zstd``, whose byte stage runs on the host later), or
+its KIVI payload for ``kivi2``/``kivi4``. KIVI blocks are quantized on the engine's device
+before the copy and dequantized there after it, so the lossy codecs also cut the bytes
+that cross PCIe and the pool holds 3-5x more blocks. That takes a device staging area per
+direction (:data:`STAGING_BYTES` of blocks, and their payloads): a batch moves in chunks
+that fit it::
+
+    offload:  cache ─ index_select ─▶ staged blocks ─ encode ─▶ payloads ─ DMA ─▶ slots
+    restore:  slots ─ DMA ─▶ payloads ─ decode ─▶ staged blocks ─ index_copy ─▶ cache
+
 Nothing here synchronizes the device; :meth:`Copy.done` only queries an event. On the CPU
-a copy is a memcpy done in the calling thread, finished when the call returns.
+a copy is done in the calling thread, finished when the call returns.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
+
+from storage.codecs.base import TensorCodec
+from storage.codecs.raw import RawCodec
+
+STAGING_BYTES = 32 << 20  # device staging per direction for a transcoding stage
 
 
 class Copy:
@@ -39,20 +56,28 @@ class Copy:
 
 class BlockMover:
     """Copies blocks between ``kv_cache`` (``[num_blocks, L, 2, T, H, D]``) and ``slab``
-    (``[num_slots, block_nbytes]`` uint8 host memory, pinned for CUDA).
+    (``[num_slots, slot_nbytes]`` uint8 host memory, pinned for CUDA), each slot holding a
+    block in ``stage``'s form (default: raw bytes).
 
     :meth:`offload` is called by the engine thread; :meth:`restore` by any thread.
     """
 
-    def __init__(self, kv_cache: torch.Tensor, slab: torch.Tensor) -> None:
+    def __init__(
+        self, kv_cache: torch.Tensor, slab: torch.Tensor, stage: TensorCodec | None = None
+    ) -> None:
         block_nbytes = kv_cache[0].numel() * kv_cache.element_size()
         if not kv_cache[0].is_contiguous() or kv_cache.stride(0) * kv_cache.element_size() != block_nbytes:
             raise ValueError("the KV cache must be block-major with contiguous blocks")
-        if slab.dtype != torch.uint8 or slab.dim() != 2 or slab.shape[1] != block_nbytes:
+        self.stage = stage = stage or RawCodec()
+        self.block_shape = tuple(kv_cache.shape[1:])
+        self.slot_nbytes = stage.payload_size(kv_cache.dtype, self.block_shape)
+        if slab.dtype != torch.uint8 or slab.dim() != 2 or slab.shape[1] != self.slot_nbytes:
             raise ValueError(
-                f"slab must be [num_slots, {block_nbytes}] uint8, got {slab.dtype}{list(slab.shape)}"
+                f"slab must be [num_slots, {self.slot_nbytes}] uint8, got {slab.dtype}{list(slab.shape)}"
             )
+        self.transcodes = stage.name != "raw"
         self.device = kv_cache.device
+        self.cache = kv_cache
         self.blocks = kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)  # [num_blocks, nbytes]
         self.slab = slab
         self.offload_stream: torch.cuda.Stream | None = None
@@ -60,20 +85,32 @@ class BlockMover:
         if kv_cache.is_cuda:
             self.offload_stream = torch.cuda.Stream(self.device)
             self.restore_stream = torch.cuda.Stream(self.device)
+        if self.transcodes:
+            self._chunk = max(1, STAGING_BYTES // block_nbytes)
+            self._out = _Staging(self._chunk, kv_cache, self.slot_nbytes)
+            self._in = _Staging(self._chunk, kv_cache, self.slot_nbytes)
+            self._out_lock, self._in_lock = threading.Lock(), threading.Lock()
+
+    @property
+    def slot_dtype(self) -> torch.dtype:
+        """The dtype a slot is viewed as (with :attr:`slot_shape`)."""
+        return torch.uint8 if self.transcodes else self.cache.dtype
+
+    @property
+    def slot_shape(self) -> tuple[int, ...]:
+        return (self.slot_nbytes,) if self.transcodes else self.block_shape
 
     def offload(self, pairs: Sequence[tuple[int, int]]) -> Copy:
         """Copy block ``b`` into slot ``s`` for each ``(b, s)``, after the work queued so far
         on the current (compute) stream."""
         if self.offload_stream is None:
-            for b, s, n in _runs(pairs):
-                self.slab[s : s + n].copy_(self.blocks[b : b + n])
+            self._offload(pairs)
             return Copy()
         written = torch.cuda.Event()
         written.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.offload_stream):
             self.offload_stream.wait_event(written)
-            for b, s, n in _runs(pairs):
-                self.slab[s : s + n].copy_(self.blocks[b : b + n], non_blocking=True)
+            self._offload(pairs)
             copied = torch.cuda.Event()
             copied.record(self.offload_stream)
         return Copy(copied)
@@ -81,15 +118,65 @@ class BlockMover:
     def restore(self, pairs: Sequence[tuple[int, int]]) -> Copy:
         """Copy slot ``s`` into block ``b`` for each ``(b, s)``."""
         if self.restore_stream is None:
-            for b, s, n in _runs(pairs):
-                self.blocks[b : b + n].copy_(self.slab[s : s + n])
+            self._restore(pairs)
             return Copy()
         with torch.cuda.stream(self.restore_stream):
-            for b, s, n in _runs(pairs):
-                self.blocks[b : b + n].copy_(self.slab[s : s + n], non_blocking=True)
+            self._restore(pairs)
             copied = torch.cuda.Event()
             copied.record(self.restore_stream)
         return Copy(copied)
+
+    def _offload(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """The copies of :meth:`offload`, queued on the current stream."""
+        cuda = self.offload_stream is not None
+        if not self.transcodes:
+            for b, s, n in _runs(pairs):
+                self.slab[s : s + n].copy_(self.blocks[b : b + n], non_blocking=cuda)
+            return
+        with self._out_lock:  # one user of the staging area at a time; the stream orders the rest
+            for chunk in _chunks(pairs, self._chunk):
+                n = len(chunk)
+                staged, payloads = self._out.blocks[:n], self._out.payloads[:n]
+                torch.index_select(self.cache, 0, self._ids([b for b, _ in chunk]), out=staged)
+                self.stage.encode_blocks(staged, payloads)
+                for i, s, m in _runs([(i, s) for i, (_, s) in enumerate(chunk)]):
+                    self.slab[s : s + m].copy_(payloads[i : i + m], non_blocking=cuda)
+
+    def _restore(self, pairs: Sequence[tuple[int, int]]) -> None:
+        cuda = self.restore_stream is not None
+        if not self.transcodes:
+            for b, s, n in _runs(pairs):
+                self.blocks[b : b + n].copy_(self.slab[s : s + n], non_blocking=cuda)
+            return
+        with self._in_lock:
+            for chunk in _chunks(pairs, self._chunk):
+                n = len(chunk)
+                staged, payloads = self._in.blocks[:n], self._in.payloads[:n]
+                for i, s, m in _runs([(i, s) for i, (_, s) in enumerate(chunk)]):
+                    payloads[i : i + m].copy_(self.slab[s : s + m], non_blocking=cuda)
+                self.stage.decode_blocks(payloads, staged)
+                self.cache.index_copy_(0, self._ids([b for b, _ in chunk]), staged)
+
+    def _ids(self, block_ids: list[int]) -> torch.Tensor:
+        """``block_ids`` as an index tensor on the device, copied without stalling the host."""
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        if not self.cache.is_cuda:
+            return ids
+        return ids.pin_memory().to(self.device, non_blocking=True)
+
+
+class _Staging:
+    """A device staging area for up to ``blocks`` blocks and their stage payloads."""
+
+    def __init__(self, blocks: int, kv_cache: torch.Tensor, slot_nbytes: int) -> None:
+        self.blocks = torch.empty(
+            (blocks, *kv_cache.shape[1:]), dtype=kv_cache.dtype, device=kv_cache.device
+        )
+        self.payloads = torch.empty((blocks, slot_nbytes), dtype=torch.uint8, device=kv_cache.device)
+
+
+def _chunks(pairs: Sequence[tuple[int, int]], size: int) -> list[Sequence[tuple[int, int]]]:
+    return [pairs[i : i + size] for i in range(0, len(pairs), size)]
 
 
 def _runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:

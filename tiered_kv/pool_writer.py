@@ -8,9 +8,13 @@ dropped only when the whole pool is full of blocks not yet written.
 
 ::
 
-    CpuBlockPool ─ take_pending(tier) ─▶ encode (codec) ─▶ store.put_many ─▶ done_pending
-    (slots pinned while pending)          on this thread     (LMDB commits on its own thread;
+    CpuBlockPool ─ take_pending(tier) ─▶ pack (codec) ─▶ store.put_many ─▶ done_pending
+    (slots pinned while pending)          on this thread   (LMDB commits on its own thread;
                                                               Valkey/Redis: one pipeline)
+
+A slot holds its block in the form of the codec's tensor stage (raw bytes, or a KIVI
+payload quantized on the engine's device; see :mod:`tiered_kv.block_mover`), so a writer
+only applies the byte stage (zstd, or nothing) and seals the record.
 
 With ``write_back`` the writer leaves blocks pending until the pool runs short of slots it
 could evict (fewer than ``low_watermark``), then writes the oldest; :meth:`PoolWriter.drain`
@@ -22,8 +26,10 @@ import logging
 import threading
 import time
 
+import torch
+
 from storage.base import BlockStore, StoreError
-from storage.codecs import Codec, encode_block
+from storage.codecs import Codec
 from storage.cpu_pool import CpuBlockPool, SlotBlock
 from storage.record import Record
 from tiered_kv.metrics import TierMetrics
@@ -49,8 +55,10 @@ class PoolWriter:
         write_back: bool = False,
         low_watermark: int = 0,
         by_priority: bool = False,
+        block: tuple[torch.dtype, tuple[int, ...]],
     ) -> None:
         self._pool = pool
+        self._dtype, self._shape = block  # the engine's KV blocks (slots hold codec.stage's form)
         self._store = store
         self._codec = codec
         self._metrics = metrics
@@ -116,9 +124,16 @@ class PoolWriter:
         priorities: list[int] = []
         for block in batch:
             try:
-                records.append(
-                    encode_block(block.key, block.parent_hash, block.token_ids, block.kv, self._codec)
-                )
+                staged = block.kv.reshape(-1).view(torch.uint8).numpy()
+                records.append(Record(
+                    key=block.key,
+                    parent_hash=block.parent_hash,
+                    token_ids=block.token_ids,
+                    codec=self._codec.name,
+                    dtype=self._dtype,
+                    shape=self._shape,
+                    payload=self._codec.pack(staged, self._dtype, self._shape),
+                ))
                 priorities.append(block.priority)
             except ValueError as e:
                 logger.error("%s writer: cannot encode %s: %s", self.tier, block.key.short(), e)

@@ -215,8 +215,10 @@ class ServeConfig:
         "tier.", TIERS, vllm=False,
     )
     kv_codec: str = option(
-        "raw", "Disk encoding: raw, zstd[:LEVEL] (lossless), kivi2, kivi4, kivi2+zstd, "
-        "kivi4+zstd (lossy, opt-in; kept in their own namespace).", TIERS, vllm=False,
+        "raw", "Encoding of the offloaded KV: raw, zstd[:LEVEL] (lossless, on disk and "
+        "remote), kivi2, kivi4, kivi2+zstd, kivi4+zstd (lossy, opt-in, kept in their own "
+        "namespace; KIVI quantizes on the engine's device, so the CPU pool holds the smaller "
+        "blocks too).", TIERS, vllm=False,
     )
     kv_write_policy: str = option(
         "write-through", "write-through: every new block goes to the CPU pool and is queued for "

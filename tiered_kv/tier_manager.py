@@ -326,26 +326,29 @@ class TierManager(KVConnector):
         self._block_shape = (num_layers, 2, block_size, heads, head_dim)
         self._block_nbytes = kv_cache[0].numel() * kv_cache.element_size()
         self._namespace = self.storage_namespace(namespace, config.codec)
+        # A slot holds a block in the codec's tensor stage (a KIVI payload is smaller).
+        slot_nbytes = self._codec.stage.payload_size(kv_cache.dtype, self._block_shape)
         pool_bytes = config.cpu_bytes if config.has_cpu else config.staging_bytes
-        if pool_bytes < self._block_nbytes:
+        if pool_bytes < slot_nbytes:
             setting = "cpu_bytes" if config.has_cpu else "staging_bytes"
             raise ValueError(
-                f"{setting}={pool_bytes} holds no KV block ({self._block_nbytes} bytes each); "
+                f"{setting}={pool_bytes} holds no KV block ({slot_nbytes} bytes each); "
                 f"raise it" + (" or set 0 for no CPU tier" if config.has_cpu else "")
             )
         self._pool = CpuBlockPool(
-            pool_bytes, block_nbytes=self._block_nbytes, keep_clean=config.has_cpu,
+            pool_bytes, block_nbytes=slot_nbytes, keep_clean=config.has_cpu,
             pin_memory=kv_cache.is_cuda,
         )
         self._kv_cache = kv_cache
-        self._mover = BlockMover(kv_cache, self._pool.slab)
+        self._mover = BlockMover(kv_cache, self._pool.slab, self._codec.stage)
+        block = (kv_cache.dtype, self._block_shape)
         stores: dict[str, BlockStore] = {}
         if self._disk is not None:
             stores["disk"] = self._disk
             self._writers.append(PoolWriter(
                 self._pool, self._disk, self._codec, self.metrics, "disk",
                 write_back=config.write_policy == "write-back", by_priority=True,
-                low_watermark=max(1, self._pool.num_slots // 8),
+                low_watermark=max(1, self._pool.num_slots // 8), block=block,
             ))
         if self._remote is not None:
             stores["remote"] = self._remote
@@ -354,7 +357,9 @@ class TierManager(KVConnector):
             )
             if config.remote_write_policy == "write-through":
                 self._writers.append(
-                    PoolWriter(self._pool, self._remote, self._codec, self.metrics, "remote")
+                    PoolWriter(
+                        self._pool, self._remote, self._codec, self.metrics, "remote", block=block
+                    )
                 )
         self._loader = BlockLoader(
             self._pool, self._mover, stores, self.metrics,
@@ -572,7 +577,7 @@ class TierManager(KVConnector):
             if "disk" in tiers and self._disk.contains(key):
                 tiers = tuple(t for t in tiers if t != "disk")
             if self._pool.commit(
-                key, slot, self._kv_cache.dtype, self._block_shape, block.parent_hash,
+                key, slot, self._mover.slot_dtype, self._mover.slot_shape, block.parent_hash,
                 block.token_ids, tiers, priority=self.config.tenant_priority(block.cache_salt),
             ):
                 stored += 1

@@ -83,6 +83,29 @@ class Codec(abc.ABC):
     ) -> torch.Tensor:
         """The tensor of ``dtype`` and ``shape`` on ``device`` that ``payload`` encodes."""
 
+    # A codec is a tensor stage (raw, KIVI: works on the tensor, may run on the engine's
+    # device) followed by at most one byte stage (zstd: works on the stage's payload on
+    # the host). The CPU pool holds blocks in the stage's form; ``pack`` and
+    # ``unpack_into`` apply the byte stage alone.
+
+    @property
+    @abc.abstractmethod
+    def stage(self) -> TensorCodec:
+        """The tensor codec this codec applies first (itself for a tensor codec)."""
+
+    @abc.abstractmethod
+    def pack(self, staged: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
+        """The payload for a block whose :attr:`stage` payload is ``staged`` (1-D ``uint8``,
+        exactly the stage's size): ``pack(stage.encode_array(kv)) == encode(kv)``."""
+
+    @abc.abstractmethod
+    def unpack_into(
+        self, payload: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...], out: np.ndarray
+    ) -> None:
+        """Write the :attr:`stage` payload that ``payload`` holds into ``out`` (1-D ``uint8``,
+        the stage's size): the inverse of :meth:`pack`, with no other allocation of the
+        block's size. :class:`CodecError` for anything it cannot decode."""
+
     def __repr__(self) -> str:
         return f"<codec {self.name}>"
 
@@ -118,6 +141,36 @@ class TensorCodec(Codec):
 
     def payload_size(self, dtype: torch.dtype, shape: tuple[int, ...]) -> int:
         return sum(s.nbytes for s in self.layout(dtype, shape))
+
+    @abc.abstractmethod
+    def encode_blocks(self, blocks: torch.Tensor, out: torch.Tensor) -> None:
+        """Encode a batch of blocks ``[n, L, 2, T, H, D]`` on their device into ``out``
+        ``[n, payload_size]`` (``uint8``, same device): row ``i`` is the payload of block
+        ``i``, byte for byte what :meth:`encode_array` gives for it."""
+
+    @abc.abstractmethod
+    def decode_blocks(self, payloads: torch.Tensor, out: torch.Tensor) -> None:
+        """The inverse of :meth:`encode_blocks`: decode ``payloads`` ``[n, payload_size]``
+        into ``out`` ``[n, L, 2, T, H, D]`` on the same device."""
+
+    @property
+    def stage(self) -> TensorCodec:
+        return self
+
+    def pack(self, staged: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
+        return staged.tobytes()
+
+    def unpack_into(
+        self, payload: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...], out: np.ndarray
+    ) -> None:
+        buf = as_byte_array(payload)
+        expected = self.payload_size(dtype, tuple(shape))
+        if buf.size != expected or out.size != expected:
+            raise CodecError(
+                f"{self.name} payload for {dtype} {list(shape)} is {expected} bytes, got "
+                f"{buf.size} (into {out.size})"
+            )
+        out[:] = buf
 
     def encode(self, kv: torch.Tensor) -> bytes:
         return self.encode_array(kv).tobytes()

@@ -92,20 +92,26 @@ class KiviLayout(NamedTuple):
             + self.L * self.T * self.H * self.value_row_bytes
         )
 
+    @property
+    def nbytes(self) -> int:
+        return self.meta_bytes + self.code_bytes
+
     def views(self, buf: torch.Tensor) -> KiviViews:
-        """Typed views of a payload buffer (1-D uint8, ``meta_bytes + code_bytes`` long)."""
+        """Typed views of a payload buffer: ``[..., nbytes]`` uint8 (one payload per row;
+        rows must start at even offsets), viewed as ``[..., L, H, D, Gk]`` and so on."""
         L, T, H, D = self.L, self.T, self.H, self.D
-        meta = buf[: self.meta_bytes].view(torch.float16)
+        lead = tuple(buf.shape[:-1])
+        meta = buf[..., : self.meta_bytes].view(torch.float16)
         k, v = self.key_meta, self.value_meta
-        codes = buf[self.meta_bytes :]
+        codes = buf[..., self.meta_bytes :]
         kc = L * H * D * self.key_row_bytes
         return KiviViews(
-            key_scale=meta[:k].view(L, H, D, self.key_groups),
-            key_zero=meta[k : 2 * k].view(L, H, D, self.key_groups),
-            value_scale=meta[2 * k : 2 * k + v].view(L, T, H, self.value_groups),
-            value_zero=meta[2 * k + v :].view(L, T, H, self.value_groups),
-            key_codes=codes[:kc].view(L, H, D, self.key_row_bytes),
-            value_codes=codes[kc:].view(L, T, H, self.value_row_bytes),
+            key_scale=meta[..., :k].view(*lead, L, H, D, self.key_groups),
+            key_zero=meta[..., k : 2 * k].view(*lead, L, H, D, self.key_groups),
+            value_scale=meta[..., 2 * k : 2 * k + v].view(*lead, L, T, H, self.value_groups),
+            value_zero=meta[..., 2 * k + v :].view(*lead, L, T, H, self.value_groups),
+            key_codes=codes[..., :kc].view(*lead, L, H, D, self.key_row_bytes),
+            value_codes=codes[..., kc:].view(*lead, L, T, H, self.value_row_bytes),
         )
 
 
@@ -186,11 +192,15 @@ def dequantize_block(
     dtype: torch.dtype,
     shape: tuple[int, ...],
     backend: str | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode a payload (1-D uint8 tensor) into a new ``[L, 2, T, H, D]`` tensor on its device."""
+    """Decode a payload (1-D uint8 tensor) into a ``[L, 2, T, H, D]`` tensor on its device:
+    ``out`` (of that dtype and shape) if given, else a new one."""
     lay = kivi_layout(shape, bits)
     src = lay.views(buf)
-    kv = torch.empty(shape, dtype=dtype, device=buf.device)
+    if out is not None and (out.dtype != dtype or tuple(out.shape) != tuple(shape)):
+        raise ValueError(f"out is {out.dtype}{list(out.shape)}, the block {dtype}{list(shape)}")
+    kv = torch.empty(shape, dtype=dtype, device=buf.device) if out is None else out
     if _backend(buf, dtype, backend) == "triton":
         kernels = _triton()
         kernels.unpack_dequantize(src.key_codes, src.key_scale, src.key_zero, bits, key_rows(kv))
@@ -207,6 +217,62 @@ def dequantize_block(
         x = _dequantize_rows(q, scale.reshape(-1, scale.shape[-1]), zero.reshape(-1, zero.shape[-1]))
         rows.copy_(x.view(rows.shape).to(dtype))
     return kv
+
+
+def quantize_blocks(
+    blocks: torch.Tensor, bits: int, out: torch.Tensor, backend: str | None = None
+) -> None:
+    """Quantize a batch ``[n, L, 2, T, H, D]`` into ``out`` ``[n, payload]`` (uint8, same
+    device): row ``i`` is byte for byte :func:`quantize_block` of block ``i``.
+
+    The batch is quantized as one block of ``n * L`` layers (every row of the quantizer
+    lies within one layer of one block), then its sections are copied to the rows.
+    """
+    n, L = blocks.shape[:2]
+    lay, joint = _batch_layouts(tuple(blocks.shape), bits, out)
+    if lay.nbytes % 2:  # rows at odd offsets have no fp16 views: one block at a time
+        for i in range(n):
+            out[i].copy_(quantize_block(blocks[i], bits, backend))
+        return
+    payload = quantize_block(blocks.reshape(n * L, *blocks.shape[2:]), bits, backend)
+    for whole, rows in zip(joint.views(payload), lay.views(out)):
+        rows.copy_(whole.view(rows.shape))
+
+
+def dequantize_blocks(
+    payloads: torch.Tensor, bits: int, out: torch.Tensor, backend: str | None = None
+) -> None:
+    """The inverse of :func:`quantize_blocks`: decode ``payloads`` ``[n, payload]`` into
+    ``out`` ``[n, L, 2, T, H, D]`` (contiguous, on the payloads' device)."""
+    n, L = out.shape[:2]
+    lay, joint = _batch_layouts(tuple(out.shape), bits, payloads)
+    if not out.is_contiguous():
+        raise ValueError("dequantize_blocks writes into a contiguous batch")
+    if lay.nbytes % 2:
+        for i in range(n):
+            dequantize_block(payloads[i].clone(), bits, out.dtype, tuple(out.shape[1:]), backend, out[i])
+        return
+    whole = torch.empty(joint.nbytes, dtype=torch.uint8, device=payloads.device)
+    for section, rows in zip(joint.views(whole), lay.views(payloads)):
+        section.view(rows.shape).copy_(rows)
+    shape = (n * L, *out.shape[2:])
+    dequantize_block(whole, bits, out.dtype, shape, backend, out.view(shape))
+
+
+def _batch_layouts(
+    shape: tuple[int, ...], bits: int, payloads: torch.Tensor
+) -> tuple[KiviLayout, KiviLayout]:
+    """The layout of one block of a batch ``shape`` ``[n, L, 2, T, H, D]``, and of the batch
+    seen as one block of ``n * L`` layers, after checking ``payloads`` ``[n, payload]``."""
+    if len(shape) != 6:
+        raise ValueError(f"a batch of KV blocks is [n, L, 2, T, H, D], got {list(shape)}")
+    n, L, *block = shape
+    lay = kivi_layout((L, *block), bits)
+    if tuple(payloads.shape) != (n, lay.nbytes) or payloads.dtype != torch.uint8:
+        raise ValueError(
+            f"payloads must be uint8 [{n}, {lay.nbytes}], got {payloads.dtype}{list(payloads.shape)}"
+        )
+    return lay, kivi_layout((n * L, *block), bits)
 
 
 def _quantize_rows(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -288,6 +354,13 @@ class KiviCodec(TensorCodec):
     def encode_array(self, kv: torch.Tensor) -> np.ndarray:
         check_kv_dtype(kv.dtype, self.name)
         return quantize_block(kv.detach(), self.bits).cpu().numpy()
+
+    def encode_blocks(self, blocks: torch.Tensor, out: torch.Tensor) -> None:
+        check_kv_dtype(blocks.dtype, self.name)
+        quantize_blocks(blocks.detach(), self.bits, out)
+
+    def decode_blocks(self, payloads: torch.Tensor, out: torch.Tensor) -> None:
+        dequantize_blocks(payloads, self.bits, out)
 
     def decode_array(
         self, buf: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device | str

@@ -24,6 +24,15 @@ class RawCodec(TensorCodec):
         flat = kv.detach().contiguous().cpu().reshape(-1)
         return flat.view(torch.uint8).numpy()
 
+    def encode_blocks(self, blocks: torch.Tensor, out: torch.Tensor) -> None:
+        check_kv_dtype(blocks.dtype, self.name)
+        out.copy_(blocks.reshape(blocks.shape[0], -1).view(torch.uint8))
+
+    def decode_blocks(self, payloads: torch.Tensor, out: torch.Tensor) -> None:
+        if not out.is_contiguous():
+            raise ValueError("decode_blocks writes into a contiguous batch")
+        out.view(out.shape[0], -1).view(torch.uint8).copy_(payloads)
+
     def decode_array(
         self, buf: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device | str
     ) -> torch.Tensor:

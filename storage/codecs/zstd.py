@@ -65,13 +65,20 @@ class ZstdCodec(Codec):
             dctx = self._local.dctx = zstandard.ZstdDecompressor()
         return dctx
 
+    @property
+    def stage(self) -> TensorCodec:
+        return self.inner
+
     def encode(self, kv: torch.Tensor) -> bytes:
-        buf = self.inner.encode_array(kv)
+        return self.pack(self.inner.encode_array(kv), kv.dtype, tuple(kv.shape))
+
+    def pack(self, staged: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
+        buf = staged
         cctx = self._compressor()
         lengths: list[int] = []
         parts: list[bytes | memoryview] = []
         offset = 0
-        for section in self.inner.layout(kv.dtype, tuple(kv.shape)):
+        for section in self.inner.layout(dtype, tuple(shape)):
             data = buf[offset : offset + section.nbytes]
             offset += section.nbytes
             # [n, w] -> [w, n]: one copy that gathers each byte plane contiguously.
@@ -92,7 +99,20 @@ class ZstdCodec(Codec):
         device: torch.device | str = "cpu",
     ) -> torch.Tensor:
         shape = tuple(shape)
+        out = np.empty(self.inner.payload_size(dtype, shape), dtype=np.uint8)
+        self.unpack_into(payload, dtype, shape, out)
+        return self.inner.decode_array(out, dtype, shape, device)
+
+    def unpack_into(
+        self, payload: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...], out: np.ndarray
+    ) -> None:
+        shape = tuple(shape)
         layout = self.inner.layout(dtype, shape)
+        if out.size != sum(s.nbytes for s in layout):
+            raise CodecError(
+                f"{self.name}: a {dtype} {list(shape)} block stages to "
+                f"{sum(s.nbytes for s in layout)} bytes, not {out.size}"
+            )
         src = as_byte_array(payload)
         num_planes = sum(s.itemsize for s in layout)
         header = 4 * num_planes
@@ -112,7 +132,6 @@ class ZstdCodec(Codec):
             chunks.append(src[pos : pos + stored])
             pos += stored
             self._check_frame(chunks[-1], plane_len)
-        out = np.empty(sum(s.nbytes for s in layout), dtype=np.uint8)
         dctx = self._decompressor()
         planes = iter(chunks)
         offset = 0
@@ -122,7 +141,6 @@ class ZstdCodec(Codec):
             offset += section.nbytes
             for i in range(section.itemsize):
                 dst[:, i] = self._plane(dctx, next(planes), dst.shape[0])
-        return self.inner.decode_array(out, dtype, shape, device)
 
     def _check_frame(self, chunk: np.ndarray, plane_len: int) -> None:
         """A stored plane is the plane itself, or one zstd frame that declares exactly the
