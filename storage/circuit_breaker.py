@@ -95,3 +95,9 @@ class CircuitBreaker:
             if self._open_until is None:
                 return True
             return not self._probing and self._clock() >= self._open_until
+
+    @property
+    def is_open(self) -> bool:
+        """``True`` from the failure that opened the breaker until a probe closes it."""
+        with self._lock:
+            return self._open_until is not None

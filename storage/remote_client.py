@@ -7,22 +7,25 @@ URLs::
 
 A cluster URL names the node to start from. The client asks it for the slot map (``CLUSTER
 SLOTS``), learns the other nodes, follows ``MOVED`` and ``ASK`` redirections, and splits a
-pipeline by node: the commands for every node are sent before any reply is read, so a
-pipelined call costs about one round-trip whichever nodes it touches. Keys are hashed
-whole (no ``{hash tag}``), so blocks spread evenly over the 16384 slots and the nodes that
-own them. A cluster has only database 0.
+pipeline by node (:mod:`storage.cluster_pipeline`): the commands for every node are sent
+before any reply is read, so a pipelined call costs about one round-trip whichever nodes it
+touches, and a node that does not answer fails only its own commands; it is skipped until
+its cooldown has passed. Keys are hashed whole (no ``{hash tag}``), so blocks spread evenly
+over the 16384 slots and the nodes that own them. A cluster has only database 0.
 
 Both clients talk through the call deadline's connections (:mod:`storage.call_deadline`)
 and never retry on their own: the remote store's circuit breaker decides when to try
 again. A cluster client is built on the first call (building it asks a node for the slot
-map, so it happens under that call's deadline); the probe that may close the breaker
-rebuilds it from the URL's node and every node it knew, because the library forgets the
-nodes it saw fail.
+map, so it happens under that call's deadline); the probe that may close the store's
+breaker rebuilds it from the URL's node and every node it knew, because the library forgets
+the nodes it saw fail: a node that answers the slot map passes the probe.
 """
 from __future__ import annotations
 
 import abc
+import logging
 import threading
+from collections.abc import Callable
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
 import valkey
@@ -31,10 +34,16 @@ from valkey.cluster import ClusterNode, ValkeyCluster
 from valkey.retry import Retry
 
 from storage.call_deadline import CallDeadline, connection_class
+from storage.circuit_breaker import Permit
+from storage.cluster_pipeline import NO_ANSWER, NodeBreakers, NodeDown, send
 
 URL_SCHEMES = ("redis", "rediss", "valkey", "valkeys")
 CLUSTER_ON = ("1", "true", "yes")
 CLUSTER_OFF = ("0", "false", "no")
+
+logger = logging.getLogger(__name__)
+
+_BUILD_RETRIES = 2  # other primaries to try when the one asked for the commands is down
 
 
 def parse_remote_url(url: str) -> str:
@@ -104,13 +113,16 @@ class RemoteClient(abc.ABC):
     Every method touches the network: call them under the store's deadline."""
 
     @abc.abstractmethod
-    def client(self) -> valkey.Valkey | ValkeyCluster:
-        """The library's client (its ``pipeline(transaction=False)`` splits by node on a
-        cluster)."""
+    def pipeline(self, queue: Callable[[valkey.client.Pipeline], object]) -> list:
+        """The replies of the commands ``queue(pipe)`` queues, each naming one key first,
+        sent in one pipelined round-trip (per node, on a cluster): a reply is the exception
+        where its command failed (the server refused it, its node did not answer or is
+        down). Raises if no server or node answered."""
 
     @abc.abstractmethod
     def probe(self) -> None:
-        """A cheap check that every node answers (``PING``); raises if one does not."""
+        """A cheap check that the server answers (``PING``), or some node of a cluster (the
+        slot map); raises if none does."""
 
     @abc.abstractmethod
     def scan_nodes(self) -> list[str]:
@@ -146,8 +158,10 @@ class ServerClient(RemoteClient):
             retry_on_timeout=False,
         )
 
-    def client(self) -> valkey.Valkey:
-        return self._client
+    def pipeline(self, queue: Callable[[valkey.client.Pipeline], object]) -> list:
+        pipe = self._client.pipeline(transaction=False)
+        queue(pipe)
+        return pipe.execute(raise_on_error=False)
 
     def probe(self) -> None:
         self._client.ping()
@@ -168,11 +182,15 @@ class ServerClient(RemoteClient):
 
 
 class ClusterClient(RemoteClient):
-    """A Valkey/Redis Cluster; see the module docstring. Thread-safe."""
+    """A Valkey/Redis Cluster; see the module docstring. A node that does not answer is
+    down for ``cooldown_s``. Thread-safe."""
 
     def __init__(self, url: str, deadline: CallDeadline, *, timeout_s: float,
-                 max_connections: int) -> None:
+                 max_connections: int, cooldown_s: float) -> None:
         self._url = _without_cluster(url)
+        self._deadline = deadline
+        self._nodes = NodeBreakers(cooldown_s)
+        self._refresh_slots = False  # a node went down: ask a node that is up for the slot map
         tls_or_tcp = connection_class(url)
 
         def pool(**kwargs) -> valkey.ConnectionPool:
@@ -187,7 +205,6 @@ class ClusterClient(RemoteClient):
             max_connections=max_connections,  # per node
             retry=Retry(NoBackoff(), 0),
             retry_on_timeout=False,
-            cluster_error_retry_attempts=0,
         )
         self._lock = threading.Lock()
         self._cluster: ValkeyCluster | None = None
@@ -197,15 +214,47 @@ class ClusterClient(RemoteClient):
         with self._lock:
             if self._cluster is None:
                 seeds = [ClusterNode(host, port) for host, port in self._known]
-                self._cluster = ValkeyCluster(url=self._url, startup_nodes=seeds, **self._options)
+                # Building it asks the first primary in slot order for its commands; if
+                # that one is down, the library moves to another primary, once per retry.
+                cluster = ValkeyCluster(url=self._url, startup_nodes=seeds,
+                                        cluster_error_retry_attempts=_BUILD_RETRIES,
+                                        **self._options)
+                cluster.cluster_error_retry_attempts = 0  # calls: the breakers decide
+                self._cluster = cluster
             return self._cluster
+
+    def pipeline(self, queue: Callable[[valkey.client.Pipeline], object]) -> list:
+        cluster = self.client()
+        if self._refresh_slots:
+            self._refresh_slots = False
+            self._ask_slots(cluster)
+        pipe = cluster.pipeline(transaction=False)
+        queue(pipe)
+        sent = send(cluster, pipe.command_stack, self._nodes, self._deadline)
+        if sent.went_down:
+            self._refresh_slots = True
+        if not sent.answered:
+            raise next((r for r in sent.replies if isinstance(r, Exception)),
+                       NodeDown("no node of the cluster answered"))
+        return sent.replies
+
+    def _ask_slots(self, cluster: ValkeyCluster) -> None:
+        """Read the slot map again, from a node that is up (those down are asked last)."""
+        manager = cluster.nodes_manager
+        manager.startup_nodes = dict(
+            sorted(manager.startup_nodes.items(), key=lambda item: self._nodes.is_down(item[0]))
+        )
+        try:
+            manager.initialize()
+        except valkey.ValkeyError as e:  # the old map stays
+            logger.debug("remote tier: could not read the cluster's slot map: %s", e)
 
     def probe(self) -> None:
         self._forget()
-        self.client().ping(target_nodes=ValkeyCluster.PRIMARIES)
+        self.client()
 
     def scan_nodes(self) -> list[str]:
-        return [node.name for node in self.client().get_primaries()]
+        return [n.name for n in self.client().get_primaries() if not self._nodes.is_down(n.name)]
 
     def scan(self, node: str, cursor: int, match: bytes, count: int) -> tuple[int, list[bytes]]:
         cluster = self.client()
@@ -216,12 +265,26 @@ class ClusterClient(RemoteClient):
         return cursors[node], keys
 
     def memory(self) -> tuple[int, int]:
+        """Summed over the primaries that answer; raises if none does."""
         cluster = self.client()
-        used = limit = 0
+        used = limit = answered = 0
+        error: Exception = NodeDown("every node of the cluster is down")
         for node in cluster.get_primaries():
-            info = cluster.info("memory", target_nodes=node)
+            permit = self._nodes.allow(node.name)
+            if permit is Permit.REFUSED:
+                continue
+            try:
+                info = cluster.info("memory", target_nodes=node)
+            except NO_ANSWER as e:
+                self._nodes.record(node.name, permit, e)
+                error = e
+                continue
+            self._nodes.record(node.name, permit, None)
+            answered += 1
             used += int(info.get("used_memory", 0))
             limit += int(info.get("maxmemory", 0))
+        if not answered:
+            raise error
         return used, limit
 
     def _forget(self) -> None:
@@ -239,7 +302,10 @@ class ClusterClient(RemoteClient):
 
 
 def remote_client(url: str, deadline: CallDeadline, *, timeout_s: float,
-                  max_connections: int) -> RemoteClient:
-    """The client for a checked URL (:func:`parse_remote_url`)."""
-    kind = ClusterClient if is_cluster_url(url) else ServerClient
-    return kind(url, deadline, timeout_s=timeout_s, max_connections=max_connections)
+                  max_connections: int, cooldown_s: float) -> RemoteClient:
+    """The client for a checked URL (:func:`parse_remote_url`); on a cluster, a node that
+    does not answer is down for ``cooldown_s``."""
+    if is_cluster_url(url):
+        return ClusterClient(url, deadline, timeout_s=timeout_s,
+                             max_connections=max_connections, cooldown_s=cooldown_s)
+    return ServerClient(url, deadline, timeout_s=timeout_s, max_connections=max_connections)

@@ -15,7 +15,9 @@ connecting, sending and reading the whole reply (each socket wait is cut to the 
 so a server that answers slowly, byte by byte, holds a caller no longer than a dead one. A
 call past its deadline is a failure and its connection is closed, never returned to the
 pool in the middle of a reply. A circuit breaker (:mod:`storage.circuit_breaker`) keeps a
-dead server from costing a timeout per call::
+dead server from costing a timeout per call. A call fails, for the breaker, when no server
+answered it: a command the server refuses by itself (out of memory) is a drop for its key
+only, and on a cluster, so is a node that does not answer while another does::
 
     closed ──N consecutive failures──▶ open ──cooldown──▶ half-open ──probe ok──▶ closed
                                         ▲                    │
@@ -42,9 +44,12 @@ background.
 The URL names one server (with replicas behind it, if any, managed by the operator) or,
 with ``?cluster=1``, a Valkey/Redis Cluster (:mod:`storage.remote_client`). On a cluster,
 keys spread over the slots (no hash tag), a pipelined call is split by node, ``SCAN`` and
-the memory figures cover every primary, and a call whose commands failed on one node still
-returns what the other nodes answered: that node's keys are misses or drops, and the call
-counts as a failure for the breaker. See ``docs/scale_out.md``.
+the memory figures cover every primary that is up, and a node that does not answer costs
+only its own keys (:mod:`storage.cluster_pipeline`): they are misses or drops, the other
+nodes' answers are kept, the call is a success for the store's breaker, and the node is
+skipped, without touching the network, for the breaker's cooldown. The store's breaker
+opens only when no node answered (every node the calls needed was down or silent). See
+``docs/scale_out.md``.
 """
 from __future__ import annotations
 
@@ -67,15 +72,6 @@ logger = logging.getLogger(__name__)
 
 _GLOB_CHARS = set("*?[]\\")
 _SCAN_COUNT = 1000
-
-
-class _PartlyFailed(Exception):
-    """Some commands of a pipeline failed (a cluster node down): the replies, each an
-    exception where its command failed."""
-
-    def __init__(self, replies: list) -> None:
-        super().__init__(next(r for r in replies if isinstance(r, Exception)))
-        self.replies = replies
 
 
 class RemoteStore(BlockStore[Record]):
@@ -120,7 +116,8 @@ class RemoteStore(BlockStore[Record]):
         self._breaker = CircuitBreaker(breaker or BreakerConfig())
         self._deadline = CallDeadline()
         self._remote: RemoteClient = remote_client(
-            url, self._deadline, timeout_s=timeout_s, max_connections=max_connections
+            url, self._deadline, timeout_s=timeout_s, max_connections=max_connections,
+            cooldown_s=self._breaker.config.cooldown_s,
         )
         self._stats_interval = stats_interval_s
         self._lock = threading.Lock()
@@ -149,8 +146,7 @@ class RemoteStore(BlockStore[Record]):
 
     def _call(self, fn, what: str):
         """Run ``fn(remote client)`` behind the breaker and within the deadline;
-        ``(True, result)``, or ``(False, None)`` on failure. A pipeline that partly failed
-        is a failure with the replies it got: ``(False, replies)``."""
+        ``(True, result)``, or ``(False, None)`` on failure."""
         if self._closed:
             return False, None
         permit = self._breaker.allow()
@@ -163,8 +159,6 @@ class RemoteStore(BlockStore[Record]):
                 self._remote.probe()
             result = fn(self._remote)
             ok = True
-        except _PartlyFailed as e:
-            result, error = e.replies, e
         except Exception as e:  # noqa: BLE001 - any client error is a miss or a drop, never a failure
             error = e
         finally:
@@ -183,17 +177,8 @@ class RemoteStore(BlockStore[Record]):
         """The ``n`` replies of the commands ``ops(pipe)`` queues, sent in one pipelined
         round-trip (per node, on a cluster); a reply is an exception where its command
         failed, e.g. all of them when the server is down, those of one node when that node
-        is. Any failure counts against the breaker."""
-
-        def run(remote: RemoteClient) -> list:
-            pipe = remote.client().pipeline(transaction=False)
-            ops(pipe)
-            replies = pipe.execute(raise_on_error=False)
-            if any(isinstance(r, Exception) for r in replies):
-                raise _PartlyFailed(replies)
-            return replies
-
-        _, replies = self._call(run, what)
+        is. Only a call no server or node answered counts against the breaker."""
+        _, replies = self._call(lambda remote: remote.pipeline(ops), what)
         if replies is None:
             return [ConnectionError(f"remote {what} failed")] * n
         return replies

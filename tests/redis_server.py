@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import valkey
+from valkey.crc import key_slot
 
 BINARIES = ("valkey-server", "redis-server")
 
@@ -92,9 +93,11 @@ class RedisCluster:
     """A Valkey/Redis Cluster of ``size`` primaries on loopback, no replicas: each node its
     own process and directory (its ``nodes.conf`` lets a stopped node rejoin with its slots
     when started again), on a free port and a free cluster-bus port. The slots are split in
-    equal ranges (``CLUSTER ADDSLOTSRANGE``) and the nodes introduced (``CLUSTER MEET``)."""
+    equal ranges (``CLUSTER ADDSLOTSRANGE``) and the nodes introduced (``CLUSTER MEET``);
+    ``extra``: more command-line options for every node."""
 
-    def __init__(self, binary: str, workdir: Path, size: int = 3, node_timeout_ms: int = 5000) -> None:
+    def __init__(self, binary: str, workdir: Path, size: int = 3, node_timeout_ms: int = 5000,
+                 extra: tuple[str, ...] = ()) -> None:
         self.nodes: list[RedisServer] = []
         self.bus_ports: list[int] = []
         for i in range(size):
@@ -104,7 +107,7 @@ class RedisCluster:
             self.nodes.append(RedisServer(binary, workdir / f"node{i}", (
                 "--cluster-enabled", "yes", "--cluster-port", str(bus),
                 "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", str(node_timeout_ms),
+                "--cluster-node-timeout", str(node_timeout_ms), *extra,
             )))
 
     @property
@@ -146,6 +149,12 @@ class RedisCluster:
             if own:
                 for client in clients:
                     client.close()
+
+    def owner(self, key: bytes) -> RedisServer:
+        """The node whose slots hold ``key``, as :meth:`start` split them."""
+        slot = key_slot(key)
+        return next(node for i, node in enumerate(self.nodes)
+                    if slot < SLOTS * (i + 1) // len(self.nodes))
 
     def stop(self) -> None:
         for node in self.nodes:
