@@ -279,7 +279,7 @@ class LLMEngine:
         num_rejected = [0] * len(plan.scheduled)
         done: list[tuple[Sequence, str | None, Exception | None]] = []  # (seq, reason, error)
         for k, ((seq, _), result) in enumerate(zip(plan.scheduled, results)):
-            if seq.spec_token_ids:
+            if len(seq.spec_token_ids):
                 num_rejected[k] = self.speculator.verified(seq, result)
             if result is None:
                 continue

@@ -15,6 +15,7 @@ from engine.sampler import Sample, SampleError, Sampler, SamplingRow
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 from engine.spec_decode.rejection import VerifyRow, verifiable, verify_step
+from engine.spec_decode.speculator import place_drafts
 
 StepResult = list[Sample] | SampleError | None
 
@@ -23,7 +24,7 @@ StepResult = list[Sample] | SampleError | None
 class BatchInputs:
     """The flattened inputs of one forward: ``N`` tokens from ``B`` sequences."""
 
-    input_ids: torch.Tensor  # [N] int64
+    input_ids: torch.Tensor | None  # [N] int64; None: the caller sets them (ids on the device)
     positions: torch.Tensor  # [N] int64
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [M] rows of the hidden states whose logits are wanted
@@ -107,23 +108,16 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)  # [B, vocab] float32
             rows = [self._sampling_row(seq) for seq, _ in items]
             return [_as_result(s) for s in self.sampler(logits, rows)]
-        logits = self.forward_logits(
-            [seq.token_ids + seq.spec_token_ids if seq.spec_token_ids else seq.token_ids
-             for seq, _ in items],
-            [seq.num_computed_tokens for seq, _ in items],
-            [n for _, n in items],
-            [seq.block_table for seq, _ in items],
-            num_logits,
-        )  # [sum(num_logits), vocab] float32
+        logits = self.forward(self._step_inputs(output, num_logits))  # [sum(num_logits), vocab]
         results: list[StepResult] = [None] * len(items)
         offsets = np.cumsum([0, *num_logits])
         # With drafts in the step, verification also samples the plain rows it can: their
         # tokens then come back with the accepted ones, in one host sync.
         verified: list[int] = []
-        if any(m and items[i].seq.spec_token_ids for i, m in enumerate(num_logits)):
+        if any(m and len(items[i].seq.spec_token_ids) for i, m in enumerate(num_logits)):
             verified = [
                 i for i, m in enumerate(num_logits)
-                if m and (items[i].seq.spec_token_ids or verifiable(items[i].seq))
+                if m and (len(items[i].seq.spec_token_ids) or verifiable(items[i].seq))
             ]
         taken = set(verified)
         plain = [i for i, m in enumerate(num_logits) if m == 1 and i not in taken]
@@ -149,11 +143,41 @@ class ModelRunner:
     ) -> torch.Tensor:
         """One eager forward over the paged cache; the logits of the last ``num_logits[b]``
         positions of each sequence ``b``, in order: ``[sum(num_logits), vocab]`` float32."""
-        batch = self._prepare(token_ids, starts, query_lens, block_tables, num_logits)
+        return self.forward(self.prepare(token_ids, starts, query_lens, block_tables, num_logits))
+
+    @torch.inference_mode()
+    def forward(self, batch: BatchInputs) -> torch.Tensor:
+        """One eager forward of a prepared batch (its ``input_ids`` set): the logits of its
+        ``logits_indices``, ``[M, vocab]`` float32."""
         hidden = self.model(
             batch.input_ids, batch.positions, self.kv_cache, batch.meta, self.kv_scales
         )
         return self.model.compute_logits(hidden[batch.logits_indices])
+
+    def _step_inputs(self, output: SchedulerOutput, num_logits: Seq[int]) -> BatchInputs:
+        """The scheduled tokens and drafts. A draft model's drafts are a device tensor: their
+        positions get placeholders here, then the drafts are copied in on the device."""
+        items = output.scheduled
+        token_ids, on_device = [], []
+        for b, (seq, _) in enumerate(items):
+            drafts = seq.spec_token_ids
+            if isinstance(drafts, torch.Tensor):
+                on_device.append(b)
+                drafts = [0] * len(drafts)
+            token_ids.append(seq.token_ids + drafts if drafts else seq.token_ids)
+        batch = self.prepare(
+            token_ids,
+            [seq.num_computed_tokens for seq, _ in items],
+            [n for _, n in items],
+            [seq.block_table for seq, _ in items],
+            num_logits,
+        )
+        if on_device:  # a sequence's drafts are the last of its tokens in the step
+            ends = np.cumsum([n for _, n in items])
+            drafts = [items[b].seq.spec_token_ids for b in on_device]
+            starts = [int(ends[b]) - len(d) for b, d in zip(on_device, drafts)]
+            place_drafts(batch.input_ids, starts, drafts)
+        return batch
 
     def _run_decode_graph(self, graphs: DecodeGraphs, seqs: Seq[Sequence]) -> torch.Tensor:
         """One new token per sequence through the decode graphs; hidden states ``[B, hidden]``."""
@@ -201,27 +225,26 @@ class ModelRunner:
             num_blocks += count
         cache = spec.allocate(num_blocks, self.device)  # [num_blocks, L, 2, T, H, D]
         lengths = [len(p) for p in prompts]
-        batch = self._prepare(prompts, [0] * len(prompts), lengths, tables, [1] * len(prompts))
+        batch = self.prepare(prompts, [0] * len(prompts), lengths, tables, [1] * len(prompts))
         hidden = self.model(batch.input_ids, batch.positions, cache, batch.meta, kv_scales)
         torch.softmax(self.model.compute_logits(hidden[batch.logits_indices]), dim=-1)
         return cache
 
-    def _prepare(
+    def prepare(
         self,
-        token_ids: Seq[Seq[int]],
+        token_ids: Seq[Seq[int]] | None,
         starts: Seq[int],
         query_lens: Seq[int],
         block_tables: Seq[Seq[int]],
         num_logits: Seq[int],
     ) -> BatchInputs:
         """Flatten a batch: sequence ``b`` computes ``query_lens[b]`` tokens from ``starts[b]``
-        and wants the logits of its last ``num_logits[b]`` of them."""
+        and wants the logits of its last ``num_logits[b]`` of them. Without ``token_ids``
+        the batch's ``input_ids`` are left to the caller (positions, slots and tables do not
+        depend on them)."""
         bs = self.block_size
         num_seqs = len(query_lens)
         seq_lens = [s + n for s, n in zip(starts, query_lens)]
-        input_ids: list[int] = []
-        for tokens, s, n in zip(token_ids, starts, query_lens):
-            input_ids += tokens[s : s + n]
 
         width = max(-(-n // bs) for n in seq_lens)
         tables = np.zeros((num_seqs, width), dtype=np.int32)  # [B, max_blocks]
@@ -251,8 +274,14 @@ class ModelRunner:
         logits_indices = torch.from_numpy(
             np.concatenate([np.arange(e - m, e) for e, m in zip(ends, num_logits)])
         )
+        input_ids = None
+        if token_ids is not None:
+            flat: list[int] = []
+            for tokens, s, n in zip(token_ids, starts, query_lens):
+                flat += tokens[s : s + n]
+            input_ids = torch.tensor(flat, dtype=torch.int64, device=device)
         return BatchInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+            input_ids=input_ids,
             positions=torch.from_numpy(positions).to(device),
             meta=meta,
             logits_indices=logits_indices.to(device),

@@ -156,7 +156,7 @@ class Scheduler:
             seq.keep_drafts(budget - 1)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget) + len(seq.spec_token_ids)
             allocated = self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
-            if not allocated and seq.spec_token_ids:  # no blocks for the drafts: one token
+            if not allocated and len(seq.spec_token_ids):  # no blocks for the drafts: one token
                 seq.keep_drafts(0)
                 num_new = 1
                 allocated = self.block_manager.allocate(seq, seq.num_computed_tokens + 1)

@@ -78,7 +78,9 @@ class Sequence:
         )
         self.grammar: GrammarState | None = None  # set by the engine for structured output
         self.token_counts: TokenCounts | None = None  # set by the engine for penalties
-        self.spec_token_ids: list[int] = []  # draft tokens to verify in the next step
+        # draft tokens to verify in the next step; a draft model's are a [k] tensor on the
+        # device: take len(), never truth-test them (that would sync, and reads a value)
+        self.spec_token_ids: list[int] | torch.Tensor = []
         self.spec_draft_probs: torch.Tensor | None = None  # [k, vocab] their q; None: one-hot
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
@@ -111,7 +113,9 @@ class Sequence:
 
     def keep_drafts(self, num: int) -> None:
         """Keep only the first ``num`` draft tokens (0: none)."""
-        del self.spec_token_ids[num:]
+        if len(self.spec_token_ids) <= num:
+            return
+        self.spec_token_ids = self.spec_token_ids[:num] if num else []
         if self.spec_draft_probs is not None:
             self.spec_draft_probs = self.spec_draft_probs[:num] if num else None
 

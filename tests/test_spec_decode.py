@@ -236,19 +236,23 @@ def _syncs_per_step(engine, monkeypatch) -> list[tuple[int, int]]:
     return steps
 
 
-@pytest.mark.parametrize("config", [None, "ngram"], ids=["plain", "ngram"])
+@pytest.mark.parametrize("config", [None, "ngram", "draft"], ids=["plain", "ngram", "draft"])
 def test_a_step_has_one_host_sync(config, monkeypatch):
     """A step brings its tokens back in one host sync: the sampler's ``tolist`` without
     drafts (what the non-speculative path does, measured here), verification's with them,
-    for greedy rows, seeded sampled rows and the plain rows of the same step together."""
+    for greedy rows, seeded sampled rows and the plain rows of the same step together. A
+    draft model's drafts stay on the device from one draft position to the next and on to
+    verification."""
     if config == "ngram":  # a one-token lookup in a prompt of every byte: drafts most steps
         config = {"method": "ngram", "num_speculative_tokens": 3,
                   "prompt_lookup_max": 1, "prompt_lookup_min": 1}
+    elif config == "draft":
+        config = {"model": str(tiny_model_path()), "num_speculative_tokens": 3}
     every_byte = list(range(256))
-    requests = [
+    requests = [  # ending at different lengths: rows get fewer drafts than others near the end
         (every_byte, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)),
-        (every_byte[::-1], SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)),
-        ([7, 9], SamplingParams(temperature=0.8, seed=6, max_tokens=12, ignore_eos=True)),
+        (every_byte[::-1], SamplingParams(temperature=1.0, seed=5, max_tokens=10, ignore_eos=True)),
+        ([7, 9], SamplingParams(temperature=0.8, seed=6, max_tokens=11, ignore_eos=True)),
     ]
     with LLM(max_model_len=512, device="cpu", num_gpu_blocks_override=64,
              speculative_config=config) as llm:

@@ -12,8 +12,17 @@ were accepted), then feeds its own drafts back one at a time::
     positions   0 ..... T-1 | T   T+1 ... T+k-1
     fed         tokens      | d1  d2 ... d(k-1)        (dk is proposed, not fed)
 
+The drafts never leave the device: position ``j``'s input ids are the ids sampled at
+``j - 1``, and the positions, slots and block tables of all ``k`` positions are prepared on
+the host before the first (they do not depend on the ids). The proposal hands the
+verifier a ``[k]`` tensor, so a step's one host sync stays verification's.
+
 After verification the draft's KV is good up to the first draft that was not accepted;
 the next proposal rolls ``num_computed_tokens`` back there (its slots are overwritten).
+The host never sees the drafts, so it counts them: of the tokens a sequence gained since
+its proposal (the accepted drafts and the target's one), all but the last were drafts. A
+count that is off (a step that never verified them) costs acceptance, never output:
+verification checks every draft against the target.
 """
 from __future__ import annotations
 
@@ -24,7 +33,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheSpec
-from engine.model_runner import ModelRunner
+from engine.model_runner import BatchInputs, ModelRunner
 from engine.models import LoadedModel
 from engine.penalties import to_device
 from engine.sampler import draw, filtered_probs
@@ -46,24 +55,25 @@ def draft_kv_spec(draft: LoadedModel, block_size: int) -> KVCacheSpec:
 class DraftState:
     """What the draft pool holds for one sequence (what :class:`BlockManager` reads)."""
 
-    __slots__ = ("block_table", "num_computed_tokens", "drafts_from", "fed_drafts")
+    __slots__ = ("block_table", "num_computed_tokens", "drafts_from", "num_fed")
 
     def __init__(self) -> None:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0  # tokens whose draft KV is in the pool
         self.drafts_from = 0  # position of the first draft fed last time
-        self.fed_drafts: list[int] = []  # drafts fed last time, from drafts_from on
+        self.num_fed = 0  # drafts fed last time, from drafts_from on
 
-    def roll_back(self, token_ids: list[int]) -> None:
-        """Keep the KV of the fed drafts the sequence accepted; the last token is always
-        fed again (its logits give the first draft)."""
-        matched = 0
-        tail = token_ids[self.drafts_from : self.drafts_from + len(self.fed_drafts)]
-        while matched < len(tail) and tail[matched] == self.fed_drafts[matched]:
-            matched += 1
-        computed = min(self.num_computed_tokens, self.drafts_from + matched)
-        self.num_computed_tokens = min(computed, len(token_ids) - 1)
-        self.drafts_from, self.fed_drafts = self.num_computed_tokens, []
+    def roll_back(self, num_tokens: int) -> None:
+        """Keep the KV of the fed drafts the sequence (now ``num_tokens`` long) accepted; the
+        last token is always fed again (its logits give the first draft)::
+
+            drafts_from
+            | d1 .. da  t |          gained since the proposal: a accepted drafts, then t
+        """
+        accepted = min(max(num_tokens - self.drafts_from - 1, 0), self.num_fed)
+        computed = min(self.num_computed_tokens, self.drafts_from + accepted)
+        self.num_computed_tokens = min(computed, num_tokens - 1)
+        self.drafts_from, self.num_fed = self.num_computed_tokens, 0
 
 
 class DraftProposer:
@@ -99,36 +109,54 @@ class DraftProposer:
         live: list[tuple[int, Sequence, DraftState, int]] = []
         for i, (seq, k) in enumerate(zip(seqs, num_tokens)):
             state = self.states.setdefault(seq, DraftState())
-            state.roll_back(seq.token_ids)
+            state.roll_back(seq.num_tokens)
             # KV for the tokens and the k-1 drafts fed back; short of blocks: no drafts
             if self.block_manager.allocate(state, seq.num_tokens + k - 1):
                 live.append((i, seq, state, k))
         if not live:
             return proposals
-        drafts: list[list[int]] = [[] for _ in live]
+        feeds = self._feeds(live)
+        device = self.runner.device
+        width = len(feeds) + 1  # K, the most drafts of a row
+        drafts = torch.empty(len(live), width, dtype=torch.int64, device=device)  # [R, K]
         probs: list[list[torch.Tensor]] = [[] for _ in live]
-        logits = self._catch_up([(seq, state) for _, seq, state, _ in live])  # [len(live), V]
+        logits = self._catch_up([(seq, state) for _, seq, state, _ in live])  # [R, V]
         rows = list(range(len(live)))
-        for j in range(max(k for *_, k in live)):
+        index = torch.arange(len(live), device=device)
+        for j in range(width):
             if j:
-                rows = [r for r in rows if live[r][3] > j]
-                logits = self.runner.forward_logits(
-                    [live[r][1].token_ids + drafts[r] for r in rows],  # feeds drafts[r][-1]
-                    [live[r][1].num_tokens + j - 1 for r in rows],
-                    [1] * len(rows),
-                    [live[r][2].block_table for r in rows],
-                    [1] * len(rows),
-                )
-            for r, (token, q) in zip(rows, self._pick(logits, [live[r][1] for r in rows])):
-                drafts[r].append(token)
+                rows, index, batch = feeds[j - 1]
+                batch.input_ids = drafts[:, j - 1].index_select(0, index)  # [len(rows)]
+                logits = self.runner.forward(batch)
+            tokens, qs = self._pick(logits, [live[r][1] for r in rows])
+            drafts[:, j].index_copy_(0, index, tokens)
+            for r, q in zip(rows, qs):
                 if q is not None:
                     probs[r].append(q)
         for r, (i, seq, state, k) in enumerate(live):
-            state.drafts_from = seq.num_tokens
-            state.fed_drafts = drafts[r][: k - 1]
+            state.drafts_from, state.num_fed = seq.num_tokens, k - 1
             state.num_computed_tokens = seq.num_tokens + k - 1
-            proposals[i] = Proposal(drafts[r], torch.stack(probs[r]) if probs[r] else None)
+            proposals[i] = Proposal(drafts[r, :k], torch.stack(probs[r]) if probs[r] else None)
         return proposals
+
+    def _feeds(
+        self, live: list[tuple[int, Sequence, DraftState, int]]
+    ) -> list[tuple[list[int], torch.Tensor, BatchInputs]]:
+        """For each draft position ``j >= 1``: the rows that feed their draft ``j - 1`` back
+        (those proposing more than ``j``), as a device index, and their batch, all but its
+        input ids."""
+        feeds = []
+        for j in range(1, max(k for *_, k in live)):
+            rows = [r for r, (*_, k) in enumerate(live) if k > j]
+            batch = self.runner.prepare(
+                None,
+                [live[r][1].num_tokens + j - 1 for r in rows],
+                [1] * len(rows),
+                [live[r][2].block_table for r in rows],
+                [1] * len(rows),
+            )
+            feeds.append((rows, to_device(rows, torch.int64, self.runner.device), batch))
+        return feeds
 
     def _catch_up(self, pending: list[tuple[Sequence, DraftState]]) -> torch.Tensor:
         """Feed each sequence's tokens the draft has not computed, in forwards of at most
@@ -163,9 +191,9 @@ class DraftProposer:
 
     def _pick(
         self, logits: torch.Tensor, seqs: Seq[Sequence]
-    ) -> list[tuple[int, torch.Tensor | None]]:
-        """A draft token per row: the argmax for greedy requests, else a sample of the
-        request's distribution under the draft (returned as ``q``)."""
+    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """A draft token per row, on the device (``[R]``): the argmax for greedy requests,
+        else a sample of the request's distribution under the draft (its ``q``)."""
         tokens = logits.argmax(dim=-1)  # [R]
         qs: list[torch.Tensor | None] = [None] * len(seqs)
         random = [r for r, seq in enumerate(seqs) if not seq.params.is_greedy]
@@ -176,4 +204,4 @@ class DraftProposer:
             tokens.index_copy_(0, index, draw(probs, [seqs[r].generator for r in random]))
             for j, r in enumerate(random):
                 qs[r] = probs[j]
-        return list(zip(tokens.tolist(), qs))  # the host sync of this draft position
+        return tokens, qs

@@ -33,14 +33,14 @@ import torch
 from engine.penalties import to_device
 from engine.sampler import Sample, SampleError, SamplingParams, draw, filtered_probs
 from engine.sequence import Sequence
-from engine.spec_decode.speculator import composes_with_speculation
+from engine.spec_decode.speculator import composes_with_speculation, place_drafts
 
 
 class VerifyRow(NamedTuple):
     """One sequence of the step: where its ``k + 1`` logits start, its drafts and their ``q``."""
 
     first_logit: int
-    draft_ids: Seq[int]  # k >= 0
+    draft_ids: Seq[int] | torch.Tensor  # k >= 0; a tensor: [k] int64 on the logits' device
     params: SamplingParams
     generator: torch.Generator
     draft_probs: torch.Tensor | None = None  # [k, vocab]; None: one-hot
@@ -71,7 +71,7 @@ def _verify_alone(logits: torch.Tensor, row: VerifyRow) -> list[Sample] | Sample
 
 def verify(
     logits: torch.Tensor,  # [k+1, vocab] float32, the target's
-    draft_ids: list[int],  # k
+    draft_ids: list[int] | torch.Tensor,  # k
     params: SamplingParams,
     generator: torch.Generator,
     draft_probs: torch.Tensor | None = None,  # [k, vocab] the drafts' q; None: one-hot
@@ -84,7 +84,8 @@ def verify(
 
 def verify_rows(logits: torch.Tensor, rows: Seq[VerifyRow]) -> list[list[int]]:
     """The tokens each row emits (1..k+1): row ``r`` reads ``logits[first_logit : first_logit
-    + k + 1]`` (``logits``: ``[M, vocab]`` float32). One host sync for the whole step."""
+    + k + 1]`` (``logits``: ``[M, vocab]`` float32). One host sync for the whole step: drafts
+    already on the device are not read on the host."""
     device = logits.device
     num = len(rows)
     ks = np.fromiter((len(r.draft_ids) for r in rows), np.int64, num)  # [R]
@@ -92,10 +93,17 @@ def verify_rows(logits: torch.Tensor, rows: Seq[VerifyRow]) -> list[list[int]]:
     firsts = np.fromiter((r.first_logit for r in rows), np.int64, num)
     positions = np.minimum(np.arange(width + 1)[None, :], ks[:, None])  # [R, K+1]
     drafts_np = np.full((num, width + 1), -1, dtype=np.int64)  # [R, K+1]; column K stays -1
+    on_device = []  # rows whose drafts a draft model left on the device
     for r, row in enumerate(rows):
-        drafts_np[r, : ks[r]] = row.draft_ids
+        if isinstance(row.draft_ids, torch.Tensor):
+            on_device.append(r)
+        else:
+            drafts_np[r, : ks[r]] = row.draft_ids
     index = to_device((firsts[:, None] + positions).ravel().tolist(), torch.int64, device)
     drafts = to_device(drafts_np.ravel().tolist(), torch.int64, device).view(num, width + 1)
+    if on_device:
+        place_drafts(drafts.view(-1), [r * (width + 1) for r in on_device],
+                     [rows[r].draft_ids for r in on_device])
 
     out = logits.argmax(dim=-1).index_select(0, index).view(num, width + 1)  # [R, K+1]
     # greedy: the argmax where each draft matches it, then the argmax at the first mismatch
@@ -144,7 +152,7 @@ def _rejection_sample(
         q_x = torch.ones_like(p_x)
     u = torch.zeros(num, width, dtype=p.dtype, device=device)  # [S, K]
     for s, row in enumerate(rows):
-        if row.draft_ids:
+        if len(row.draft_ids):
             u[s, : len(row.draft_ids)].uniform_(generator=row.generator)
     accepted = (u * q_x < p_x) & valid  # u < p/q
     first_rejected = accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [S]

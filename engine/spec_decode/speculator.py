@@ -14,6 +14,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from engine.penalties import to_device
 from engine.sampler import SampleError, SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec_decode.config import SpeculativeConfig
@@ -22,8 +23,15 @@ from engine.stats import StatsCollector
 
 
 class Proposal(NamedTuple):
-    token_ids: list[int]
+    token_ids: list[int] | torch.Tensor  # k; a draft model's stay on the device, [k] int64
     probs: torch.Tensor | None  # [len(token_ids), vocab] the distribution each was drawn from
+
+
+def place_drafts(out: torch.Tensor, starts: Seq[int], drafts: Seq[torch.Tensor]) -> None:
+    """Copy device drafts into ``out`` (flat, ``[N]``), ``drafts[i]`` from ``starts[i]`` on,
+    in one copy on the device."""
+    index = [s + j for s, d in zip(starts, drafts) for j in range(len(d))]
+    out.index_copy_(0, to_device(index, torch.int64, out.device), torch.cat(list(drafts)))
 
 
 class Proposer(Protocol):
@@ -106,7 +114,7 @@ class Speculator:
         if not seqs:
             return
         for seq, proposal in zip(seqs, self.proposer.propose(seqs, counts)):
-            seq.spec_token_ids = list(proposal.token_ids)
+            seq.spec_token_ids = proposal.token_ids
             seq.spec_draft_probs = proposal.probs
 
     def verified(self, seq: Sequence, result: list | SampleError | None) -> int:
