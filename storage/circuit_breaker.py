@@ -13,6 +13,14 @@ breaker open.
 
 While the breaker is open or half-open, only the probe's outcome changes the state: the
 outcome of a call let through before the breaker opened is ignored.
+
+What a failure is, is the caller's rule. The remote store (:mod:`storage.remote_store`)
+counts a call as failed only when no server answered it. On a cluster, a call that some
+nodes answered is a success even if another node did not: that node's keys are misses or
+drops, and the node gets a breaker of its own (:class:`storage.cluster_pipeline.NodeBreakers`,
+the same cooldown, open at its first failure), so it is skipped until a probe after the
+cooldown finds it back or the slot map sends its slots elsewhere. The store's breaker opens
+only when every node a call needed was down or silent.
 """
 from __future__ import annotations
 

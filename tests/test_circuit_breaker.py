@@ -89,3 +89,16 @@ def test_config_is_validated():
                    dict(cooldown_s=float("nan"))):
         with pytest.raises(ValueError, match="breaker"):
             BreakerConfig(**fields)
+
+
+def test_is_open_from_the_failure_that_opens_it_until_a_probe_closes_it():
+    breaker, clock = opened(cooldown_s=5.0)
+    assert breaker.is_open
+    clock.now += 5.0
+    assert breaker.available and breaker.is_open  # a probe is due: still open
+    probe = breaker.allow()
+    breaker.record(probe, ok=False)
+    assert breaker.is_open
+    clock.now += 5.0
+    breaker.record(breaker.allow(), ok=True)
+    assert not breaker.is_open and not CircuitBreaker(BreakerConfig()).is_open
