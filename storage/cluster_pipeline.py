@@ -117,16 +117,19 @@ def send(cluster: ValkeyCluster, commands: list[PipelineCommand], nodes: NodeBre
             _fail(cmds, NodeDown(f"cluster node {name} is down"))
         else:
             asked[permit][name] = (node, cmds)
-    answered, went_down = 0, False
-    for permit, group in asked.items():  # the nodes on probation last
-        errors: dict[str, Exception | None] = {}
-        try:
-            errors = _exchange(cluster, group, deadline)
-        finally:  # every permit gets its outcome, or a node would stay on probation
+    errors: dict[str, Exception | None] = {
+        name: NodeDown(f"cluster node {name}: call abandoned") for group in asked.values()
+        for name in group
+    }
+    try:
+        for group in asked.values():  # the nodes on probation last
+            errors.update(_exchange(cluster, group, deadline))
+    finally:  # every permit gets its outcome, or a node would stay on probation
+        went_down = False
+        for permit, group in asked.items():
             for name in group:
-                error = errors.get(name, NodeDown(f"cluster node {name}: call abandoned"))
-                went_down |= nodes.record(name, permit, error)
-                answered += error is None
+                went_down |= nodes.record(name, permit, errors[name])
+    answered = sum(error is None for error in errors.values())
     for c in commands:
         if isinstance(c.result, _REDIRECTED):
             try:
