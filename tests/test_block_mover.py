@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
 import torch
@@ -64,7 +65,19 @@ def test_kivi_slots_hold_payloads_quantized_before_the_copy(monkeypatch, bits):
     assert (mover.slot_dtype, mover.slot_shape) == (torch.uint8, (mover.slot_nbytes,))
     pairs = [(0, 5), (1, 6), (7, 0), (3, 9), (4, 10), (11, 11), (2, 1)]  # 3 chunks
     original = cache.clone()
-    assert mover.offload(pairs).done()
+    threads = []
+    encode = mover.stage.encode_blocks
+
+    def recording_encode(blocks, out):
+        threads.append(threading.current_thread().name)
+        encode(blocks, out)
+
+    monkeypatch.setattr(mover.stage, "encode_blocks", recording_encode)
+    copy = mover.offload(pairs)
+    assert mover.asynchronous  # the engine thread only hands the work over
+    copy.wait()
+    assert copy.done()
+    assert len(threads) == 3 and all(t.startswith("tiered-kv-offload") for t in threads)
     for b, s in pairs:
         assert torch.equal(pool.slab[s], quantize_block(original[b], bits))
     cache.zero_()
@@ -73,6 +86,7 @@ def test_kivi_slots_hold_payloads_quantized_before_the_copy(monkeypatch, bits):
         expected = dequantize_block(pool.slab[s].clone(), bits, torch.bfloat16, SHAPE[1:])
         assert torch.equal(cache[b], expected)
     assert not cache[[5, 6, 8, 9, 10]].any()  # only the restored blocks were written
+    mover.close()
 
 
 def test_a_cache_that_is_not_block_major_is_refused():

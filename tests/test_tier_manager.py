@@ -17,6 +17,7 @@ from engine import LLM, SamplingParams
 from engine.models.tiny import TINY_CONFIG
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
 from storage.codecs import get_codec
+from storage.codecs.kivi import KiviCodec
 from storage.lmdb_store import LmdbStore
 from tiered_kv import TierConfig, TierManager, build_llm, tier_manager
 from tiered_kv.tier_manager import SWITCH_INTERVAL_S
@@ -434,6 +435,25 @@ def test_a_lossy_codec_quantizes_blocks_before_the_cpu_tier(disk):
     assert cpu_hit.num_cached_tokens == disk_hit.num_cached_tokens == hit_tokens(PROMPTS[0])
     assert cpu_hit.token_ids == disk_hit.token_ids
     assert cpu_hit.top_logprobs == disk_hit.top_logprobs
+
+
+def test_a_failing_offload_drops_its_blocks_and_the_engine_serves_on(reference, monkeypatch):
+    """A KIVI offload runs on the mover's thread; if it fails, its blocks are dropped
+    (counted, slots given back, GPU blocks released) and requests are unaffected."""
+
+    def broken(self, blocks, out):
+        raise RuntimeError("device error")
+
+    monkeypatch.setattr(KiviCodec, "encode_blocks", broken)
+    with make_llm(TierConfig(cpu_bytes=4 << 20, codec="kivi4")) as llm:
+        out = llm.generate(PROMPTS[0], GREEDY)[0]
+        manager = llm.engine.connector
+        assert manager.flush(30)
+        stats = manager.stats()["cpu"]
+        assert out.token_ids == reference[0]
+        assert stats["dropped"] == 8 and stats["entries"] == 0
+        assert manager.stores()["cpu"].num_evictable() == manager.stores()["cpu"].num_slots
+        assert llm.generate(PROMPTS[1], GREEDY)[0].token_ids == reference[1]
 
 
 # ---------------------------------------------------------------- metrics

@@ -24,10 +24,14 @@ that fit it::
     restore:  slots ─ DMA ─▶ payloads ─ decode ─▶ staged blocks ─ index_copy ─▶ cache
 
 Nothing here synchronizes the device; :meth:`Copy.done` only queries an event. On the CPU
-a copy is done in the calling thread, finished when the call returns.
+a raw copy is a memcpy in the calling thread, finished when the call returns; an offload
+that transcodes runs on the mover's own thread (the CPU stands in for the offload stream),
+so the engine thread never runs a codec, and its :class:`Copy` is done when that work is.
+A restore runs in the calling thread (a load worker), transcoding or not.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 from collections.abc import Sequence
 
@@ -40,17 +44,27 @@ STAGING_BYTES = 32 << 20  # device staging per direction for a transcoding stage
 
 
 class Copy:
-    """One batch of block copies in flight."""
+    """One batch of block copies in flight: behind a CUDA event, or a host thread's work."""
 
-    def __init__(self, copied: torch.cuda.Event | None = None) -> None:
+    def __init__(
+        self,
+        copied: torch.cuda.Event | None = None,
+        running: concurrent.futures.Future[None] | None = None,
+    ) -> None:
         self._copied = copied
+        self._running = running
 
     def done(self) -> bool:
+        if self._running is not None:
+            return self._running.done()
         return self._copied is None or self._copied.query()
 
     def wait(self) -> None:
-        """Block this thread (not the device) until the copies are complete."""
-        if self._copied is not None:
+        """Block this thread (not the device) until the copies are complete; re-raises what
+        made a host copy fail."""
+        if self._running is not None:
+            self._running.result()
+        elif self._copied is not None:
             self._copied.synchronize()
 
 
@@ -90,6 +104,21 @@ class BlockMover:
             self._out = _Staging(self._chunk, kv_cache, self.slot_nbytes)
             self._in = _Staging(self._chunk, kv_cache, self.slot_nbytes)
             self._out_lock, self._in_lock = threading.Lock(), threading.Lock()
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+        if self.transcodes and self.offload_stream is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="tiered-kv-offload"
+            )
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether an offload's :class:`Copy` may still be running when it is returned."""
+        return self.offload_stream is not None or self._thread is not None
+
+    def close(self) -> None:
+        """Finish the offloads in flight and stop the mover's thread (if it has one)."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
 
     @property
     def slot_dtype(self) -> torch.dtype:
@@ -103,6 +132,8 @@ class BlockMover:
     def offload(self, pairs: Sequence[tuple[int, int]]) -> Copy:
         """Copy block ``b`` into slot ``s`` for each ``(b, s)``, after the work queued so far
         on the current (compute) stream."""
+        if self._thread is not None:
+            return Copy(running=self._thread.submit(self._offload, list(pairs)))
         if self.offload_stream is None:
             self._offload(pairs)
             return Copy()

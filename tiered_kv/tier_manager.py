@@ -297,6 +297,8 @@ class TierManager(KVConnector):
             if self._save_watcher is not None:
                 self._saves.put(None)
                 self._save_watcher.join()
+            if self._mover is not None:
+                self._mover.close()
             for writer in self._writers:
                 writer.close(max(deadline - time.monotonic(), 0.0))
         finally:
@@ -370,7 +372,7 @@ class TierManager(KVConnector):
         )
         if sys.getswitchinterval() > SWITCH_INTERVAL_S:
             sys.setswitchinterval(SWITCH_INTERVAL_S)
-        if kv_cache.is_cuda:
+        if self._mover.asynchronous:
             self._save_watcher = threading.Thread(
                 target=self._watch_saves, name="tiered-kv-save-watcher", daemon=True
             )
@@ -531,7 +533,7 @@ class TierManager(KVConnector):
         copy = self._mover.offload([(block.block_id, slot) for _, slot, block in commits])
         save = _Save(copy, commits, [block.block_id for _, _, block in commits], time.perf_counter())
         if self._save_watcher is None:
-            self._commit_save(save)  # a host copy: complete already
+            self._commit_save(save)  # a host memcpy: complete already
         else:
             with self._finished:
                 self._saves_in_flight += 1
@@ -562,10 +564,20 @@ class TierManager(KVConnector):
             self._report(saved=dropped)
 
     def _watch_saves(self) -> None:
-        """CUDA: commit each save once its copy is complete (the copies run in order)."""
+        """Asynchronous copies (CUDA, or a transcoding host copy): commit each save once its
+        copy is complete (the copies run in order)."""
         while (save := self._saves.get()) is not None:
-            save.copy.wait()
-            self._commit_save(save)
+            try:
+                save.copy.wait()
+            except Exception:  # the copy failed: its slots hold nothing to keep
+                logger.exception("offload of %d blocks failed; dropping them", len(save.commits))
+                for _, slot, _ in save.commits:
+                    self._pool.unreserve(slot)
+                self.metrics.add("cpu" if self.config.has_cpu else self._first_lower_tier(),
+                                 dropped=len(save.commits))
+                self._report(saved=save.block_ids)
+            else:
+                self._commit_save(save)
             with self._finished:
                 self._saves_in_flight -= 1
 
