@@ -14,7 +14,10 @@ dropped only when the whole pool is full of blocks not yet written.
 
 A slot holds its block in the form of the codec's tensor stage (raw bytes, or a KIVI
 payload quantized on the engine's device; see :mod:`tiered_kv.block_mover`), so a writer
-only applies the byte stage (zstd, or nothing) and seals the record.
+only applies the byte stage (zstd, or nothing) and seals the record. Without a byte stage
+the record's payload is a view of the slot (the stores encode a record inside ``put_many``,
+while the writer still holds the slot), so the only copy of the block's bytes under the
+GIL is the sealed record's.
 
 With ``write_back`` the writer leaves blocks pending until the pool runs short of slots it
 could evict (fewer than ``low_watermark``), then writes the oldest; :meth:`PoolWriter.drain`

@@ -94,9 +94,13 @@ class Codec(abc.ABC):
         """The tensor codec this codec applies first (itself for a tensor codec)."""
 
     @abc.abstractmethod
-    def pack(self, staged: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
+    def pack(
+        self, staged: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> bytes | memoryview:
         """The payload for a block whose :attr:`stage` payload is ``staged`` (1-D ``uint8``,
-        exactly the stage's size): ``pack(stage.encode_array(kv)) == encode(kv)``."""
+        exactly the stage's size): ``pack(stage.encode_array(kv)) == encode(kv)``. It may
+        be a view of ``staged`` (a tensor codec's is: no copy), so it is used, or copied,
+        before ``staged`` changes."""
 
     @abc.abstractmethod
     def unpack_into(
@@ -157,8 +161,10 @@ class TensorCodec(Codec):
     def stage(self) -> TensorCodec:
         return self
 
-    def pack(self, staged: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
-        return staged.tobytes()
+    def pack(
+        self, staged: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> bytes | memoryview:
+        return memoryview(staged)
 
     def unpack_into(
         self, payload: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...], out: np.ndarray
