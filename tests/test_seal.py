@@ -6,7 +6,9 @@ import pickle
 import stat
 
 import pytest
+from blake3 import blake3
 
+from storage import seal
 from storage.seal import MIN_SECRET_BYTES, SealKey, create_key_file, load_key_file
 
 SECRET = b"0123456789abcdef0123456789abcdef"
@@ -75,3 +77,16 @@ def test_an_unreadable_secret_file_is_a_clear_error(tmp_path):
     locked.chmod(0)
     with pytest.raises(ValueError, match="cannot read it"):
         load_key_file(locked)
+
+
+def test_a_large_mac_on_blake3_threads_is_the_same_mac():
+    """Records from the threshold on are MACed on BLAKE3's worker threads: the MAC must be
+    the keyed hash of the whole input, whichever side of the threshold and however split."""
+    key = SealKey(b"s" * 32)
+    mac_key = blake3(b"s" * 32, derive_key_context=seal._MAC_CONTEXT).digest()
+    data = bytes(range(256)) * ((seal.THREADED_MAC_BYTES * 3) // 256 + 7)
+    for size in (seal.THREADED_MAC_BYTES - 1, seal.THREADED_MAC_BYTES, len(data)):
+        expected = blake3(data[:size], key=mac_key, max_threads=1).digest()
+        assert key.mac(data[:size]) == expected
+        assert key.mac(data[:100], memoryview(data)[100:size]) == expected
+        assert key.check(expected, data[:size])
