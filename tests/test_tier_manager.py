@@ -19,7 +19,7 @@ from engine_testing import one_thread  # noqa: F401  (autouse fixture)
 from storage.codecs import get_codec
 from storage.codecs.kivi import KiviCodec
 from storage.lmdb_store import LmdbStore
-from tiered_kv import TierConfig, TierManager, build_llm, tier_manager
+from tiered_kv import TierConfig, TierManager, block_saver, build_llm
 from tiered_kv.tier_manager import SWITCH_INTERVAL_S
 
 BLOCK = 16
@@ -243,7 +243,7 @@ def test_write_pressure_drops_stores_and_never_stalls(reference, disk, monkeypat
         return put_many(self, items, **kwargs)
 
     monkeypatch.setattr(LmdbStore, "put_many", stalled_put_many)
-    monkeypatch.setattr(tier_manager, "SAVE_WAIT_S", 0.0)
+    monkeypatch.setattr(block_saver, "SAVE_WAIT_S", 0.0)
     block_nbytes = _block_nbytes()
     tiers = TierConfig(
         kv_cache_dir=disk, cpu_bytes=0, disk_bytes=64 << 20, staging_bytes=2 * block_nbytes
@@ -412,12 +412,13 @@ def test_lossy_codec_divergence_is_measured(disk, codec):
         assert llm.generate(PROMPTS[0], params)[0].num_cached_tokens == 0
 
 
-def test_a_lossy_codec_quantizes_blocks_before_the_cpu_tier(disk):
+@pytest.mark.parametrize("codec", ["kivi4", "kivi2+zstd"])
+def test_a_lossy_codec_quantizes_blocks_before_the_cpu_tier(disk, codec):
     """With kivi4 the pool holds KIVI payloads, quantized before the copy: more blocks fit
     in the same bytes, and a CPU hit restores exactly what a disk hit after a restart does
     (the disk's records are the pool's payloads, sealed)."""
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=20)
-    tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=4 << 20, disk_bytes=64 << 20, codec="kivi4")
+    tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=4 << 20, disk_bytes=64 << 20, codec=codec)
     with make_llm(tiers) as llm:
         llm.generate(PROMPTS[0], params)
         llm.generate(FLUSH, params)  # the engine's blocks now hold another request
@@ -427,7 +428,7 @@ def test_a_lossy_codec_quantizes_blocks_before_the_cpu_tier(disk):
         block = tuple(kv_cache.shape[1:])
         slot_nbytes = manager.stores()["cpu"].slot_nbytes
         assert manager.stats()["cpu"]["hit_blocks"] == 8
-    assert slot_nbytes == get_codec("kivi4").payload_size(kv_cache.dtype, block)
+    assert slot_nbytes == get_codec(codec).stage.payload_size(kv_cache.dtype, block)
     assert slot_nbytes * 2 < math.prod(block) * kv_cache.element_size()
     with make_llm(tiers) as llm:
         disk_hit = llm.generate(PROMPTS[0], params)[0]
