@@ -264,8 +264,19 @@ class CpuBlockPool(BlockStore[HostBlock]):
         return slots
 
     def release_many(self, keys: Iterable[BlockKey]) -> None:
-        for key in keys:
-            self.release(key)
+        """:meth:`release` for many blocks under one lock."""
+        with self._lock:
+            settled = False
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None:
+                    continue
+                entry.readers -= 1
+                if entry.readers == 0:
+                    self._settle_locked(key, entry)
+                    settled = True
+            if settled:
+                self._changed.notify_all()
 
     def release(self, key: BlockKey) -> None:
         with self._lock:

@@ -123,7 +123,7 @@ class BlockLoader:
         try:
             while queued < len(chunks) or reads:
                 while queued < len(chunks) and len(reads) < ahead:
-                    reads.append(self._readers.submit(self._fetch, chunks[queued]))
+                    reads.append(self._start_fetch(chunks[queued]))
                     queued += 1
                 got = reads.popleft().result()
                 in_flight.append((self._mover.restore(got.pairs), got.held))
@@ -152,6 +152,18 @@ class BlockLoader:
         copy, held = done
         copy.wait()
         self._pool.release_many(held)
+
+    def _start_fetch(self, chunk: list[WantedBlock]) -> concurrent.futures.Future[_Chunk]:
+        """Fetch ``chunk`` on a reader thread; a chunk the pool held at lookup is fetched
+        here at once (holding its slots is a few lock operations, not worth a thread hop)."""
+        if any(w.tier != "cpu" for w in chunk):
+            return self._readers.submit(self._fetch, chunk)
+        fetched: concurrent.futures.Future[_Chunk] = concurrent.futures.Future()
+        try:
+            fetched.set_result(self._fetch(chunk))
+        except Exception as e:
+            fetched.set_exception(e)
+        return fetched
 
     def _fetch(self, chunk: list[WantedBlock]) -> _Chunk:
         """The leading blocks of ``chunk`` now held in the pool, as ``(block id, slot)``
