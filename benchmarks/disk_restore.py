@@ -70,7 +70,7 @@ def restore(shape_name: str, codec: str, blocks: int, repeats: int, device: str,
         hashes = [b.block_hash for b in chain]
         if reader.get_num_matched_blocks("r", hashes, 0) != blocks:
             raise RuntimeError("the store lost blocks")
-        wanted = reader._lookups["r"].wanted(reader._namespace, hashes, list(range(blocks)))
+        wanted = reader._lookup.wanted("r", hashes, list(range(blocks)))
         for _ in range(repeats):
             result = reader._loader.run("r", wanted)
             if result.loaded != blocks:

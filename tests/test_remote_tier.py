@@ -16,7 +16,8 @@ from storage.circuit_breaker import BreakerConfig
 from storage.remote_store import RemoteStore
 from test_tier_manager import BLOCK, FLUSH, GREEDY, PROMPTS, hit_tokens, make_llm
 from tiered_kv import TierConfig, tier_manager
-from tiered_kv.tier_manager import TierManager, remote_seal_key
+from tiered_kv.config import remote_seal_key
+from tiered_kv.tier_manager import TierManager
 
 SECRET = "the deployment's shared secret, 32 bytes or more"
 

@@ -11,6 +11,7 @@ import yaml
 
 from storage.codecs import get_codec
 from storage.remote_store import parse_remote_url
+from storage.seal import SealKey, load_key_file
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -167,6 +168,28 @@ def load_tenant_priorities(path: str | os.PathLike[str]) -> dict[str, int]:
     except ValueError as e:
         raise ValueError(f"{os.fspath(path)}: {e}") from None
     return dict(data or {})
+
+
+def remote_seal_key(config: TierConfig) -> SealKey:
+    """The key of the deployment's shared secret, which seals the remote tier's records.
+
+    ``ValueError`` (one line, naming the setting, never the secret) if it is missing, given
+    twice, unreadable or too short.
+    """
+    if config.remote_secret_file is not None and config.remote_secret is not None:
+        raise ValueError(
+            "the remote tier's secret is given twice (--kv-secret-file and TIERED_KV_SECRET); "
+            "give one"
+        )
+    if config.remote_secret_file is not None:
+        return load_key_file(config.remote_secret_file)
+    if config.remote_secret is not None:
+        return SealKey(config.remote_secret.encode("utf-8"), source="TIERED_KV_SECRET")
+    raise ValueError(
+        "the remote tier (--kv-remote-url) needs the deployment's shared secret, which seals "
+        "its records: give every instance the same one with --kv-secret-file FILE or "
+        "TIERED_KV_SECRET (at least 32 bytes, e.g. `openssl rand -hex 32`)"
+    )
 
 
 def _check_tenant_priorities(priorities: object) -> None:

@@ -13,11 +13,17 @@ save only starts a transfer. The worker side moves the bytes::
 
 The CPU pool is one pinned slab and the only write-behind buffer: a block stays in it,
 pinned against eviction, until every lower tier it goes to has it. When every slot holds
-an unwritten block, a save waits (its GPU block stays held) for up to ``SAVE_WAIT_S`` and
-is then dropped, counted and logged (rate-limited, naming the setting to raise).
+an unwritten block, a save waits (its GPU block stays held) for up to
+``block_saver.SAVE_WAIT_S`` and is then dropped, counted and logged (rate-limited, naming
+the setting to raise). The save side is :class:`tiered_kv.block_saver.BlockSaver`.
 
 Lookups go CPU → disk → remote: the run of blocks the CPU pool and the disk hold is
-extended by the remote tier with one pipelined round-trip for the rest of the chain.
+extended by the remote tier with one pipelined round-trip for the rest of the chain, on a
+lookup thread (:class:`tiered_kv.tier_lookup.TierLookup`).
+
+This module builds the stores, the pool and the worker side, delegates the connector
+methods to the lookup and save sides, runs the loads, and reports finished transfers to
+``poll``; it also flushes, closes and counts.
 
 Keys. A block's key is ``BlockKey(namespace, block_hash)`` with the engine's chained hash
 (which covers the request's ``cache_salt``). The namespace is the engine's, so another
@@ -28,13 +34,9 @@ engine's namespace and the codec, so lossy records never serve a lossless config
 from __future__ import annotations
 
 import atexit
-import collections
 import concurrent.futures
-import dataclasses
 import hashlib
-import logging
 import os
-import queue
 import sys
 import threading
 import time
@@ -46,111 +48,26 @@ from prometheus_client import CollectorRegistry
 
 from engine.connector import FinishedTransfers, KVConnector, SavedBlock
 from engine.llm import LLM
-from storage.base import BlockKey, BlockStore, StoreStats
+from storage.base import BlockStore, StoreStats
 from storage.codecs import get_codec
 from storage.cpu_pool import CpuBlockPool
 from storage.lmdb_store import LmdbStore
 from storage.remote_store import RemoteStore
-from storage.seal import SealKey, load_key_file
-from tiered_kv.block_loader import BlockLoader, LoadResult, WantedBlock
-from tiered_kv.block_mover import BlockMover, Copy
-from tiered_kv.config import TierConfig
+from tiered_kv.block_loader import BlockLoader, LoadResult
+from tiered_kv.block_mover import BlockMover
+from tiered_kv.block_saver import BlockSaver
+from tiered_kv.config import TierConfig, remote_seal_key
 from tiered_kv.metrics import QueueStats, TierMetrics
 from tiered_kv.pool_writer import PoolWriter
-
-logger = logging.getLogger(__name__)
+from tiered_kv.tier_lookup import TierLookup
 
 LOAD_WORKERS = 2  # requests loaded at once
-LOOKUP_WORKERS = 2  # remote lookups in flight at once
-SAVE_WAIT_S = 5.0  # how long a save may wait for a pool slot before it is dropped
-DROP_WARNING_INTERVAL_S = 60.0
 STORE_PENDING_BYTES = 128 << 20  # LMDB puts accepted but not yet committed (two batches)
 _LOSSY_NAMESPACE = b"tiered-kv/lossy-codec"
 # The engine thread gives up the GIL at every device sync and lock wait; while the tier
 # threads run Python it can then wait a whole switch interval (CPython's default: 5 ms) to
 # get it back, several times a step. A manager lowers the process's interval to this.
 SWITCH_INTERVAL_S = 0.0005
-
-
-@dataclasses.dataclass(frozen=True)
-class _Lookup:
-    """A request's hash chain as of its last lookup, and where each block was found."""
-
-    hashes: tuple[bytes, ...]
-    first: int  # index of the first block the lookup was asked about
-    tiers: tuple[str, ...]  # tier of hashes[first + i], for the matched run
-
-    def wanted(
-        self, namespace: bytes, block_hashes: Sequence[bytes], block_ids: Sequence[int]
-    ) -> list[WantedBlock] | None:
-        """The blocks to load with their parents (``None`` for the chain's first block), or
-        ``None`` if the run is not part of this lookup's matched chain."""
-        start = self.first
-        if self.hashes[start : start + 1] != (block_hashes[0],):
-            try:
-                start = self.hashes.index(block_hashes[0])
-            except ValueError:
-                return None
-        if self.hashes[start : start + len(block_hashes)] != tuple(block_hashes):
-            return None
-        offset = start - self.first
-        if offset < 0 or offset + len(block_hashes) > len(self.tiers):
-            return None
-        parents = [self.hashes[start - 1] if start else None, *block_hashes[:-1]]
-        return [
-            WantedBlock(BlockKey(namespace, h), b, p, self.tiers[offset + i])
-            for i, (h, b, p) in enumerate(zip(block_hashes, block_ids, parents))
-        ]
-
-
-@dataclasses.dataclass
-class _Save:
-    """One save_blocks batch: its copy, and what to commit to the pool once it is done."""
-
-    copy: Copy
-    commits: list[tuple[BlockKey, int, SavedBlock]]  # (key, slot, block)
-    block_ids: list[int]  # every block id of the batch (reported saved together)
-    started: float
-
-
-class _DropWarning:
-    """One WARNING line per interval for blocks dropped because the pool was full."""
-
-    def __init__(self) -> None:
-        self._count = 0
-        self._last = -DROP_WARNING_INTERVAL_S
-
-    def add(self, blocks: int, setting: str) -> None:
-        self._count += blocks
-        now = time.monotonic()
-        if now - self._last >= DROP_WARNING_INTERVAL_S:
-            logger.warning(
-                "dropped %d KV blocks: the CPU pool was full of blocks not yet written to the "
-                "lower tiers; raise %s (or use a faster disk or codec)", self._count, setting,
-            )
-            self._count, self._last = 0, now
-
-
-def remote_seal_key(config: TierConfig) -> SealKey:
-    """The key of the deployment's shared secret, which seals the remote tier's records.
-
-    ``ValueError`` (one line, naming the setting, never the secret) if it is missing, given
-    twice, unreadable or too short.
-    """
-    if config.remote_secret_file is not None and config.remote_secret is not None:
-        raise ValueError(
-            "the remote tier's secret is given twice (--kv-secret-file and TIERED_KV_SECRET); "
-            "give one"
-        )
-    if config.remote_secret_file is not None:
-        return load_key_file(config.remote_secret_file)
-    if config.remote_secret is not None:
-        return SealKey(config.remote_secret.encode("utf-8"), source="TIERED_KV_SECRET")
-    raise ValueError(
-        "the remote tier (--kv-remote-url) needs the deployment's shared secret, which seals "
-        "its records: give every instance the same one with --kv-secret-file FILE or "
-        "TIERED_KV_SECRET (at least 32 bytes, e.g. `openssl rand -hex 32`)"
-    )
 
 
 class TierManager(KVConnector):
@@ -201,22 +118,12 @@ class TierManager(KVConnector):
         self._block_size = 0
         self._block_shape: tuple[int, ...] = ()  # [L, 2, T, H, D]
         self._block_nbytes = 0
-        self._lookups: dict[str, _Lookup] = {}
-        # request id -> (keys asked of the remote tier, its answer): a repeated lookup of a
-        # request the engine could not schedule yet costs no further round-trip.
-        # Remote lookups by request: the keys asked about and the lookup's future.
-        self._remote_runs: dict[str, tuple[tuple[BlockKey, ...], concurrent.futures.Future]] = {}
-        self._lookup_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lookup: TierLookup | None = None  # set by register_kv_cache, as the saver
+        self._saver: BlockSaver | None = None
         self._loads_in_flight: set[concurrent.futures.Future[LoadResult]] = set()
-        self._deferred: collections.deque[tuple[SavedBlock, float]] = collections.deque()
-        self._deferred_lock = threading.RLock()  # the engine's saves vs. a flush's retries
-        self._saves: queue.SimpleQueue[_Save | None] = queue.SimpleQueue()
-        self._saves_in_flight = 0  # copies not yet committed to the pool
-        self._save_watcher: threading.Thread | None = None
-        self._finished = threading.Condition()
+        self._finished = threading.Condition()  # guards _loaded and _saved; poll waits on it
         self._loaded: dict[str, int] = {}
         self._saved: list[int] = []
-        self._drops = _DropWarning()
         self._close_lock = threading.Lock()
         self._closed = False
         atexit.register(self.close)
@@ -264,10 +171,10 @@ class TierManager(KVConnector):
         def remaining() -> float | None:
             return None if deadline is None else max(deadline - time.monotonic(), 0.0)
 
-        while self._deferred or self._saves_in_flight:
+        while self._saver is not None and self._saver.busy():
             if deadline is not None and time.monotonic() >= deadline:
                 return False
-            self._retry_deferred()  # the engine may be idle: nobody else retries them
+            self._saver.retry_deferred()  # the engine may be idle: nobody else retries them
             time.sleep(0.001)  # saves still copying or waiting for a slot
         for writer in self._writers:
             if not writer.drain(remaining()):
@@ -281,22 +188,18 @@ class TierManager(KVConnector):
             if self._closed:
                 return
             self._closed = True
+        if self._saver is not None:
+            self._saver.stop_accepting()
         atexit.unregister(self.close)
         deadline = time.monotonic() + self.config.flush_timeout_s
         try:
-            if self._lookup_pool is not None:
-                self._lookup_pool.shutdown(wait=True)
+            if self._lookup is not None:
+                self._lookup.close()
             if self._load_pool is not None:
                 self._load_pool.shutdown(wait=True)
                 self._loader.close()
-            while self._deferred and time.monotonic() < deadline:
-                self._retry_deferred()
-                time.sleep(0.01)
-            with self._deferred_lock:
-                self._drop_deferred(time.monotonic(), force=True)
-            if self._save_watcher is not None:
-                self._saves.put(None)
-                self._save_watcher.join()
+            if self._saver is not None:
+                self._saver.close(deadline)
             if self._mover is not None:
                 self._mover.close()
             for writer in self._writers:
@@ -354,15 +257,16 @@ class TierManager(KVConnector):
             ))
         if self._remote is not None:
             stores["remote"] = self._remote
-            self._lookup_pool = concurrent.futures.ThreadPoolExecutor(
-                LOOKUP_WORKERS, thread_name_prefix="tiered-kv-lookup"
-            )
             if config.remote_write_policy == "write-through":
                 self._writers.append(
                     PoolWriter(
                         self._pool, self._remote, self._codec, self.metrics, "remote", block=block
                     )
                 )
+        self._lookup = TierLookup(
+            self._namespace, self._pool, self._disk, self._remote, self.metrics,
+            count_cpu=config.has_cpu, on_answer=self._report,
+        )
         self._loader = BlockLoader(
             self._pool, self._mover, stores, self.metrics,
             block_shape=self._block_shape, dtype=kv_cache.dtype, promote=self._promote_to,
@@ -372,11 +276,13 @@ class TierManager(KVConnector):
         )
         if sys.getswitchinterval() > SWITCH_INTERVAL_S:
             sys.setswitchinterval(SWITCH_INTERVAL_S)
-        if self._mover.asynchronous:
-            self._save_watcher = threading.Thread(
-                target=self._watch_saves, name="tiered-kv-save-watcher", daemon=True
-            )
-            self._save_watcher.start()
+        self._saver = BlockSaver(
+            config, self._namespace, self._pool, self._mover, self._disk, self.metrics,
+            pending_tiers=tuple(writer.tier for writer in self._writers),
+            drop_tier="cpu" if config.has_cpu else self._first_lower_tier(),
+            block_nbytes=self._block_nbytes,
+            on_saved=lambda block_ids: self._report(saved=block_ids),
+        )
 
     @staticmethod
     def storage_namespace(engine_namespace: bytes, codec: str) -> bytes:
@@ -393,79 +299,14 @@ class TierManager(KVConnector):
     ) -> int | None:
         if self._kv_cache is None or self._closed:
             return 0
-        keys = [BlockKey(self._namespace, h) for h in block_hashes[num_computed_blocks:]]
-        previous = self._lookups.get(request_id)
-        # The engine asks again, step after step, for a request it could not schedule yet.
-        repeated = (
-            previous is not None
-            and previous.hashes == tuple(block_hashes)
-            and previous.first == num_computed_blocks
-        )
-        if not keys:
-            return 0
-        in_pool = self._pool.contains_many(keys)
-        tiers: list[str] = []
-        cpu_lookups = disk_lookups = 0
-        for key, pool_hit in zip(keys, in_pool):
-            cpu_lookups += 1
-            if pool_hit:
-                tiers.append("cpu")
-                continue
-            if self._disk is None:
-                break
-            disk_lookups += 1
-            if not self._disk.contains(key):
-                break
-            tiers.append("disk")
-        remote_lookups = 0
-        if self._remote is not None and len(tiers) < len(keys):
-            rest = tuple(keys[len(tiers):])
-            remote_lookups = len(rest)
-            run = self._remote_run(request_id, rest)
-            if run is None:
-                return None  # the engine asks again at a later step
-            tiers += ["remote"] * run
-        self._lookups[request_id] = _Lookup(tuple(block_hashes), num_computed_blocks, tuple(tiers))
-        if not repeated:
-            if self.config.has_cpu:
-                self.metrics.add("cpu", lookups=cpu_lookups)
-            if self._disk is not None:
-                self.metrics.add("disk", lookups=disk_lookups)
-            if self._remote is not None:
-                self.metrics.add("remote", lookups=remote_lookups)
-        return len(tiers)
-
-    def _remote_run(self, request_id: str, rest: tuple[BlockKey, ...]) -> int | None:
-        """How many leading ``rest`` blocks the remote tier holds; ``None`` while the lookup
-        (one pipelined round-trip, gated by the store's breaker) runs on a lookup thread."""
-        entry = self._remote_runs.get(request_id)
-        if entry is None or entry[0] != rest:
-            future = self._lookup_pool.submit(self._remote.longest_prefix, list(rest))
-            future.add_done_callback(self._lookup_done)
-            self._remote_runs[request_id] = (rest, future)
-            return None
-        if not entry[1].done():
-            return None
-        try:
-            return entry[1].result()
-        except Exception:  # the store turns its errors into misses; anything else is a bug
-            logger.exception("remote lookup for %s failed", request_id)
-            return 0
-
-    def _lookup_done(self, future: concurrent.futures.Future[int]) -> None:
-        with self._finished:  # ends a poll(timeout) of an engine with nothing else to run
-            self._finished.notify_all()
+        return self._lookup.num_matched(request_id, block_hashes, num_computed_blocks)
 
     def start_load(
         self, request_id: str, block_hashes: Sequence[bytes], block_ids: Sequence[int]
     ) -> None:
-        lookup = self._lookups.get(request_id)
         wanted = None
         if self._loader is not None and not self._closed and len(block_hashes) == len(block_ids):
-            if not block_hashes:
-                wanted = []
-            elif lookup is not None:
-                wanted = lookup.wanted(self._namespace, block_hashes, block_ids)
+            wanted = self._lookup.wanted(request_id, block_hashes, block_ids)
         if not wanted:
             if wanted is None:  # cannot check the records' chain: recompute instead
                 self.metrics.add(self._first_lower_tier(), load_failures=1)
@@ -476,24 +317,14 @@ class TierManager(KVConnector):
         future.add_done_callback(self._load_done)
 
     def save_blocks(self, blocks: Sequence[SavedBlock]) -> None:
-        with self._deferred_lock:
-            self._save_blocks(blocks)
-
-    def _save_blocks(self, blocks: Sequence[SavedBlock]) -> None:
-        if self._kv_cache is None or self._closed:
+        if self._saver is None or self._closed:  # no KV cache registered, or closing
             self._report(saved=[b.block_id for b in blocks])
             return
-        if self.config.offload == "prompt":
-            skipped = [b.block_id for b in blocks if not b.is_prompt]
-            if skipped:
-                self._report(saved=skipped)
-            blocks = [b for b in blocks if b.is_prompt]
-        if blocks:
-            self._offload(list(blocks), time.monotonic())
+        self._saver.save(blocks)
 
     def poll(self, timeout: float = 0.0) -> FinishedTransfers:
-        if self._deferred:
-            self._retry_deferred()
+        if self._saver is not None:
+            self._saver.retry_deferred()
         with self._finished:
             if timeout > 0 and not self._loaded and not self._saved:
                 self._finished.wait(timeout)
@@ -505,103 +336,10 @@ class TierManager(KVConnector):
         """Nothing to do: a block is copied down when it becomes full, not when evicted."""
 
     def request_finished(self, request_id: str) -> None:
-        self._lookups.pop(request_id, None)
-        self._remote_runs.pop(request_id, None)
+        if self._lookup is not None:
+            self._lookup.forget(request_id)
 
-    # ------------------------------------------------------------------ saves
-
-    def _offload(self, blocks: list[SavedBlock], started: float) -> None:
-        """Reserve a slot for each block and start one batched copy; blocks that find no
-        slot wait in ``_deferred`` (their GPU blocks stay held)."""
-        commits: list[tuple[BlockKey, int, SavedBlock]] = []
-        done: list[int] = []
-        for i, block in enumerate(blocks):
-            key = BlockKey(self._namespace, block.block_hash)
-            if self._pool.contains(key):
-                done.append(block.block_id)  # already below (e.g. it was loaded from there)
-                continue
-            slot = self._pool.reserve(self.config.tenant_priority(block.cache_salt))
-            if slot is None:
-                self._deferred.extend((b, started) for b in blocks[i:])
-                self._drop_deferred(time.monotonic())
-                break
-            commits.append((key, slot, block))
-        if done:
-            self._report(saved=done)
-        if not commits:
-            return
-        copy = self._mover.offload([(block.block_id, slot) for _, slot, block in commits])
-        save = _Save(copy, commits, [block.block_id for _, _, block in commits], time.perf_counter())
-        if self._save_watcher is None:
-            self._commit_save(save)  # a host memcpy: complete already
-        else:
-            with self._finished:
-                self._saves_in_flight += 1
-            self._saves.put(save)
-
-    def _retry_deferred(self) -> None:
-        """Offload the saves that found no slot, as far as slots are free now (from the
-        engine's poll, or from a flush while the engine is idle)."""
-        with self._deferred_lock:
-            self._drop_deferred(time.monotonic())
-            if not self._deferred or self._pool.num_evictable() == 0:
-                return
-            blocks, started = [b for b, _ in self._deferred], self._deferred[0][1]
-            self._deferred.clear()
-            self._offload(blocks, started)
-
-    def _drop_deferred(self, now: float, *, force: bool = False) -> None:
-        dropped: list[int] = []
-        while self._deferred and (force or now - self._deferred[0][1] >= SAVE_WAIT_S):
-            dropped.append(self._deferred.popleft()[0].block_id)
-        if dropped:
-            tier = "cpu" if self.config.has_cpu else self._first_lower_tier()
-            self.metrics.add(tier, dropped=len(dropped))
-            self._pool.count_dropped(len(dropped))
-            self._drops.add(
-                len(dropped), "--kv-offloading-size" if self.config.has_cpu else "staging_bytes"
-            )
-            self._report(saved=dropped)
-
-    def _watch_saves(self) -> None:
-        """Asynchronous copies (CUDA, or a transcoding host copy): commit each save once its
-        copy is complete (the copies run in order)."""
-        while (save := self._saves.get()) is not None:
-            try:
-                save.copy.wait()
-            except Exception:  # the copy failed: its slots hold nothing to keep
-                logger.exception("offload of %d blocks failed; dropping them", len(save.commits))
-                for _, slot, _ in save.commits:
-                    self._pool.unreserve(slot)
-                self.metrics.add("cpu" if self.config.has_cpu else self._first_lower_tier(),
-                                 dropped=len(save.commits))
-                self._report(saved=save.block_ids)
-            else:
-                self._commit_save(save)
-            with self._finished:
-                self._saves_in_flight -= 1
-
-    def _commit_save(self, save: _Save) -> None:
-        pending = self._pending_tiers()
-        stored = 0
-        for key, slot, block in save.commits:
-            tiers = pending
-            if "disk" in tiers and self._disk.contains(key):
-                tiers = tuple(t for t in tiers if t != "disk")
-            if self._pool.commit(
-                key, slot, self._mover.slot_dtype, self._mover.slot_shape, block.parent_hash,
-                block.token_ids, tiers, priority=self.config.tenant_priority(block.cache_salt),
-            ):
-                stored += 1
-        if self.config.has_cpu:
-            self.metrics.observe_store(
-                "cpu", time.perf_counter() - save.started, stored, stored * self._block_nbytes
-            )
-        self._report(saved=save.block_ids)
-
-    def _pending_tiers(self) -> tuple[str, ...]:
-        """The lower tiers a newly saved block still has to reach."""
-        return tuple(writer.tier for writer in self._writers)
+    # ------------------------------------------------------------------ loads
 
     def _promote_to(self, tier: str) -> tuple[str, ...]:
         """The lower tiers a block loaded from ``tier`` still has to reach: a remote hit is
@@ -609,8 +347,6 @@ class TierManager(KVConnector):
         if tier == "remote" and self._disk is not None and self.config.write_policy == "write-through":
             return ("disk",)
         return ()
-
-    # ------------------------------------------------------------------ loads
 
     def _load_done(self, future: concurrent.futures.Future[LoadResult]) -> None:
         """On the worker thread: account the load and report it to the engine."""
@@ -625,6 +361,7 @@ class TierManager(KVConnector):
         self._report(loaded={result.request_id: result.loaded})
 
     def _report(self, *, loaded: dict[str, int] | None = None, saved: list[int] | None = None) -> None:
+        """Hand finished transfers to the next ``poll`` (and wake one that waits)."""
         with self._finished:
             if loaded:
                 self._loaded.update(loaded)

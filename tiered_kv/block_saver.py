@@ -1,0 +1,239 @@
+"""The tier manager's save side: blocks the engine saved, copied into the CPU pool.
+
+A save reserves a pool slot per block and starts one batched copy (``BlockMover.offload``);
+once the copy is complete its blocks are committed to the pool, pending for the lower tiers
+the ``PoolWriter`` threads write, and reported saved (the engine then lets their GPU blocks
+go). A synchronous copy (a plain host memcpy) is committed at once; an asynchronous one (CUDA,
+or a transcoding host copy) by the ``tiered-kv-save-watcher`` thread, in order.
+
+When every slot holds a block not yet written to the lower tiers, a save waits, deferred
+(its GPU block stays held), and is retried at each ``poll`` (or by a flush while the engine
+is idle) for up to ``SAVE_WAIT_S``; it is then dropped, counted and logged (one WARNING per
+``DROP_WARNING_INTERVAL_S``, naming the setting to raise).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from engine.connector import SavedBlock
+from storage.base import BlockKey
+from storage.cpu_pool import CpuBlockPool
+from storage.lmdb_store import LmdbStore
+from tiered_kv.block_mover import BlockMover, Copy
+from tiered_kv.config import TierConfig
+from tiered_kv.metrics import TierMetrics
+
+logger = logging.getLogger(__name__)
+
+SAVE_WAIT_S = 5.0  # how long a save may wait for a pool slot before it is dropped
+DROP_WARNING_INTERVAL_S = 60.0
+
+
+@dataclasses.dataclass
+class _Save:
+    """One save_blocks batch: its copy, and what to commit to the pool once it is done."""
+
+    copy: Copy
+    commits: list[tuple[BlockKey, int, SavedBlock]]  # (key, slot, block)
+    block_ids: list[int]  # every block id of the batch (reported saved together)
+    started: float
+
+
+class _DropWarning:
+    """One WARNING line per interval for blocks dropped because the pool was full."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._last = -DROP_WARNING_INTERVAL_S
+
+    def add(self, blocks: int, setting: str) -> None:
+        self._count += blocks
+        now = time.monotonic()
+        if now - self._last >= DROP_WARNING_INTERVAL_S:
+            logger.warning(
+                "dropped %d KV blocks: the CPU pool was full of blocks not yet written to the "
+                "lower tiers; raise %s (or use a faster disk or codec)", self._count, setting,
+            )
+            self._count, self._last = 0, now
+
+
+class BlockSaver:
+    """Saves the engine's blocks into the CPU pool, for one registered KV cache.
+
+    ``pending_tiers``: the lower tiers a newly saved block still has to reach (those with a
+    writer). ``drop_tier``: the tier dropped saves are counted under. ``on_saved`` is called
+    with the block ids whose saves ended (committed, already below, skipped or dropped),
+    from the engine's thread, a flush's or the save watcher's.
+
+    :meth:`save` and :meth:`retry_deferred` hold the deferred lock: the engine's saves and a
+    flush's retries take turns. Starts the save watcher if the mover's copies are
+    asynchronous; :meth:`close` stops it.
+    """
+
+    def __init__(
+        self,
+        config: TierConfig,
+        namespace: bytes,
+        pool: CpuBlockPool,
+        mover: BlockMover,
+        disk: LmdbStore | None,
+        metrics: TierMetrics,
+        *,
+        pending_tiers: tuple[str, ...],
+        drop_tier: str,
+        block_nbytes: int,
+        on_saved: Callable[[list[int]], None],
+    ) -> None:
+        self._config = config
+        self._namespace = namespace
+        self._pool = pool
+        self._mover = mover
+        self._disk = disk
+        self._metrics = metrics
+        self._pending_tiers = pending_tiers
+        self._drop_tier = drop_tier
+        self._block_nbytes = block_nbytes
+        self._on_saved = on_saved
+        self._accepting = True
+        self._deferred: collections.deque[tuple[SavedBlock, float]] = collections.deque()
+        self._deferred_lock = threading.RLock()  # the engine's saves vs. a flush's retries
+        self._saves: queue.SimpleQueue[_Save | None] = queue.SimpleQueue()
+        self._saves_in_flight = 0  # copies not yet committed to the pool
+        self._in_flight_lock = threading.Lock()
+        self._drops = _DropWarning()
+        self._save_watcher: threading.Thread | None = None
+        if mover.asynchronous:
+            self._save_watcher = threading.Thread(
+                target=self._watch_saves, name="tiered-kv-save-watcher", daemon=True
+            )
+            self._save_watcher.start()
+
+    def save(self, blocks: Sequence[SavedBlock]) -> None:
+        """:meth:`engine.connector.KVConnector.save_blocks`: start the copies."""
+        with self._deferred_lock:
+            if not self._accepting:
+                self._on_saved([b.block_id for b in blocks])
+                return
+            if self._config.offload == "prompt":
+                skipped = [b.block_id for b in blocks if not b.is_prompt]
+                if skipped:
+                    self._on_saved(skipped)
+                blocks = [b for b in blocks if b.is_prompt]
+            if blocks:
+                self._offload(list(blocks), time.monotonic())
+
+    def retry_deferred(self) -> None:
+        """Offload the saves that found no slot, as far as slots are free now (from the
+        engine's poll, or from a flush while the engine is idle)."""
+        if not self._deferred:
+            return
+        with self._deferred_lock:
+            self._drop_deferred(time.monotonic())
+            if not self._deferred or self._pool.num_evictable() == 0:
+                return
+            blocks, started = [b for b, _ in self._deferred], self._deferred[0][1]
+            self._deferred.clear()
+            self._offload(blocks, started)
+
+    def busy(self) -> bool:
+        """Whether saves are deferred or still copying."""
+        return bool(self._deferred or self._saves_in_flight)
+
+    def stop_accepting(self) -> None:
+        """From now on a save is reported at once and not kept (the manager is closing)."""
+        self._accepting = False
+
+    def close(self, deadline: float) -> None:
+        """Retry the deferred saves until ``deadline`` (monotonic), drop what is left and
+        stop the save watcher once it committed every copy."""
+        self.stop_accepting()
+        while self._deferred and time.monotonic() < deadline:
+            self.retry_deferred()
+            time.sleep(0.01)
+        with self._deferred_lock:
+            self._drop_deferred(time.monotonic(), force=True)
+        if self._save_watcher is not None:
+            self._saves.put(None)
+            self._save_watcher.join()
+
+    def _offload(self, blocks: list[SavedBlock], started: float) -> None:
+        """Reserve a slot for each block and start one batched copy; blocks that find no
+        slot wait in ``_deferred`` (their GPU blocks stay held)."""
+        commits: list[tuple[BlockKey, int, SavedBlock]] = []
+        done: list[int] = []
+        for i, block in enumerate(blocks):
+            key = BlockKey(self._namespace, block.block_hash)
+            if self._pool.contains(key):
+                done.append(block.block_id)  # already below (e.g. it was loaded from there)
+                continue
+            slot = self._pool.reserve(self._config.tenant_priority(block.cache_salt))
+            if slot is None:
+                self._deferred.extend((b, started) for b in blocks[i:])
+                self._drop_deferred(time.monotonic())
+                break
+            commits.append((key, slot, block))
+        if done:
+            self._on_saved(done)
+        if not commits:
+            return
+        copy = self._mover.offload([(block.block_id, slot) for _, slot, block in commits])
+        save = _Save(copy, commits, [block.block_id for _, _, block in commits], time.perf_counter())
+        if self._save_watcher is None:
+            self._commit_save(save)  # a host memcpy: complete already
+        else:
+            with self._in_flight_lock:
+                self._saves_in_flight += 1
+            self._saves.put(save)
+
+    def _drop_deferred(self, now: float, *, force: bool = False) -> None:
+        dropped: list[int] = []
+        while self._deferred and (force or now - self._deferred[0][1] >= SAVE_WAIT_S):
+            dropped.append(self._deferred.popleft()[0].block_id)
+        if dropped:
+            self._metrics.add(self._drop_tier, dropped=len(dropped))
+            self._pool.count_dropped(len(dropped))
+            self._drops.add(
+                len(dropped), "--kv-offloading-size" if self._config.has_cpu else "staging_bytes"
+            )
+            self._on_saved(dropped)
+
+    def _watch_saves(self) -> None:
+        """Asynchronous copies (CUDA, or a transcoding host copy): commit each save once its
+        copy is complete (the copies run in order)."""
+        while (save := self._saves.get()) is not None:
+            try:
+                save.copy.wait()
+            except Exception:  # the copy failed: its slots hold nothing to keep
+                logger.exception("offload of %d blocks failed; dropping them", len(save.commits))
+                for _, slot, _ in save.commits:
+                    self._pool.unreserve(slot)
+                self._metrics.add(self._drop_tier, dropped=len(save.commits))
+                self._on_saved(save.block_ids)
+            else:
+                self._commit_save(save)
+            with self._in_flight_lock:
+                self._saves_in_flight -= 1
+
+    def _commit_save(self, save: _Save) -> None:
+        pending = self._pending_tiers
+        stored = 0
+        for key, slot, block in save.commits:
+            tiers = pending
+            if "disk" in tiers and self._disk.contains(key):
+                tiers = tuple(t for t in tiers if t != "disk")
+            if self._pool.commit(
+                key, slot, self._mover.slot_dtype, self._mover.slot_shape, block.parent_hash,
+                block.token_ids, tiers, priority=self._config.tenant_priority(block.cache_salt),
+            ):
+                stored += 1
+        if self._config.has_cpu:
+            self._metrics.observe_store(
+                "cpu", time.perf_counter() - save.started, stored, stored * self._block_nbytes
+            )
+        self._on_saved(save.block_ids)

@@ -1,0 +1,186 @@
+"""The tier manager's lookup side: how many of a request's next blocks the tiers hold.
+
+The engine asks :meth:`TierLookup.num_matched` on its thread, again step after step for a
+request it could not schedule yet. The walk goes CPU → disk → remote and counts the run of
+consecutive blocks some tier holds: the CPU pool and the disk are index checks; the rest of
+the chain is asked of the remote tier in one pipelined round-trip (gated by the store's
+breaker) on a ``tiered-kv-lookup`` thread. Until that answers the lookup is "not yet"
+(``None``); the answer wakes an engine waiting in ``poll`` and is kept per request, so a
+repeated lookup costs no further round-trip. What a lookup found (each block's tier) is
+kept until the request finishes, for :meth:`TierLookup.wanted` when its load starts.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+
+from storage.base import BlockKey
+from storage.cpu_pool import CpuBlockPool
+from storage.lmdb_store import LmdbStore
+from storage.remote_store import RemoteStore
+from tiered_kv.block_loader import WantedBlock
+from tiered_kv.metrics import TierMetrics
+
+logger = logging.getLogger(__name__)
+
+LOOKUP_WORKERS = 2  # remote lookups in flight at once
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lookup:
+    """A request's hash chain as of its last lookup, and where each block was found."""
+
+    hashes: tuple[bytes, ...]
+    first: int  # index of the first block the lookup was asked about
+    tiers: tuple[str, ...]  # tier of hashes[first + i], for the matched run
+
+    def wanted(
+        self, namespace: bytes, block_hashes: Sequence[bytes], block_ids: Sequence[int]
+    ) -> list[WantedBlock] | None:
+        """The blocks to load with their parents (``None`` for the chain's first block), or
+        ``None`` if the run is not part of this lookup's matched chain."""
+        start = self.first
+        if self.hashes[start : start + 1] != (block_hashes[0],):
+            try:
+                start = self.hashes.index(block_hashes[0])
+            except ValueError:
+                return None
+        if self.hashes[start : start + len(block_hashes)] != tuple(block_hashes):
+            return None
+        offset = start - self.first
+        if offset < 0 or offset + len(block_hashes) > len(self.tiers):
+            return None
+        parents = [self.hashes[start - 1] if start else None, *block_hashes[:-1]]
+        return [
+            WantedBlock(BlockKey(namespace, h), b, p, self.tiers[offset + i])
+            for i, (h, b, p) in enumerate(zip(block_hashes, block_ids, parents))
+        ]
+
+
+class TierLookup:
+    """Lookups over the pool, the disk and the remote tier, and what each request matched.
+
+    ``count_cpu``: count the pool's lookups under ``cpu`` (the pool is a tier, not only the
+    staging buffer). ``on_answer`` is called on a lookup thread when a remote lookup ends.
+    Every method but :meth:`close` runs on the engine thread.
+    """
+
+    def __init__(
+        self,
+        namespace: bytes,
+        pool: CpuBlockPool,
+        disk: LmdbStore | None,
+        remote: RemoteStore | None,
+        metrics: TierMetrics,
+        *,
+        count_cpu: bool,
+        on_answer: Callable[[], None],
+    ) -> None:
+        self._namespace = namespace
+        self._pool = pool
+        self._disk = disk
+        self._remote = remote
+        self._metrics = metrics
+        self._count_cpu = count_cpu
+        self._on_answer = on_answer
+        self._lookups: dict[str, _Lookup] = {}
+        # Remote lookups by request: the keys asked about and the lookup's future, so a
+        # repeated lookup of a request the engine could not schedule yet costs no further
+        # round-trip.
+        self._remote_runs: dict[str, tuple[tuple[BlockKey, ...], concurrent.futures.Future]] = {}
+        self._lookup_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        if remote is not None:
+            self._lookup_pool = concurrent.futures.ThreadPoolExecutor(
+                LOOKUP_WORKERS, thread_name_prefix="tiered-kv-lookup"
+            )
+
+    def num_matched(
+        self, request_id: str, block_hashes: Sequence[bytes], num_computed_blocks: int
+    ) -> int | None:
+        """:meth:`engine.connector.KVConnector.get_num_matched_blocks` over the tiers."""
+        keys = [BlockKey(self._namespace, h) for h in block_hashes[num_computed_blocks:]]
+        previous = self._lookups.get(request_id)
+        # The engine asks again, step after step, for a request it could not schedule yet.
+        repeated = (
+            previous is not None
+            and previous.hashes == tuple(block_hashes)
+            and previous.first == num_computed_blocks
+        )
+        if not keys:
+            return 0
+        in_pool = self._pool.contains_many(keys)
+        tiers: list[str] = []
+        cpu_lookups = disk_lookups = 0
+        for key, pool_hit in zip(keys, in_pool):
+            cpu_lookups += 1
+            if pool_hit:
+                tiers.append("cpu")
+                continue
+            if self._disk is None:
+                break
+            disk_lookups += 1
+            if not self._disk.contains(key):
+                break
+            tiers.append("disk")
+        remote_lookups = 0
+        if self._remote is not None and len(tiers) < len(keys):
+            rest = tuple(keys[len(tiers):])
+            remote_lookups = len(rest)
+            run = self._remote_run(request_id, rest)
+            if run is None:
+                return None  # the engine asks again at a later step
+            tiers += ["remote"] * run
+        self._lookups[request_id] = _Lookup(tuple(block_hashes), num_computed_blocks, tuple(tiers))
+        if not repeated:
+            if self._count_cpu:
+                self._metrics.add("cpu", lookups=cpu_lookups)
+            if self._disk is not None:
+                self._metrics.add("disk", lookups=disk_lookups)
+            if self._remote is not None:
+                self._metrics.add("remote", lookups=remote_lookups)
+        return len(tiers)
+
+    def wanted(
+        self, request_id: str, block_hashes: Sequence[bytes], block_ids: Sequence[int]
+    ) -> list[WantedBlock] | None:
+        """The blocks to load for ``start_load``, each with its parent and the tier its
+        request's last lookup found it in; ``None`` if the run is not what that lookup
+        matched (the records' chain cannot be checked: recompute instead)."""
+        if not block_hashes:
+            return []
+        lookup = self._lookups.get(request_id)
+        if lookup is None:
+            return None
+        return lookup.wanted(self._namespace, block_hashes, block_ids)
+
+    def forget(self, request_id: str) -> None:
+        """The request finished: drop what its lookups found."""
+        self._lookups.pop(request_id, None)
+        self._remote_runs.pop(request_id, None)
+
+    def close(self) -> None:
+        """Wait for the remote lookups in flight; no lookup may start after this."""
+        if self._lookup_pool is not None:
+            self._lookup_pool.shutdown(wait=True)
+
+    def _remote_run(self, request_id: str, rest: tuple[BlockKey, ...]) -> int | None:
+        """How many leading ``rest`` blocks the remote tier holds; ``None`` while the lookup
+        (one pipelined round-trip, gated by the store's breaker) runs on a lookup thread."""
+        entry = self._remote_runs.get(request_id)
+        if entry is None or entry[0] != rest:
+            future = self._lookup_pool.submit(self._remote.longest_prefix, list(rest))
+            future.add_done_callback(self._lookup_done)
+            self._remote_runs[request_id] = (rest, future)
+            return None
+        if not entry[1].done():
+            return None
+        try:
+            return entry[1].result()
+        except Exception:  # the store turns its errors into misses; anything else is a bug
+            logger.exception("remote lookup for %s failed", request_id)
+            return 0
+
+    def _lookup_done(self, future: concurrent.futures.Future[int]) -> None:
+        self._on_answer()  # ends a poll(timeout) of an engine with nothing else to run
