@@ -1,0 +1,139 @@
+"""The save side on its own: saved blocks reach the pool, wait for a slot, then drop."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from engine.connector import SavedBlock
+from storage.base import BlockKey
+from storage.codecs import get_codec
+from storage.cpu_pool import CpuBlockPool
+from tiered_kv import block_saver
+from tiered_kv.block_mover import BlockMover
+from tiered_kv.block_saver import BlockSaver
+from tiered_kv.config import TierConfig
+from tiered_kv.metrics import TierMetrics
+
+SHAPE = (8, 2, 2, 4, 2, 8)  # [num_blocks, L, 2, T, H, D]
+NAMESPACE = bytes(32)
+
+
+class Saves:
+    """A saver over a pool of ``slots`` slots whose blocks stay pending for ``remote``
+    (pinned) until :meth:`written`, and the block ids it reported saved."""
+
+    def __init__(self, slots: int, offload: str = "prompt", codec: str = "raw") -> None:
+        g = torch.Generator().manual_seed(0)
+        self.cache = torch.randn(SHAPE, generator=g)
+        stage = get_codec(codec).stage
+        nbytes = stage.payload_size(self.cache.dtype, SHAPE[1:])
+        self.pool = CpuBlockPool(slots * nbytes, block_nbytes=nbytes, pin_memory=False)
+        self.mover = BlockMover(self.cache, self.pool.slab, stage)
+        self.metrics = TierMetrics(("cpu",), lambda: {}, lambda: None)
+        self.reported: list[int] = []
+        self.saver = BlockSaver(
+            TierConfig(cpu_bytes=slots * nbytes, offload=offload), NAMESPACE, self.pool,
+            self.mover, None, self.metrics, pending_tiers=("remote",), drop_tier="cpu",
+            block_nbytes=nbytes, on_saved=self.reported.extend,
+        )
+
+    def written(self) -> None:
+        """What a writer does once it has stored every pending block."""
+        taken = self.pool.take_pending("remote", self.pool.num_slots, timeout=0)
+        self.pool.done_pending("remote", [block.key for block in taken])
+
+    def dropped(self) -> int:
+        return self.metrics.counters()["cpu"].dropped
+
+    def close(self) -> None:
+        self.saver.close(0.0)
+        self.mover.close()
+        self.pool.close()
+
+
+def key(block: SavedBlock) -> BlockKey:
+    return BlockKey(NAMESPACE, block.block_hash)
+
+
+def saved(block_id: int, *, is_prompt: bool = True) -> SavedBlock:
+    return SavedBlock(bytes([block_id + 1]) * 32, None, tuple(range(4)), block_id, is_prompt)
+
+
+def test_saved_blocks_are_copied_into_the_pool_and_reported():
+    s = Saves(slots=4)
+    blocks = [saved(0), saved(3), saved(5)]
+    s.saver.save(blocks)
+    assert s.reported == [0, 3, 5] and not s.saver.busy()
+    for b in blocks:
+        held = s.pool.acquire(key(b))
+        slot = s.pool.slot_view(held.slot, s.cache.dtype, SHAPE[1:])
+        assert torch.equal(slot, s.cache[b.block_id])
+        s.pool.release(key(b))
+    s.saver.save([saved(3)])  # already in the pool: reported, not copied again
+    assert s.reported[-1] == 3 and s.pool.stats().puts == 3
+    s.close()
+
+
+@pytest.mark.parametrize("offload", ["prompt", "all"])
+def test_offload_prompt_reports_generated_blocks_without_keeping_them(offload):
+    s = Saves(slots=4, offload=offload)
+    generated = saved(1, is_prompt=False)
+    s.saver.save([saved(0), generated])
+    assert sorted(s.reported) == [0, 1]
+    assert s.pool.contains(key(generated)) == (offload == "all")
+    s.close()
+
+
+def test_a_save_waits_for_a_slot_then_goes_in():
+    s = Saves(slots=2)
+    first = [saved(0), saved(1)]
+    s.saver.save(first)
+    s.saver.save([saved(2)])  # every slot holds a block not yet written
+    assert s.reported == [0, 1] and s.saver.busy()
+    s.saver.retry_deferred()
+    assert s.reported == [0, 1]  # still waiting: SAVE_WAIT_S has not passed
+    s.written()
+    s.saver.retry_deferred()
+    assert s.reported == [0, 1, 2] and s.pool.contains(key(saved(2))) and not s.saver.busy()
+    assert s.dropped() == 0
+    s.close()
+
+
+def test_a_save_that_waited_save_wait_s_is_dropped_and_counted(monkeypatch):
+    monkeypatch.setattr(block_saver, "SAVE_WAIT_S", 0.0)
+    s = Saves(slots=1)
+    s.saver.save([saved(0), saved(1), saved(2)])
+    assert sorted(s.reported) == [0, 1, 2] and not s.saver.busy()  # drops reported first
+    assert s.dropped() == 2 and s.pool.stats().dropped == 2
+    assert not s.pool.contains(key(saved(1)))
+    s.close()
+
+
+def test_closing_drops_what_waits_and_refuses_new_saves():
+    s = Saves(slots=1)
+    s.saver.save([saved(0), saved(1)])
+    assert s.reported == [0]
+    s.saver.close(0.0)  # no time left to wait for a slot
+    assert s.reported == [0, 1] and s.dropped() == 1 and not s.saver.busy()
+    s.saver.save([saved(4)])
+    assert s.reported == [0, 1, 4] and not s.pool.contains(key(saved(4)))
+    s.mover.close()
+    s.pool.close()
+
+
+def test_asynchronous_copies_are_committed_by_the_save_watcher():
+    """A KIVI offload on the CPU runs on the mover's thread: the watcher commits it."""
+    s = Saves(slots=4, codec="kivi4")
+    assert s.mover.asynchronous
+    assert "tiered-kv-save-watcher" in {t.name for t in threading.enumerate()}
+    blocks = [saved(0), saved(2)]
+    s.saver.save(blocks)
+    deadline = time.monotonic() + 10
+    while s.saver.busy() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert sorted(s.reported) == [0, 2] and all(s.pool.contains(key(b)) for b in blocks)
+    s.close()
+    assert "tiered-kv-save-watcher" not in {t.name for t in threading.enumerate()}
