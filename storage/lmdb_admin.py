@@ -18,12 +18,14 @@ from typing import NamedTuple
 import lmdb
 
 from storage.base import KEY_SIZE, BlockKey, StoreError
-from storage.lmdb_committer import META, QUARANTINE_HEAD
+from storage.lmdb_committer import QUARANTINE_HEAD
 from storage.lmdb_file import Found, salvage
 from storage.lmdb_layout import (
     DATA_NAME, DB_META, DB_QUARANTINE, DB_RECORDS, DESCRIPTOR_NAME, KEYS_CHUNK, StoreDescriptor,
     copy_key_file, fsync_dir, lock_writer, make_file_private, move_aside, store_key,
 )
+from storage.lmdb_meta import unpack_meta
+from storage.priority_lru import DEFAULT_PRIORITY
 from storage.record import MAGIC, Record, RecordError, decode_record
 from storage.seal import KEY_FILE_NAME, SealKey
 
@@ -74,6 +76,7 @@ class RecordMeta(NamedTuple):
     last_access_ns: int  # 0 when unknown (metadata rebuilt after a crash)
     nbytes: int
     created_ns: int
+    priority: int  # the eviction priority it was put with (0 in a version-1 store)
 
 
 class RepairResult(NamedTuple):
@@ -82,8 +85,8 @@ class RepairResult(NamedTuple):
     output: Path  # the repaired store
     moved_aside: Path | None  # where the damaged store went (a repair in place)
     salvaged: int
-    skipped: int  # found, but unreadable or failing verification
-    evicted: int  # salvaged, then evicted to fit the budget
+    skipped: int  # found, but unreadable, failing verification, or larger than the budget
+    evicted: int  # salvaged, then evicted (or refused) to fit the budget
     problems: tuple[str, ...]  # what could not be read (the first hundred)
 
 
@@ -182,8 +185,9 @@ class Admin:
                         more = False
                         break
                     last = kb
-                    if len(kb) == KEY_SIZE and len(value) == META.size:
-                        chunk.append(RecordMeta(BlockKey.from_bytes(kb), *META.unpack(value)))
+                    meta = unpack_meta(value) if len(kb) == KEY_SIZE else None
+                    if meta is not None:
+                        chunk.append(RecordMeta(BlockKey.from_bytes(kb), *meta))
                     more = cursor.next()
             yield from chunk
             if not more:
@@ -310,7 +314,9 @@ class Admin:
         ``source``'s data file is read page by page with ``pread``, never mapped (see
         :class:`storage.lmdb_file.Salvage`); every record found is checked against its key
         and the seal of ``source``'s key, and what cannot be read or fails is skipped; the
-        rest is re-sealed under the fresh store's own new key. ``dest`` must be missing
+        rest is re-sealed under the fresh store's own new key, each record at the priority
+        ``source``'s ``meta`` db still gives it (the default, 0, where that cannot be read:
+        a smaller budget keeps the records that matter most). ``dest`` must be missing
         or empty; without it the repair is in place: the fresh store is built beside
         ``source``, which is then moved to ``<source>.damaged-<time>`` and replaced. The
         fresh store's budget is ``capacity_bytes``, or the one ``source`` records.
@@ -332,15 +338,16 @@ class Admin:
             if target.exists() and (not target.is_dir() or any(target.iterdir())):
                 raise StoreError(f"{target} exists and is not empty; repair writes a new store")
             try:
+                priorities = _salvage_priorities(source)
                 with salvage(source, DB_RECORDS) as found:
                     with cls(target, capacity_bytes, sync=False) as fresh:
                         if expected is not None:
                             expected(found.expected)
-                        salvaged, skipped = _copy_verified(
-                            found.entries(), source_key, fresh, progress
+                        copied = _copy_verified(
+                            found.entries(), source_key, priorities, fresh, progress
                         )
                         fresh.flush()
-                        evicted = fresh.stats().evictions
+                        evicted = fresh.stats().evictions + copied.refused
             except BaseException:
                 shutil.rmtree(target, ignore_errors=True)  # what this call created
                 raise
@@ -355,18 +362,39 @@ class Admin:
                 target = source
         finally:
             os.close(lock_fd)
-        return RepairResult(target, moved, salvaged, skipped, evicted, tuple(found.problems))
+        return RepairResult(
+            target, moved, copied.salvaged, copied.skipped, evicted, tuple(found.problems)
+        )
+
+
+def _salvage_priorities(source: Path) -> dict[bytes, int]:
+    """Each key's priority as ``source``'s ``meta`` db still gives it, read like the
+    records (:func:`salvage`); the first value found for a key wins. A key missing here
+    gets the default priority: damaged metadata costs order, never records."""
+    priorities: dict[bytes, int] = {}
+    with salvage(source, DB_META) as found:
+        for kb, value, _ in found.entries():
+            meta = unpack_meta(value) if value is not None and len(kb) == KEY_SIZE else None
+            if meta is not None and kb not in priorities:
+                priorities[kb] = meta.priority
+    return priorities
+
+
+class _Copied(NamedTuple):
+    salvaged: int
+    skipped: int  # keys for which no good record fitted the fresh store
+    refused: int  # salvaged, but refused: only records that matter more could make room
 
 
 def _copy_verified(
-    entries: Iterator[Found], source_key: SealKey, fresh: Admin,
+    entries: Iterator[Found], source_key: SealKey, priorities: dict[bytes, int], fresh: Admin,
     progress: Callable[[int], None] | None,
-) -> tuple[int, int]:
-    """Put the first good record found for each key into ``fresh``: (salvaged, skipped),
-    skipped counting the keys for which none was good."""
+) -> _Copied:
+    """Put the first good record found for each key into ``fresh`` at its priority."""
     salvaged: set[bytes] = set()
     failed: set[bytes] = set()
-    batch: list[tuple[BlockKey, Record]] = []
+    refused = 0
+    batch: list[_Salvaged] = []
     for kb, value, scanned in entries:
         if progress is not None:
             progress(1)
@@ -374,25 +402,43 @@ def _copy_verified(
             continue  # had already, or (found by scanning) an entry of another db
         try:
             key = BlockKey.from_bytes(kb)  # a damaged page can hold a key of any length
-            batch.append((key, decode_record(value or b"", source_key, key)))  # None: unreadable
+            record = decode_record(value or b"", source_key, key)  # None: unreadable
         except (ValueError, RecordError):
             failed.add(kb)
             continue
+        batch.append(_Salvaged(key, record, priorities.get(kb, DEFAULT_PRIORITY), len(value)))
         salvaged.add(kb)
         if len(batch) >= _REPAIR_BATCH:
-            _put(fresh, batch, salvaged, failed)
+            refused += _put(fresh, batch, salvaged, failed)
             batch = []
-    _put(fresh, batch, salvaged, failed)
-    return len(salvaged), len(failed - salvaged)
+    refused += _put(fresh, batch, salvaged, failed)
+    return _Copied(len(salvaged), len(failed - salvaged), refused)
+
+
+class _Salvaged(NamedTuple):
+    key: BlockKey
+    record: Record
+    priority: int
+    nbytes: int  # as sealed under the source's key: the same size under the fresh one
 
 
 def _put(
-    fresh: Admin, batch: list[tuple[BlockKey, Record]], salvaged: set[bytes], failed: set[bytes]
-) -> None:
-    for (key, _), accepted in zip(batch, fresh.put_many(batch)):
-        if not accepted:  # larger than the fresh store takes
-            salvaged.discard(key.to_bytes())
-            failed.add(key.to_bytes())
+    fresh: Admin, batch: list[_Salvaged], salvaged: set[bytes], failed: set[bytes]
+) -> int:
+    """Put ``batch``; how many were refused for want of room that mattered less."""
+    accepted = fresh.put_many(
+        [(s.key, s.record) for s in batch], priorities=[s.priority for s in batch]
+    )
+    refused = 0
+    for s, ok in zip(batch, accepted):
+        if ok:
+            continue
+        if s.nbytes <= fresh.max_record_bytes:
+            refused += 1
+            continue
+        salvaged.discard(s.key.to_bytes())  # larger than the fresh store takes
+        failed.add(s.key.to_bytes())
+    return refused
 
 
 def _unpack_quarantine(kb: bytes, value: bytes) -> QuarantineEntry:

@@ -25,8 +25,10 @@ import lmdb
 
 from storage.base import KEY_SIZE, BlockKey
 from storage.lmdb_layout import (
-    DB_INFO, DB_META, DB_QUARANTINE, DB_RECORDS, INFO_BYTES_USED, META, U64,
+    DB_INFO, DB_META, DB_QUARANTINE, DB_RECORDS, INFO_BYTES_USED, U64,
 )
+from storage.lmdb_meta import meta_size, pack_meta, unpack_meta
+from storage.priority_lru import DEFAULT_PRIORITY
 
 logger = logging.getLogger("storage.lmdb_store")
 
@@ -57,6 +59,7 @@ class Pending:
     first_seq: int
     put_ns: int
     created_ns: int
+    priority: int
     queued: bool = True
     next_first: int | None = None
 
@@ -71,6 +74,7 @@ class Snap(NamedTuple):
     reason: str
     put_ns: int
     created_ns: int
+    priority: int
 
 
 class Committer:
@@ -105,19 +109,21 @@ class Committer:
     # ------------------------------------------------------------------ pending operations
 
     def _enqueue_locked(
-        self, kb: bytes, op: Op, data: bytes | None, *, reason: str = "", created_ns: int = 0
+        self, kb: bytes, op: Op, data: bytes | None, *, reason: str = "", created_ns: int = 0,
+        priority: int = DEFAULT_PRIORITY,
     ) -> Pending:
         self._seq += 1
         seq = self._seq
         entry = self._pending.get(kb)
         if entry is None:
-            entry = Pending(op, data, reason, seq, seq, time.time_ns(), created_ns)
+            entry = Pending(op, data, reason, seq, seq, time.time_ns(), created_ns, priority)
             self._pending[kb] = entry
             self._queue.append(kb)
         else:
             self._pending_bytes -= len(entry.data) if entry.data is not None else 0
             entry.op, entry.data, entry.reason, entry.seq = op, data, reason, seq
             entry.put_ns, entry.created_ns = time.time_ns(), created_ns
+            entry.priority = priority
             if not entry.queued:  # the writer holds an older snapshot of it
                 entry.queued = True
                 if entry.next_first is None:
@@ -215,7 +221,7 @@ class Committer:
         entry.queued = False
         entry.next_first = None
         return Snap(kb, entry.seq, entry.op, entry.data, entry.reason, entry.put_ns,
-                    entry.created_ns)
+                    entry.created_ns, entry.priority)
 
     def _commit(self, snaps: list[Snap], touches: dict[bytes, int], gone: list[bytes]) -> None:
         """Commit ``snaps``; a failed commit is recovered from, or its puts dropped.
@@ -247,14 +253,15 @@ class Committer:
         with self._env.begin(write=True) as txn:
             for kb, access_ns in touches.items():
                 old = txn.get(kb, db=meta)
-                if old is not None:
-                    _, size, created_ns = META.unpack(old)
-                    txn.put(kb, META.pack(access_ns, size, created_ns), db=meta)
+                known = unpack_meta(old) if old is not None else None
+                if known is not None:
+                    new = pack_meta(access_ns, known.nbytes, known.created_ns, known.priority)
+                    txn.put(kb, new, db=meta)
             # As few calls per key as possible: each one drops and retakes the GIL.
             for s in snaps:
                 if s.op is Op.PUT:
                     txn.put(s.key, s.data, db=records)
-                    new = META.pack(s.put_ns, len(s.data), s.created_ns)
+                    new = pack_meta(s.put_ns, len(s.data), s.created_ns, s.priority)
                     used += len(s.data) - meta_size(txn.replace(s.key, new, db=meta))
                     continue
                 if s.op is Op.QUARANTINE:
@@ -310,10 +317,6 @@ class Committer:
 
 def short_key(kb: bytes) -> str:
     return BlockKey.from_bytes(kb).short() if len(kb) == KEY_SIZE else kb.hex()[:20]
-
-
-def meta_size(value: bytes | None) -> int:
-    return META.unpack(value)[1] if value is not None else 0
 
 
 def pack_quarantine(reason: str, bad: bytes) -> bytes:

@@ -32,13 +32,15 @@ import lmdb
 
 from storage.base import StoreError
 from storage.lmdb_file import DATA_NAME, DamagedStore, check_data_file, check_structure
+from storage.lmdb_meta import pack_meta
+from storage.priority_lru import DEFAULT_PRIORITY
 from storage.record import FORMAT_VERSION as RECORD_FORMAT_VERSION
 from storage.seal import KEY_FILE_NAME, SealKey, create_key_file, load_key_file
 
 logger = logging.getLogger(__name__)
 
 FORMAT_NAME = "tiered-kv-lmdb"
-STORE_VERSION = 1
+STORE_VERSION = 2  # 2: meta values carry the priority (storage.lmdb_meta); 1 is read as is
 DESCRIPTOR_NAME = "tiered_kv.json"
 LOCK_NAME = "writer.lock"
 _DESCRIPTOR_TMP = ".tiered_kv.json.tmp"
@@ -54,7 +56,6 @@ DB_NAMES = (DB_RECORDS, DB_META, DB_QUARANTINE, DB_INFO)
 MiB = 1 << 20
 DEFAULT_MAX_READERS = 256
 KEYS_CHUNK = 1024  # keys listed per read transaction: short ones keep old pages reusable
-META = struct.Struct("<QQQ")  # meta db: last access ns, encoded size, created ns
 U64 = struct.Struct("<Q")
 INFO_BYTES_USED = b"bytes_used"
 # LMDB errors that mean the file itself is bad, as opposed to a limit or a busy resource.
@@ -379,10 +380,12 @@ def open_for_writing(
             stored = txn.get(b"format", db=dbs[DB_INFO])
             if stored is None:
                 txn.put(b"format", FORMAT_NAME.encode(), db=dbs[DB_INFO])
-                txn.put(b"version", str(STORE_VERSION).encode(), db=dbs[DB_INFO])
                 txn.put(b"created_ns", U64.pack(descriptor.created_ns), db=dbs[DB_INFO])
             elif stored != FORMAT_NAME.encode():
                 raise StoreError(f"{path}: the LMDB environment is not a tiered-kv store")
+            version = str(STORE_VERSION).encode()
+            if txn.get(b"version", db=dbs[DB_INFO]) != version:  # new, or an older version
+                txn.put(b"version", version, db=dbs[DB_INFO])
         with lmdb_errors(path):
             if unverifiable:
                 _drop_records(path, env, dbs)
@@ -498,6 +501,7 @@ def _match_meta_to_records(path: Path, env: lmdb.Environment, dbs: dict[bytes, A
                 txn.delete(key, db=meta)
         for key, size in sizes.items():
             if txn.get(key, db=meta) is None:
-                txn.put(key, META.pack(0, size, 0), db=meta)  # unknown access: evict first
+                # Unknown access: evicted first among the default priority.
+                txn.put(key, pack_meta(0, size, 0, DEFAULT_PRIORITY), db=meta)
         txn.put(INFO_BYTES_USED, U64.pack(sum(sizes.values())), db=dbs[DB_INFO])
     logger.warning("%s: metadata disagreed with records; rebuilt it", path)

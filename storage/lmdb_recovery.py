@@ -131,7 +131,7 @@ class Recovery:
             if entry is None or entry.seq != s.seq:
                 continue  # changed since: the newer operation stands
             del self._pending[s.key]
-            self._index[s.key] = sizes[s.key]
+            self._index.set(s.key, sizes[s.key], s.priority)
             self._index.move_to_end(s.key, last=False)
             self._used += sizes[s.key]
         self._progress.notify_all()
@@ -152,10 +152,11 @@ class Recovery:
                 break
             if kb in batch_keys or kb in self._pending:
                 continue
+            priority = self._index.priority(kb)  # kept in case the deletion is undone
             sizes[kb] = self._index.pop(kb)
             freed += sizes[kb]
             self._touched.pop(kb, None)
-            entry = self._enqueue_locked(kb, Op.DELETE, None)
+            entry = self._enqueue_locked(kb, Op.DELETE, None, priority=priority)
             victims.append(self._snapshot_locked(kb, entry))
         self._used -= freed
         return victims, sizes

@@ -9,7 +9,7 @@
 - :mod:`storage.lmdb_admin`: verify, quarantine, listings, compaction, repair.
 
 Sub-databases: ``records`` (key → encoded :class:`~storage.record.Record`), ``meta`` (key →
-last access, size, created), ``quarantine`` (key → reason and the head of a record that
+last access, size, created, priority: :mod:`storage.lmdb_meta`), ``quarantine`` (key → reason and the head of a record that
 failed verification) and ``info`` (format name, version, bytes used).
 
 Threads
@@ -31,7 +31,8 @@ Capacity
     priority does), the least recently accessed first within one priority. A put that
     could only make room by evicting records that matter more is refused (``dropped``).
     The writer deletes the victims in the same transaction that stores the new record.
-    Priorities live in memory: records found at start-up have the default priority, 0.
+    A record's priority is stored with its metadata (the latest put's), so records found
+    at start-up keep theirs; those of a version-1 store have the default, 0.
     See ``docs/disk_tier.md`` for the crash-safety guarantees.
 """
 from __future__ import annotations
@@ -57,10 +58,11 @@ from storage.lmdb_committer import QUARANTINE_KEEP_BYTES, Committer, Op, short_k
 from storage.lmdb_file import DamagedStore, check_data_file, check_structure
 from storage.lmdb_layout import (
     DB_INFO, DB_META, DB_RECORDS, DEFAULT_MAX_READERS, DESCRIPTOR_NAME, FORMAT_NAME,
-    INFO_BYTES_USED, KEYS_CHUNK, LOCK_NAME, META, STORE_VERSION, U64, MiB, StoreDescriptor,
+    INFO_BYTES_USED, KEYS_CHUNK, LOCK_NAME, STORE_VERSION, U64, MiB, StoreDescriptor,
     default_map_size,
     Opened, lmdb_errors, move_aside, open_for_reading, open_for_writing,
 )
+from storage.lmdb_meta import check_priority, unpack_meta
 from storage.lmdb_recovery import Recovery
 from storage.priority_lru import DEFAULT_PRIORITY, PriorityLru
 from storage.record import Record, RecordError, decode_record, encode_record
@@ -197,16 +199,22 @@ class LmdbStore(Admin, Recovery, Committer, BlockStore[Record]):
             self._notify_gone(evicted)
 
     def _load_index(self) -> None:
-        """Rebuild the LRU index from the meta db, least recently accessed first."""
+        """Rebuild the LRU index from the meta db, least recently accessed first within
+        each priority."""
         entries = []
         with lmdb_errors(self.path), self._env.begin(db=self._dbs[DB_META]) as txn:
             for key, value in txn.cursor():
-                access_ns, size, _ = META.unpack(value)
-                entries.append((access_ns, key, size))
+                meta = unpack_meta(value)
+                if meta is None:
+                    raise StoreError(
+                        f"{self.path}: the meta db holds a {len(value)}-byte value, which no "
+                        f"store version up to {STORE_VERSION} writes; not a store this build reads"
+                    )
+                entries.append((meta.last_access_ns, key, meta.nbytes, meta.priority))
         entries.sort()
         self._index = PriorityLru()
-        for _, key, size in entries:
-            self._index[key] = size
+        for _, key, size, priority in entries:
+            self._index.set(key, size, priority)
         self._used = sum(self._index.values())
         self._disk_bytes = self._used
 
@@ -405,8 +413,9 @@ class LmdbStore(Admin, Recovery, Committer, BlockStore[Record]):
     ) -> list[bool]:
         """Queue records for the writer, in groups of up to one write batch.
 
-        ``priorities``: one per item (default: all ``0``), the order of eviction (see
-        Capacity above). Records are encoded on the calling thread; each group is queued at
+        ``priorities``: one per item (default: all ``0``; integers of 64 bits, signed), the
+        order of eviction (see Capacity above), stored with each record; a record put again
+        takes the new one. Records are encoded on the calling thread; each group is queued at
         once, so the writer commits it in one transaction.
         """
         self._check_writable()
@@ -417,6 +426,7 @@ class LmdbStore(Admin, Recovery, Committer, BlockStore[Record]):
         ranks = iter(priorities) if priorities is not None else itertools.repeat(DEFAULT_PRIORITY)
         for (key, record), priority in zip(items, ranks, strict=priorities is not None):
             key.validate()
+            check_priority(priority)
             if record.key != key:
                 raise ValueError(f"record is for {record.key.short()}, put under {key.short()}")
             data = encode_record(record, self.seal_key)
@@ -454,7 +464,7 @@ class LmdbStore(Admin, Recovery, Committer, BlockStore[Record]):
                     self._used -= self._index.pop(kb)
                 self._index.set(kb, len(data), priority)
                 self._used += len(data)
-                self._enqueue_locked(kb, Op.PUT, data, created_ns=created_ns)
+                self._enqueue_locked(kb, Op.PUT, data, created_ns=created_ns, priority=priority)
                 self._stats.puts += 1
                 evicted.extend(self._evict_to_budget_locked(keep=kb))
                 results.append(True)

@@ -3,13 +3,16 @@ accessed first within one; a put never evicts records that matter more than its 
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from pathlib import Path
 
+import lmdb
+import pytest
 import torch
 
 from storage.base import BlockKey
-from storage.lmdb_store import LmdbStore
+from storage.lmdb_store import DESCRIPTOR_NAME, STORE_VERSION, LmdbStore
 from storage.record import Record
 
 NS = hashlib.sha256(b"priority namespace").digest()
@@ -65,3 +68,123 @@ def test_a_put_that_would_evict_what_matters_more_is_refused(tmp_path: Path):
         assert s.put(key(4), record(4), priority=0)  # 3 matters as much: the older goes
         assert evicted == [key(1), key(3)]
         assert s.contains(key(0)) and s.contains(key(4))
+
+
+# ---------------------------------------------------------------- priorities on disk
+
+
+GOLD, BATCH = -1, 5
+
+
+def priorities(s: LmdbStore) -> dict[BlockKey, int]:
+    return {m.key: m.priority for m in s.metadata()}
+
+
+def fill(tmp_path: Path) -> Path:
+    """A store with room for 4 records: two gold ones, then (more recently) two batch ones."""
+    with store(tmp_path, []) as s:
+        assert s.put_many(
+            [(key(i), record(i)) for i in range(4)], priorities=[GOLD, GOLD, BATCH, BATCH]
+        ) == [True] * 4
+    return tmp_path / "store"
+
+
+def test_priorities_survive_a_restart(tmp_path: Path):
+    path = fill(tmp_path)
+    with LmdbStore(path, sync=False) as s:
+        assert s.get(key(2)) is not None and s.get(key(3)) is not None  # batch: most recent
+    evicted: list[BlockKey] = []
+    with LmdbStore(path, sync=False, on_evict=evicted.append) as s:
+        assert priorities(s) == {key(0): GOLD, key(1): GOLD, key(2): BATCH, key(3): BATCH}
+        assert not s.put(key(4), record(4), priority=BATCH + 1)  # everything matters more
+        assert s.put_many([(key(4), record(4)), (key(5), record(5))]) == [True, True]
+        assert evicted == [key(2), key(3)]
+        s.flush()
+        assert sorted(s.keys()) == sorted(key(i) for i in (0, 1, 4, 5))
+
+
+def test_a_record_put_again_keeps_its_latest_priority(tmp_path: Path):
+    path = fill(tmp_path)
+    with LmdbStore(path, sync=False) as s:
+        assert s.put(key(0), record(0), priority=BATCH + 1)  # demoted by another tenant
+        assert s.put(key(2), record(2), priority=GOLD)  # promoted
+    evicted: list[BlockKey] = []
+    with LmdbStore(path, sync=False, on_evict=evicted.append) as s:
+        assert priorities(s) == {key(0): BATCH + 1, key(1): GOLD, key(2): GOLD, key(3): BATCH}
+        assert s.put_many([(key(4), record(4)), (key(5), record(5))]) == [True, True]
+        assert evicted == [key(0), key(3)]
+
+
+def write_version_1(path: Path) -> None:
+    """Turn a store into what store version 1 wrote: 24-byte meta values, version 1."""
+    env = lmdb.open(str(path), max_dbs=4)
+    with env.begin(write=True) as txn:
+        meta, info = env.open_db(b"meta", txn=txn), env.open_db(b"info", txn=txn)
+        for kb, value in list(txn.cursor(db=meta)):
+            txn.put(kb, value[:24], db=meta)
+        txn.put(b"version", b"1", db=info)
+    env.close()
+    descriptor = path / DESCRIPTOR_NAME
+    descriptor.write_text(json.dumps(json.loads(descriptor.read_text()) | {"version": 1}))
+
+
+def test_a_version_1_store_opens_as_it_is_at_priority_0(tmp_path: Path):
+    path = fill(tmp_path)
+    write_version_1(path)
+    with LmdbStore(path, readonly=True) as reader:
+        assert set(priorities(reader).values()) == {0}
+        assert reader.get(key(0)) == record(0)
+    evicted: list[BlockKey] = []
+    with LmdbStore(path, sync=False, on_evict=evicted.append) as s:
+        assert s.descriptor.version == STORE_VERSION == 2
+        assert [s.get(key(i)) for i in range(4)] == [record(i) for i in range(4)]
+        assert set(priorities(s).values()) == {0}
+        assert not s.put(key(4), record(4), priority=1)  # the old records count as 0
+        assert s.put(key(4), record(4), priority=0)
+        assert evicted == [key(0)]  # the least recently used of them
+    assert json.loads((path / DESCRIPTOR_NAME).read_text())["version"] == 2
+
+
+def test_a_priority_the_meta_db_cannot_hold_is_refused(tmp_path: Path):
+    with store(tmp_path, []) as s:
+        for bad in (1 << 63, -(1 << 63) - 1):
+            with pytest.raises(ValueError, match="64 bits"):
+                s.put(key(0), record(0), priority=bad)
+        assert not s.contains(key(0))
+
+
+def test_compaction_keeps_priorities(tmp_path: Path):
+    path = fill(tmp_path)
+    expected = {key(0): GOLD, key(1): GOLD, key(2): BATCH, key(3): BATCH}
+    with LmdbStore(path, readonly=True) as reader:
+        reader.copy_compacted(tmp_path / "copy")
+    LmdbStore(path).compact_and_close()
+    for compacted in (tmp_path / "copy", path):
+        with LmdbStore(compacted, sync=False) as s:
+            assert priorities(s) == expected
+
+
+def test_repair_keeps_priorities_and_a_smaller_budget_keeps_what_matters_most(tmp_path: Path):
+    path = fill(tmp_path)
+    with LmdbStore(path, sync=False) as s:
+        budget = s.capacity_bytes // 2
+        assert s.get(key(2)) is not None and s.get(key(3)) is not None
+    result = LmdbStore.repair(path, tmp_path / "fixed")
+    assert (result.salvaged, result.skipped, result.evicted) == (4, 0, 0)
+    with LmdbStore(tmp_path / "fixed", sync=False) as fixed:
+        assert priorities(fixed) == {key(0): GOLD, key(1): GOLD, key(2): BATCH, key(3): BATCH}
+    result = LmdbStore.repair(path, tmp_path / "smaller", capacity_bytes=budget)
+    assert (result.salvaged, result.skipped, result.evicted) == (4, 0, 2)
+    with LmdbStore(tmp_path / "smaller", readonly=True) as smaller:
+        assert sorted(smaller.keys()) == sorted([key(0), key(1)])
+
+
+def test_repair_of_a_store_without_meta_pages_still_finds_priorities(tmp_path: Path):
+    path = fill(tmp_path)
+    data = bytearray((path / "data.mdb").read_bytes())
+    data[16:20] = data[4096 + 16 : 4096 + 20] = bytes(4)  # both meta pages' magic numbers
+    (path / "data.mdb").write_bytes(bytes(data))
+    result = LmdbStore.repair(path, tmp_path / "fixed")
+    assert result.salvaged == 4 and any("scanning" in problem for problem in result.problems)
+    with LmdbStore(tmp_path / "fixed", sync=False) as fixed:
+        assert priorities(fixed) == {key(0): GOLD, key(1): GOLD, key(2): BATCH, key(3): BATCH}

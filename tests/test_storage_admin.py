@@ -6,7 +6,6 @@ import hashlib
 import json
 import os
 import stat
-import struct
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from typer.testing import CliRunner
 from engine.hashing import block_hash
 from storage.base import BlockKey
 from storage.codecs import encode_block
+from storage.lmdb_meta import pack_meta, unpack_meta
 from storage.lmdb_store import LmdbStore
 from storage.record import SEAL_SIZE
 from storage.seal import KEY_FILE_NAME, load_key_file
@@ -91,8 +91,8 @@ def set_access_times(path: Path, when_ns: dict[bytes, int]) -> None:
     env = lmdb.open(str(path), max_dbs=8)
     with env.begin(write=True, db=env.open_db(b"meta")) as txn:
         for kb, ns in when_ns.items():
-            _, size, created = struct.unpack("<QQQ", txn.get(kb))
-            txn.put(kb, struct.pack("<QQQ", ns, size, created))
+            meta = unpack_meta(txn.get(kb))
+            txn.put(kb, pack_meta(ns, meta.nbytes, meta.created_ns, meta.priority))
     env.close()
 
 
