@@ -197,10 +197,12 @@ class AsyncLLM:
                         self._abort_all()
                         return
                     self._apply(command)
-                if engine.has_unfinished_requests():
-                    for output in engine.step():
-                        self._deliver(output.request_id, output, output.finished)
+                outputs = engine.step() if engine.has_unfinished_requests() else []
+                # Stats first: a client that has its output and then reads /metrics must see
+                # the step that produced it (e.g. the tokens its request loaded).
                 self._stats = engine.stats()
+                for output in outputs:
+                    self._deliver(output.request_id, output, output.finished)
         except Exception as e:  # a failed step leaves the engine in an unknown state
             logger.exception("the engine thread failed")
             self._error = e
