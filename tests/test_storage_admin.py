@@ -171,6 +171,18 @@ def test_gc_max_size_evicts_least_recently_used(store_dir: Path):
     assert list(records(store_dir)) == [keys[0]]
 
 
+def test_gc_max_size_evicts_the_highest_priority_value_first(store_dir: Path):
+    gold = [k for k in records(store_dir) if k.namespace == NS_B]
+    with LmdbStore(store_dir) as store:  # a tenant that matters more, put again at -1
+        assert store.put_many([(k, store.get(k)) for k in gold], priorities=[-1] * len(gold))
+    keys = sorted(records(store_dir), key=lambda k: k not in gold)  # gold: least recently used
+    set_access_times(store_dir, {k.to_bytes(): i + 1 for i, k in enumerate(keys)})
+    limit = sum(len(data) for k, data in records(store_dir).items() if k in gold)
+    done = ok_json("gc", store_dir, "--max-size", str(limit))
+    assert done["evicted_blocks"] == 6 and done["remaining_bytes"] == limit
+    assert sorted(records(store_dir)) == sorted(gold)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

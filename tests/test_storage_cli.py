@@ -106,6 +106,17 @@ def test_ls_groups_by_namespace(store_dir: Path):
     assert table.exit_code == 0 and NS_A.hex()[:16] in table.output
 
 
+def test_ls_counts_the_blocks_at_each_priority(store_dir: Path):
+    with LmdbStore(store_dir) as store:  # two of B's blocks put again by a tenant at -3
+        assert store.put_many([(key(NS_B, i), store.get(key(NS_B, i))) for i in (0, 1)],
+                              priorities=[-3, -3]) == [True, True]
+    result = run("ls", store_dir, "--json")
+    assert result.exit_code == 0, result.output
+    rows = {r["namespace"]: r for r in json.loads(result.output)}
+    assert rows[NS_A.hex()]["priorities"] == {"0": 5}
+    assert rows[NS_B.hex()]["priorities"] == {"-3": 2, "0": 1}
+
+
 def test_verify_clean_store_exits_zero(store_dir: Path):
     result = run("verify", store_dir, "--json")
     assert result.exit_code == 0, result.output

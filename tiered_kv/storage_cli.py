@@ -189,7 +189,8 @@ def _progress(description: str, total: int) -> Progress:
 
 @app.command("ls")
 def list_namespaces(path: Dir, as_json: AsJson = False) -> None:
-    """Namespaces in a store: blocks, bytes, codecs, dtypes and age."""
+    """Namespaces in a store: blocks, bytes, codecs, dtypes and age (with --json, also the
+    blocks at each eviction priority)."""
     rows: dict[str, dict] = collections.defaultdict(
         lambda: {"blocks": 0, "bytes": 0, "codecs": set(), "dtypes": set(),
                  "oldest_ns": None, "newest_ns": None}
@@ -210,6 +211,13 @@ def list_namespaces(path: Dir, as_json: AsJson = False) -> None:
                 row["dtypes"].add(str(record.dtype).removeprefix("torch."))
                 row["oldest_ns"] = min(row["oldest_ns"] or record.created_ns, record.created_ns)
                 row["newest_ns"] = max(row["newest_ns"] or record.created_ns, record.created_ns)
+        by_priority: dict[str, collections.Counter[int]] = collections.defaultdict(
+            collections.Counter
+        )
+        for meta in store.metadata():  # no record read: the meta db alone
+            by_priority[meta.key.namespace.hex()][meta.priority] += 1
+    for ns, row in rows.items():
+        row["priorities"] = {str(p): n for p, n in sorted(by_priority[ns].items())}
     result = [
         {"namespace": ns, **r, "codecs": sorted(r["codecs"]), "dtypes": sorted(r["dtypes"])}
         for ns, r in sorted(rows.items())

@@ -49,14 +49,16 @@ def gc(
     ] = None,
     max_size: Annotated[
         str | None,
-        typer.Option("--max-size", help="Then evict least recently used blocks until under this."),
+        typer.Option("--max-size", help="Then evict blocks until under this, in the server's "
+                     "order: the highest priority value first, least recently used first."),
     ] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Only report what would be evicted (read-only).")
     ] = False,
     as_json: AsJson = False,
 ) -> None:
-    """Evict blocks by age (last access, else creation) and/or down to a size, LRU first."""
+    """Evict blocks by age (last access, else creation) and/or down to a size, in the
+    order the server evicts: the highest priority value first, LRU first within one."""
     if older_than is None and max_size is None:
         raise _fail("say what to evict: --older-than DURATION, --max-size SIZE, or both")
     try:
@@ -69,8 +71,12 @@ def gc(
         "and POST /admin/evict on the server drops a namespace's blocks",
     )
     with opener as store:
-        # Least recently used first; an unknown access time (0) falls back to creation.
-        entries = sorted(store.metadata(), key=lambda m: (m.last_access_ns or m.created_ns, m.key))
+        # The store's eviction order: the highest priority value first, then least recently
+        # used first; an unknown access time (0) falls back to creation.
+        entries = sorted(
+            store.metadata(),
+            key=lambda m: (-m.priority, m.last_access_ns or m.created_ns, m.key),
+        )
         total = sum(m.nbytes for m in entries)
         cutoff = time.time_ns() - int(max_age * 1e9) if max_age is not None else None
         victims = [m for m in entries if cutoff is not None and (m.last_access_ns or m.created_ns) < cutoff]
