@@ -2,6 +2,7 @@
 accessed first within one; a put never evicts records that matter more than its own."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import random
@@ -188,3 +189,22 @@ def test_repair_of_a_store_without_meta_pages_still_finds_priorities(tmp_path: P
     assert result.salvaged == 4 and any("scanning" in problem for problem in result.problems)
     with LmdbStore(tmp_path / "fixed", sync=False) as fixed:
         assert priorities(fixed) == {key(0): GOLD, key(1): GOLD, key(2): BATCH, key(3): BATCH}
+
+
+def test_an_eviction_undone_after_a_failed_commit_keeps_its_priority(tmp_path: Path, monkeypatch):
+    from test_lmdb_store import FailingDisk, disk_error
+
+    evicted: list[BlockKey] = []
+    with store(tmp_path, evicted) as s:
+        assert s.put_many(
+            [(key(i), record(i)) for i in range(4)], priorities=[GOLD, GOLD, BATCH, BATCH]
+        ) == [True] * 4
+        assert s.flush()
+        disk = FailingDisk(s, monkeypatch, disk_error(errno.EIO), room=None)
+        assert s.put(key(4), record(4), priority=GOLD)  # evicts 2; evicting 3 too fails
+        assert s.flush(timeout=10) is False and s.degraded
+        assert evicted == [key(2), key(4)]  # 4 could not be written
+        disk.room = 1 << 30
+        assert s.put(key(5), record(5), priority=BATCH)
+        assert s.put(key(6), record(6), priority=BATCH)  # 3 is back, at its own priority
+        assert evicted == [key(2), key(4), key(3)]
