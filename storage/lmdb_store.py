@@ -5,12 +5,13 @@
 - :mod:`storage.lmdb_layout`: the directory, descriptor, writer lock and LMDB options;
 - :mod:`storage.lmdb_file`: ``data.mdb`` checked (and salvaged) without mapping it;
 - :mod:`storage.lmdb_committer`: pending operations and the writer thread;
+- :mod:`storage.lmdb_meta`: the ``meta`` db's values;
 - :mod:`storage.lmdb_recovery`: a full map, a full or failing disk;
 - :mod:`storage.lmdb_admin`: verify, quarantine, listings, compaction, repair.
 
 Sub-databases: ``records`` (key → encoded :class:`~storage.record.Record`), ``meta`` (key →
-last access, size, created, priority: :mod:`storage.lmdb_meta`), ``quarantine`` (key → reason and the head of a record that
-failed verification) and ``info`` (format name, version, bytes used).
+last access, size, created, priority), ``quarantine`` (key → reason and the head of a
+record that failed verification) and ``info`` (format name, version, bytes used).
 
 Threads
     Any thread may call any method. ``put``/``delete`` only update in-memory state (the
