@@ -19,10 +19,10 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def make(
-    device: str = "cpu", num_slots: int = 16, codec: str = "raw"
+    device: str = "cpu", num_slots: int = 16, codec: str = "raw", dtype=torch.bfloat16
 ) -> tuple[torch.Tensor, CpuBlockPool, BlockMover]:
     g = torch.Generator().manual_seed(0)
-    cache = torch.randn(SHAPE, generator=g).to(torch.bfloat16).to(device)
+    cache = torch.randn(SHAPE, generator=g).to(dtype).to(device)
     stage = get_codec(codec).stage
     nbytes = stage.payload_size(cache.dtype, SHAPE[1:])
     pool = CpuBlockPool(num_slots * nbytes, block_nbytes=nbytes, pin_memory=device == "cuda")
@@ -54,14 +54,19 @@ def test_offload_then_restore_round_trips_the_bytes():
     assert not cache[2].any()  # only the restored blocks were written
 
 
-@pytest.mark.parametrize("bits", [2, 4])
-def test_kivi_slots_hold_payloads_quantized_before_the_copy(monkeypatch, bits):
+@pytest.mark.parametrize("bits, dtype", [(2, torch.bfloat16), (4, torch.bfloat16),
+                                         (4, torch.float8_e4m3fn)], ids=str)
+def test_kivi_slots_hold_payloads_quantized_before_the_copy(monkeypatch, bits, dtype):
     """With a KIVI codec a slot holds the block's KIVI payload (smaller than the block),
     and a restore writes the dequantized block, in chunks of the staging area."""
-    monkeypatch.setattr(block_mover, "STAGING_BYTES", 3 * 768)  # 3 blocks per chunk
-    cache, pool, mover = make(codec=f"kivi{bits}")
-    block = cache[0].numel() * cache.element_size()
-    assert mover.slot_nbytes == pool.slot_nbytes < block
+    block_nbytes = torch.empty(SHAPE[1:], dtype=dtype).nbytes
+    monkeypatch.setattr(block_mover, "STAGING_BYTES", 3 * block_nbytes)  # 3 blocks per chunk
+    cache, pool, mover = make(codec=f"kivi{bits}", dtype=dtype)
+    assert mover.slot_nbytes == pool.slot_nbytes == get_codec(f"kivi{bits}").payload_size(
+        dtype, SHAPE[1:]
+    )
+    if dtype == torch.bfloat16:
+        assert mover.slot_nbytes < cache[0].numel() * cache.element_size()
     assert (mover.slot_dtype, mover.slot_shape) == (torch.uint8, (mover.slot_nbytes,))
     pairs = [(0, 5), (1, 6), (7, 0), (3, 9), (4, 10), (11, 11), (2, 1)]  # 3 chunks
     original = cache.clone()
@@ -83,9 +88,9 @@ def test_kivi_slots_hold_payloads_quantized_before_the_copy(monkeypatch, bits):
     cache.zero_()
     assert mover.restore(pairs).done()
     for b, s in pairs:
-        expected = dequantize_block(pool.slab[s].clone(), bits, torch.bfloat16, SHAPE[1:])
-        assert torch.equal(cache[b], expected)
-    assert not cache[[5, 6, 8, 9, 10]].any()  # only the restored blocks were written
+        expected = dequantize_block(pool.slab[s].clone(), bits, dtype, SHAPE[1:])
+        assert torch.equal(cache[b].view(torch.uint8), expected.view(torch.uint8))
+    assert not cache[[5, 6, 8, 9, 10]].view(torch.uint8).any()  # only the restored blocks
     mover.close()
 
 

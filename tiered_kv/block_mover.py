@@ -168,7 +168,9 @@ class BlockMover:
             for chunk in _chunks(pairs, self._chunk):
                 n = len(chunk)
                 staged, payloads = self._out.blocks[:n], self._out.payloads[:n]
-                torch.index_select(self.cache, 0, self._ids([b for b, _ in chunk]), out=staged)
+                # gathered as bytes: index_select need not know the KV dtype (fp8)
+                ids = self._ids([b for b, _ in chunk])
+                torch.index_select(self.blocks, 0, ids, out=self._out.bytes[:n])
                 self.stage.encode_blocks(staged, payloads)
                 for i, s, m in _runs([(i, s) for i, (_, s) in enumerate(chunk)]):
                     self.slab[s : s + m].copy_(payloads[i : i + m], non_blocking=cuda)
@@ -186,7 +188,7 @@ class BlockMover:
                 for i, s, m in _runs([(i, s) for i, (_, s) in enumerate(chunk)]):
                     payloads[i : i + m].copy_(self.slab[s : s + m], non_blocking=cuda)
                 self.stage.decode_blocks(payloads, staged)
-                self.cache.index_copy_(0, self._ids([b for b, _ in chunk]), staged)
+                self.blocks.index_copy_(0, self._ids([b for b, _ in chunk]), self._in.bytes[:n])
 
     def _ids(self, block_ids: list[int]) -> torch.Tensor:
         """``block_ids`` as an index tensor on the device, copied without stalling the host."""
@@ -197,13 +199,14 @@ class BlockMover:
 
 
 class _Staging:
-    """A device staging area for up to ``blocks`` blocks and their stage payloads."""
+    """A device staging area for up to ``count`` blocks (``blocks``, typed, and ``bytes``, the
+    same memory as ``[count, block_nbytes]`` uint8) and their stage payloads."""
 
-    def __init__(self, blocks: int, kv_cache: torch.Tensor, slot_nbytes: int) -> None:
-        self.blocks = torch.empty(
-            (blocks, *kv_cache.shape[1:]), dtype=kv_cache.dtype, device=kv_cache.device
-        )
-        self.payloads = torch.empty((blocks, slot_nbytes), dtype=torch.uint8, device=kv_cache.device)
+    def __init__(self, count: int, kv_cache: torch.Tensor, slot_nbytes: int) -> None:
+        block_nbytes = kv_cache[0].numel() * kv_cache.element_size()
+        self.bytes = torch.empty((count, block_nbytes), dtype=torch.uint8, device=kv_cache.device)
+        self.blocks = self.bytes.view(kv_cache.dtype).view(count, *kv_cache.shape[1:])
+        self.payloads = torch.empty((count, slot_nbytes), dtype=torch.uint8, device=kv_cache.device)
 
 
 def _chunks(pairs: Sequence[tuple[int, int]], size: int) -> list[Sequence[tuple[int, int]]]:
