@@ -109,7 +109,10 @@ class BlockLoader:
 
     def run(self, request_id: str, blocks: list[WantedBlock]) -> LoadResult:
         start = time.perf_counter()
-        chunks = [blocks[i : i + READ_CHUNK] for i in range(0, len(blocks), READ_CHUNK)]
+        # Blocks the pool held at lookup need no reads to overlap: one chunk (their slots
+        # are taken already, so holding them all costs the pool nothing).
+        size = len(blocks) if all(w.tier == "cpu" for w in blocks) else READ_CHUNK
+        chunks = [blocks[i : i + size] for i in range(0, len(blocks), max(size, 1))]
         # A few chunks are read at once on the reader threads: copies out of the map or the
         # socket, checksums and codecs release the GIL, so reads of one request overlap.
         # Their slots count against the pool: a job holds at most a quarter of it.
@@ -178,7 +181,13 @@ class BlockLoader:
         return got
 
     def _fetch_into(self, chunk: list[WantedBlock], got: _Chunk) -> None:
-        slots = self._pool.acquire_slots([w.key for w in chunk])
+        keys = [w.key for w in chunk]
+        slots = self._pool.acquire_slots(keys)
+        if None not in slots:  # all in the pool: nothing to read
+            got.held += keys
+            got.pairs += [(w.block_id, s) for w, s in zip(chunk, slots)]
+            got.by_tier["cpu"] = got.by_tier.get("cpu", 0) + len(chunk)
+            return
         got.held += [w.key for w, s in zip(chunk, slots) if s is not None]
         missing = {
             tier: [w for w, s in zip(chunk, slots) if s is None and self._source(w) == tier]
