@@ -279,14 +279,8 @@ class CpuBlockPool(BlockStore[HostBlock]):
                 self._changed.notify_all()
 
     def release(self, key: BlockKey) -> None:
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                return
-            entry.readers -= 1
-            if entry.readers == 0:
-                self._settle_locked(key, entry)
-                self._changed.notify_all()
+        """Let go of a block :meth:`acquire` held."""
+        self.release_many((key,))
 
     def get(self, key: BlockKey) -> HostBlock | None:
         held = self.acquire(key)
