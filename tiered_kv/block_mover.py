@@ -161,8 +161,7 @@ class BlockMover:
         """The copies of :meth:`offload`, queued on the current stream."""
         cuda = self.offload_stream is not None
         if not self.transcodes:
-            for b, s, n in _runs(pairs):
-                self.slab[s : s + n].copy_(self.blocks[b : b + n], non_blocking=cuda)
+            _move(self.slab, self.blocks, [(s, b, n) for b, s, n in _runs(pairs)], cuda)
             return
         with self._out_lock:  # one user of the staging area at a time; the stream orders the rest
             for chunk in _chunks(pairs, self._chunk):
@@ -172,23 +171,25 @@ class BlockMover:
                 ids = self._ids([b for b, _ in chunk])
                 torch.index_select(self.blocks, 0, ids, out=self._out.bytes[:n])
                 self.stage.encode_blocks(staged, payloads)
-                for i, s, m in _runs([(i, s) for i, (_, s) in enumerate(chunk)]):
-                    self.slab[s : s + m].copy_(payloads[i : i + m], non_blocking=cuda)
+                runs = _runs([(s, i) for i, (_, s) in enumerate(chunk)])
+                _move(self.slab, payloads, runs, cuda)
 
     def _restore(self, pairs: Sequence[tuple[int, int]]) -> None:
         cuda = self.restore_stream is not None
         if not self.transcodes:
-            for b, s, n in _runs(pairs):
-                self.blocks[b : b + n].copy_(self.slab[s : s + n], non_blocking=cuda)
+            _move(self.blocks, self.slab, _runs(pairs), cuda)
             return
         with self._in_lock:
             for chunk in _chunks(pairs, self._chunk):
                 n = len(chunk)
                 staged, payloads = self._in.blocks[:n], self._in.payloads[:n]
-                for i, s, m in _runs([(i, s) for i, (_, s) in enumerate(chunk)]):
-                    payloads[i : i + m].copy_(self.slab[s : s + m], non_blocking=cuda)
+                _move(payloads, self.slab, _runs([(i, s) for i, (_, s) in enumerate(chunk)]), cuda)
                 self.stage.decode_blocks(payloads, staged)
-                self.blocks.index_copy_(0, self._ids([b for b, _ in chunk]), self._in.bytes[:n])
+                if cuda:
+                    self.blocks.index_copy_(0, self._ids([b for b, _ in chunk]), self._in.bytes[:n])
+                else:  # the CPU's index_copy_ goes element by element: copy rows instead
+                    runs = _runs([(b, i) for i, (b, _) in enumerate(chunk)])
+                    _move(self.blocks, self._in.bytes, runs, False)
 
     def _ids(self, block_ids: list[int]) -> torch.Tensor:
         """``block_ids`` as an index tensor on the device, copied without stalling the host."""
@@ -207,6 +208,21 @@ class _Staging:
         self.bytes = torch.empty((count, block_nbytes), dtype=torch.uint8, device=kv_cache.device)
         self.blocks = self.bytes.view(kv_cache.dtype).view(count, *kv_cache.shape[1:])
         self.payloads = torch.empty((count, slot_nbytes), dtype=torch.uint8, device=kv_cache.device)
+
+
+def _move(
+    dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]], cuda: bool
+) -> None:
+    """``dst[d : d + n] = src[s : s + n]`` for each run ``(d, s, n)`` of rows: DMA queued on
+    the current stream on CUDA; on the host a numpy copy, which costs a fraction of a
+    torch ``copy_`` per call (it matters for many small blocks) and releases the GIL."""
+    if cuda:
+        for d, s, n in runs:
+            dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
+        return
+    dst_rows, src_rows = dst.numpy(), src.numpy()
+    for d, s, n in runs:
+        dst_rows[d : d + n] = src_rows[s : s + n]
 
 
 def _chunks(pairs: Sequence[tuple[int, int]], size: int) -> list[Sequence[tuple[int, int]]]:
