@@ -222,7 +222,9 @@ def test_a_server_that_drips_its_reply_costs_one_timeout_per_call():
         for name, call, miss in calls:
             start = time.perf_counter()
             assert call() == miss, name
-            assert time.perf_counter() - start < 2 * timeout, name
+            # One timeout, not the 3 s the reply drips for (a timeout restarted by every
+            # byte would last that long); the slack absorbs a busy CI machine's pauses.
+            assert time.perf_counter() - start < timeout + 0.5, name
         assert not s.available  # each overrun counted as a failure
         # Each call's connection was closed by the client, not pooled with a reply half read.
         deadline = time.monotonic() + 2
