@@ -66,7 +66,7 @@ from storage.codecs import get_codec
 from storage.pinned import PinnedSlab
 from tiered_kv.config import TierConfig
 from tiered_kv.tier_manager import build_llm
-from bench_common import BLOCK, DTYPES, SHAPES, machine, write_json, write_random_llama
+from bench_common import BLOCK, DTYPES, SHAPES, Shape, machine, write_json, write_random_llama
 from ttft_tiers import LoopbackServer, evict_cpu_caches, timed
 
 REPO = Path(__file__).resolve().parents[1]
