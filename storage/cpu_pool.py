@@ -46,7 +46,7 @@ class HostBlock:
     token_ids: tuple[int, ...]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Entry:
     slot: int
     dtype: torch.dtype
@@ -249,34 +249,46 @@ class CpuBlockPool(BlockStore[HostBlock]):
         """:meth:`acquire` for many blocks under one lock, giving only their slots (for
         copies that take the slab and slot numbers)."""
         slots: list[int | None] = []
+        held: list[BlockKey] = []  # the ones that were evictable until now
         with self._lock:
+            entries = self._entries
             for key in keys:
-                entry = self._entries.get(key)
+                entry = entries.get(key)
                 if entry is None:
-                    self._stats.misses += 1
                     slots.append(None)
                     continue
+                if not entry.readers and not entry.pending:
+                    held.append(key)
                 entry.readers += 1
-                self._evictable.pop(key, None)
-                self._stats.hits += 1
                 slots.append(entry.slot)
-            self._stats.bytes_read += self._slot_nbytes * sum(s is not None for s in slots)
+            self._evictable.discard_many(held)
+            hits = len(slots) - slots.count(None)
+            self._stats.hits += hits
+            self._stats.misses += len(slots) - hits
+            self._stats.bytes_read += self._slot_nbytes * hits
         return slots
 
     def release_many(self, keys: Iterable[BlockKey]) -> None:
         """:meth:`release` for many blocks under one lock."""
         with self._lock:
-            settled = False
+            entries = self._entries
+            settled: list[tuple[BlockKey, _Entry]] = []
             for key in keys:
-                entry = self._entries.get(key)
+                entry = entries.get(key)
                 if entry is None:
                     continue
                 entry.readers -= 1
-                if entry.readers == 0:
+                if not entry.readers:
+                    settled.append((key, entry))
+            if not settled:
+                return
+            clean = [(k, e) for k, e in settled if not e.pending]
+            if self.keep_clean:  # evictable now, the most recent of their priorities
+                self._evictable.set_many(((k, e.priority) for k, e in clean), 1)
+            else:
+                for key, entry in clean:
                     self._settle_locked(key, entry)
-                    settled = True
-            if settled:
-                self._changed.notify_all()
+            self._changed.notify_all()
 
     def release(self, key: BlockKey) -> None:
         """Let go of a block :meth:`acquire` held."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import collections
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -54,6 +54,22 @@ class PriorityLru(Generic[K]):
 
     __setitem__ = set
 
+    def set_many(self, items: Iterable[tuple[K, int]], weight: int) -> None:
+        """:meth:`set` of each ``(key, priority)`` with one ``weight``, in order, as one
+        call (a pool settles a request's blocks at once)."""
+        levels, totals, priorities = self._levels, self._totals, self._priority
+        for key, priority in items:
+            if key in priorities:
+                self.pop(key)
+            level = levels.get(priority)
+            if level is None:
+                level = levels[priority] = collections.OrderedDict()
+                totals[priority] = 0
+                bisect.insort(self._order, priority)
+            level[key] = weight
+            totals[priority] += weight
+            priorities[key] = priority
+
     def pop(self, key: K, default: object = _MISSING) -> int:
         priority = self._priority.pop(key, None)
         if priority is None:
@@ -67,6 +83,19 @@ class PriorityLru(Generic[K]):
             del self._levels[priority], self._totals[priority]
             self._order.remove(priority)
         return weight
+
+    def discard_many(self, keys: Iterable[K]) -> None:
+        """``pop(key, None)`` of each key, as one call."""
+        levels, totals, priorities = self._levels, self._totals, self._priority
+        for key in keys:
+            priority = priorities.pop(key, None)
+            if priority is None:
+                continue
+            level = levels[priority]
+            totals[priority] -= level.pop(key)
+            if not level:
+                del levels[priority], totals[priority]
+                self._order.remove(priority)
 
     def move_to_end(self, key: K, last: bool = True) -> None:
         """Most recently used of its priority (``last=False``: least recently used)."""

@@ -2,6 +2,7 @@
 stopping at the first block that cannot be served, with every pool slot given back."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -103,6 +104,45 @@ def test_a_failing_read_loads_nothing_and_holds_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(store, "reading", reading)
     assert loader.run("r", wanted).loaded == 0
+    assert pool.num_evictable() == pool.num_slots
+    loader.close()
+    store.close()
+
+
+def test_the_load_is_reported_once_restored_and_its_last_slots_let_go_after(tmp_path):
+    loader, pool, store, cache, source, wanted = make(tmp_path)
+    seen = []
+
+    def report(result):  # the engine may run the request from here on
+        seen.append((result.loaded, torch.equal(cache[3 : BLOCKS + 3], source),
+                     pool.num_evictable()))
+
+    result = loader.run("r", wanted, report)
+    (loaded, restored, evictable), = seen
+    assert loaded == result.loaded == BLOCKS and restored
+    assert evictable < pool.num_slots  # the last chunks' slots were still held ...
+    assert pool.num_evictable() == pool.num_slots  # ... and let go after the report
+    loader.close()
+    store.close()
+
+
+def test_a_load_from_the_pool_alone_is_one_restore(tmp_path, monkeypatch):
+    loader, pool, store, cache, source, wanted = make(tmp_path)
+    pool.keep_clean = True  # keep the blocks the first load promotes
+    assert loader.run("r", wanted).loaded == BLOCKS
+    cache.zero_()
+    restores = []
+    restore = loader._mover.restore
+
+    def counted(pairs):
+        restores.append(len(pairs))
+        return restore(pairs)
+
+    monkeypatch.setattr(loader._mover, "restore", counted)
+    in_pool = [dataclasses.replace(w, tier="cpu") for w in wanted]
+    result = loader.run("r", in_pool)
+    assert result.loaded == BLOCKS and result.by_tier == {"cpu": BLOCKS} and restores == [BLOCKS]
+    assert torch.equal(cache[3 : BLOCKS + 3], source)
     assert pool.num_evictable() == pool.num_slots
     loader.close()
     store.close()

@@ -198,3 +198,31 @@ def test_pending_and_read_blocks_stay_whatever_their_priority():
     pool.release(held.key)
     assert pool.num_evictable() == 2
     assert pool.reserve(priority=9) is not None and not pool.contains(key(0))  # clean first
+
+
+def test_batched_acquire_and_release_keep_the_counts_and_the_eviction_order():
+    pool = CpuBlockPool(4 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES)
+    for i in range(3):
+        assert reserve_and_commit(pool, i, pending=("disk",) if i == 2 else ())
+    slots = pool.acquire_slots([key(1), key(9), key(0), key(2), key(1)])
+    assert slots[1] is None and None not in slots[:1] + slots[2:] and slots[0] == slots[4]
+    stats = pool.stats()
+    assert (stats.hits, stats.misses, stats.bytes_read) == (4, 1, 4 * BLOCK_BYTES)
+    assert pool.num_evictable() == 1  # the free slot: 0 and 1 are read, 2 is pending
+    pool.release_many([key(0), key(1), key(9), key(2)])  # key 1 is still held once
+    assert pool.num_evictable() == 2
+    pool.release_many([key(1)])
+    assert pool.num_evictable() == 3
+    # read last, key 1 is the most recent: key 0 is evicted first
+    pool.reserve()
+    assert pool.reserve() is not None and not pool.contains(key(0)) and pool.contains(key(1))
+
+
+def test_a_staging_pool_frees_a_read_block_when_its_last_reader_lets_go():
+    pool = CpuBlockPool(2 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, keep_clean=False)
+    slot = pool.reserve()
+    kv = block(0).kv
+    assert pool.commit(key(0), slot, kv.dtype, tuple(kv.shape), None, (0,), hold=True)
+    assert pool.contains(key(0)) and pool.num_evictable() == 1
+    pool.release_many([key(0)])
+    assert not pool.contains(key(0)) and pool.num_evictable() == 2

@@ -52,3 +52,19 @@ def test_pop_get_and_an_emptied_priority():
     assert lru.weight_evicted_before(-5) == 12 and len(lru) == 4
     lru.clear()
     assert not lru and lru.first() is None and list(lru) == []
+
+
+def test_batched_set_and_discard_match_one_key_at_a_time():
+    one, many = filled(), filled()
+    for key, priority in [("a", 5), ("x", 0), ("c", -1), ("y", 7)]:
+        one.set(key, 1, priority)
+    many.set_many([("a", 5), ("x", 0), ("c", -1), ("y", 7)], 1)
+    assert list(many) == list(one) and list(many.values()) == list(one.values())
+    assert [many.priority(k) for k in many] == [one.priority(k) for k in one]
+    for key in ("y", "b", "missing", "x"):
+        one.pop(key, None)
+    many.discard_many(["y", "b", "missing", "x"])
+    assert list(many) == list(one) and len(many) == len(one)
+    assert many.weight_evicted_before(-1) == one.weight_evicted_before(-1)
+    many.discard_many(list(many))  # empties every level
+    assert not many and many.first() is None and many.weight_evicted_before(-10) == 0

@@ -6,7 +6,8 @@ from its slot; a block from the disk or remote tier is read in chunks, checked a
 request's hash chain, decoded straight into a reserved slot (promoting it into the pool)
 and restored from there. A chunk's restore is issued before the next chunk is read, so
 reads and DMA overlap. The job stops at the first block it cannot serve; the blocks
-before it count.
+before it count. It reports the load as soon as the copies are complete, and lets go of
+the last slots they read only then, while the engine already runs the request.
 
 ::
 
@@ -107,12 +108,42 @@ class BlockLoader:
             READ_THREADS, thread_name_prefix="tiered-kv-read"
         )
 
-    def run(self, request_id: str, blocks: list[WantedBlock]) -> LoadResult:
+    def run(
+        self,
+        request_id: str,
+        blocks: list[WantedBlock],
+        report: Callable[[LoadResult], None] | None = None,
+    ) -> LoadResult:
+        """Load ``blocks``; once every copy is complete, ``report`` the result (the engine
+        may run the request from then on) and only then let go of the last slots read, so
+        that bookkeeping is not on the request's path."""
         start = time.perf_counter()
-        # Blocks the pool held at lookup need no reads to overlap: one chunk (their slots
-        # are taken already, so holding them all costs the pool nothing).
-        size = len(blocks) if all(w.tier == "cpu" for w in blocks) else READ_CHUNK
-        chunks = [blocks[i : i + size] for i in range(0, len(blocks), max(size, 1))]
+        held: list[BlockKey] = []
+        try:
+            loaded, by_tier = self._load(blocks, held)
+        except Exception:
+            logger.exception("load of %s failed; the engine recomputes", request_id)
+            loaded, by_tier = 0, {}
+        result = LoadResult(request_id, loaded, by_tier, time.perf_counter() - start)
+        try:
+            if report is not None:
+                report(result)
+        finally:
+            self._pool.release_many(held)
+        return result
+
+    def _load(self, blocks: list[WantedBlock], held: list[BlockKey]) -> tuple[int, dict[str, int]]:
+        """Fetch and restore the leading ``blocks`` that can be served; returns (their
+        number, by tier) once every copy it issued is complete, the keys of the slots the
+        last copies read added to ``held`` for the caller to let go."""
+        if all(w.tier == "cpu" for w in blocks):
+            # The pool held them all at lookup: no reads to overlap, one chunk, restored
+            # here (their slots are taken already, so holding them all costs the pool nothing).
+            got = self._fetch(blocks)
+            held += got.held
+            self._mover.restore(got.pairs).wait()
+            return len(got.pairs), got.by_tier
+        chunks = [blocks[i : i + READ_CHUNK] for i in range(0, len(blocks), READ_CHUNK)]
         # A few chunks are read at once on the reader threads: copies out of the map or the
         # socket, checksums and codecs release the GIL, so reads of one request overlap.
         # Their slots count against the pool: a job holds at most a quarter of it.
@@ -126,47 +157,35 @@ class BlockLoader:
         try:
             while queued < len(chunks) or reads:
                 while queued < len(chunks) and len(reads) < ahead:
-                    reads.append(self._start_fetch(chunks[queued]))
+                    reads.append(self._readers.submit(self._fetch, chunks[queued]))
                     queued += 1
                 got = reads.popleft().result()
-                in_flight.append((self._mover.restore(got.pairs), got.held))
+                try:
+                    in_flight.append((self._mover.restore(got.pairs), got.held))
+                except BaseException:
+                    held += got.held
+                    raise
                 loaded += len(got.pairs)
                 for tier, n in got.by_tier.items():
                     by_tier[tier] = by_tier.get(tier, 0) + n
                 if got.short:
                     break  # a block could not be served: the rest is recomputed
                 if len(in_flight) > 2:  # slots of two restoring chunks at most
-                    self._retire(in_flight.pop(0))
-        except Exception:
-            logger.exception("load of %s failed; the engine recomputes", request_id)
-            loaded = 0
+                    copy, keys = in_flight.pop(0)
+                    copy.wait()
+                    self._pool.release_many(keys)
         finally:
-            for future in reads:  # read past a failure: give their slots back
+            for future in reads:  # read past a failure, or past a short chunk
                 with contextlib.suppress(Exception):
-                    self._pool.release_many(future.result().held)
-            for done in in_flight:  # the slots stay put until the device is done with them
-                self._retire(done)
-        return LoadResult(request_id, loaded, by_tier, time.perf_counter() - start)
+                    held += future.result().held
+            for _, keys in in_flight:
+                held += keys
+            for copy, _ in in_flight:  # the slots stay put until the device is done with them
+                copy.wait()
+        return loaded, by_tier
 
     def close(self) -> None:
         self._readers.shutdown(wait=True)
-
-    def _retire(self, done: tuple[Copy, list[BlockKey]]) -> None:
-        copy, held = done
-        copy.wait()
-        self._pool.release_many(held)
-
-    def _start_fetch(self, chunk: list[WantedBlock]) -> concurrent.futures.Future[_Chunk]:
-        """Fetch ``chunk`` on a reader thread; a chunk the pool held at lookup is fetched
-        here at once (holding its slots is a few lock operations, not worth a thread hop)."""
-        if any(w.tier != "cpu" for w in chunk):
-            return self._readers.submit(self._fetch, chunk)
-        fetched: concurrent.futures.Future[_Chunk] = concurrent.futures.Future()
-        try:
-            fetched.set_result(self._fetch(chunk))
-        except Exception as e:
-            fetched.set_exception(e)
-        return fetched
 
     def _fetch(self, chunk: list[WantedBlock]) -> _Chunk:
         """The leading blocks of ``chunk`` now held in the pool, as ``(block id, slot)``

@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import functools
 import hashlib
+import logging
 import os
 import sys
 import threading
@@ -60,6 +62,8 @@ from tiered_kv.config import TierConfig, remote_seal_key
 from tiered_kv.metrics import QueueStats, TierMetrics
 from tiered_kv.pool_writer import PoolWriter
 from tiered_kv.tier_lookup import TierLookup
+
+logger = logging.getLogger(__name__)
 
 LOAD_WORKERS = 2  # requests loaded at once
 STORE_PENDING_BYTES = 128 << 20  # LMDB puts accepted but not yet committed (two batches)
@@ -312,9 +316,9 @@ class TierManager(KVConnector):
                 self.metrics.add(self._first_lower_tier(), load_failures=1)
             self._report(loaded={request_id: 0})
             return
-        future = self._load_pool.submit(self._loader.run, request_id, wanted)
+        future = self._load_pool.submit(self._loader.run, request_id, wanted, self._load_finished)
         self._loads_in_flight.add(future)
-        future.add_done_callback(self._load_done)
+        future.add_done_callback(functools.partial(self._load_done, request_id))
 
     def save_blocks(self, blocks: Sequence[SavedBlock]) -> None:
         if self._saver is None or self._closed:  # no KV cache registered, or closing
@@ -348,17 +352,23 @@ class TierManager(KVConnector):
             return ("disk",)
         return ()
 
-    def _load_done(self, future: concurrent.futures.Future[LoadResult]) -> None:
-        """On the worker thread: account the load and report it to the engine."""
+    def _load_finished(self, result: LoadResult) -> None:
+        """On the worker thread, once a load's copies are complete: account the load and
+        report it to the engine (the job lets go of its slots after this)."""
+        try:
+            for tier, blocks in result.by_tier.items():
+                if tier == "cpu" and not self.config.has_cpu:  # the staging buffer's blocks
+                    tier = self._first_lower_tier()
+                self.metrics.observe_load(
+                    tier, result.seconds, blocks, self._block_size, blocks * self._block_nbytes
+                )
+        finally:  # the request must not wait forever
+            self._report(loaded={result.request_id: result.loaded})
+
+    def _load_done(self, request_id: str, future: concurrent.futures.Future[LoadResult]) -> None:
         self._loads_in_flight.discard(future)
-        result = future.result()
-        for tier, blocks in result.by_tier.items():
-            if tier == "cpu" and not self.config.has_cpu:  # the staging buffer's blocks
-                tier = self._first_lower_tier()
-            self.metrics.observe_load(
-                tier, result.seconds, blocks, self._block_size, blocks * self._block_nbytes
-            )
-        self._report(loaded={result.request_id: result.loaded})
+        if future.exception() is not None:
+            logger.error("load job of %s failed", request_id, exc_info=future.exception())
 
     def _report(self, *, loaded: dict[str, int] | None = None, saved: list[int] | None = None) -> None:
         """Hand finished transfers to the next ``poll`` (and wake one that waits)."""
