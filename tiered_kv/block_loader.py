@@ -104,6 +104,7 @@ class BlockLoader:
         self._block_shape = block_shape
         self._dtype = dtype
         self._promote = promote
+        self._slots = pool.slab.numpy()  # [num_slots, slot bytes]: a slot's row costs no torch call
         self._readers = concurrent.futures.ThreadPoolExecutor(
             READ_THREADS, thread_name_prefix="tiered-kv-read"
         )
@@ -249,7 +250,7 @@ class BlockLoader:
         if slot is None:
             logger.warning("CPU pool has no free slot for a %s hit; recomputing", tier)
             return None
-        out = self._pool.slab[slot].numpy()
+        out = self._slots[slot]
         try:
             self._decode_into(record, want.parent, out)
         except BadRecord as e:

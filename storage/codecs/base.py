@@ -144,7 +144,13 @@ class TensorCodec(Codec):
         """Decode ``buf`` (1-D ``uint8``, exactly the layout's size; may be read-only)."""
 
     def payload_size(self, dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-        return sum(s.nbytes for s in self.layout(dtype, shape))
+        # asked once per record read: kept per (dtype, shape), which a codec never changes
+        sizes: dict = self.__dict__.setdefault("_payload_sizes", {})
+        key = (dtype, tuple(shape))
+        size = sizes.get(key)
+        if size is None:
+            size = sizes[key] = sum(s.nbytes for s in self.layout(dtype, key[1]))
+        return size
 
     @abc.abstractmethod
     def encode_blocks(self, blocks: torch.Tensor, out: torch.Tensor) -> None:
