@@ -28,7 +28,8 @@ import collections
 import dataclasses
 import threading
 import time
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -56,6 +57,17 @@ class _Entry:
     pending: set[str]
     readers: int = 0
     taken: set[str] = dataclasses.field(default_factory=set)  # tiers writing it right now
+    priority: int = DEFAULT_PRIORITY
+
+
+class Commit(NamedTuple):
+    """A block filled into a reserved slot, for :meth:`CpuBlockPool.commit_many`."""
+
+    key: BlockKey
+    slot: int
+    parent_hash: bytes | None
+    token_ids: tuple[int, ...]
+    pending: Collection[str] = ()  # the lower tiers it still has to reach
     priority: int = DEFAULT_PRIORITY
 
 
@@ -146,9 +158,21 @@ class CpuBlockPool(BlockStore[HostBlock]):
         """A slot for a new block of ``priority``: a free one, or the slot of the block
         evicted first (see above) if that one matters no more than the newcomer. ``None``
         when no slot can be had."""
+        slots = self.reserve_many((priority,))
+        return slots[0] if slots else None
+
+    def reserve_many(self, priorities: Iterable[int]) -> list[int]:
+        """:meth:`reserve` for new blocks of ``priorities`` in order, under one lock: their
+        slots, stopping at the first block that gets none."""
+        slots: list[int] = []
         with self._lock:
             self._check_open()
-            return self._take_slot_locked(priority)
+            for priority in priorities:
+                slot = self._take_slot_locked(priority)
+                if slot is None:
+                    break
+                slots.append(slot)
+        return slots
 
     def commit(
         self,
@@ -167,28 +191,48 @@ class CpuBlockPool(BlockStore[HostBlock]):
         the tiers in ``pending``; ``hold``: also :meth:`acquire` it. ``priority``: its place
         in the order of eviction. ``False`` (and the slot freed) if ``key`` is already here
         or the pool is closed."""
-        key.validate()
+        commit = Commit(key, slot, parent_hash, tuple(token_ids), pending, priority)
+        return self.commit_many((commit,), kv_dtype, kv_shape, hold=hold)[0]
+
+    def commit_many(
+        self,
+        commits: Sequence[Commit],
+        kv_dtype: torch.dtype,
+        kv_shape: tuple[int, ...],
+        *,
+        hold: bool = False,
+    ) -> list[bool]:
+        """:meth:`commit` for many blocks of one dtype and shape, under one lock."""
+        for commit in commits:
+            commit.key.validate()
+        kv_shape = tuple(kv_shape)
+        done: list[bool] = []
         with self._lock:
-            if self._closed or key in self._entries:
-                if not self._closed:
+            entries, queues, counts = self._entries, self._queues, self._pending_count
+            for key, slot, parent_hash, token_ids, pending, priority in commits:
+                if self._closed or key in entries:
+                    if not self._closed:
+                        self._free.append(slot)
+                    done.append(False)
+                    continue
+                done.append(True)
+                if not pending and not self.keep_clean and not hold:
                     self._free.append(slot)
-                return False
-            if not pending and not self.keep_clean and not hold:
-                self._free.append(slot)
-                return True
-            entry = self._entries[key] = _Entry(
-                slot, kv_dtype, tuple(kv_shape), parent_hash, tuple(token_ids), set(pending),
-                readers=int(hold), priority=priority,
-            )
-            self._settle_locked(key, entry)
-            self._pending_count.update(pending)
-            for tier in pending:
-                self._queues[tier][key] = None
-            self._stats.puts += 1
-            self._stats.bytes_written += self._slot_nbytes
-            if pending:
+                    continue
+                entry = entries[key] = _Entry(
+                    slot, kv_dtype, kv_shape, parent_hash, tuple(token_ids), set(pending),
+                    readers=int(hold), priority=priority,
+                )
+                self._settle_locked(key, entry)
+                for tier in pending:
+                    counts[tier] += 1
+                    queues[tier][key] = None
+            stored = done.count(True)
+            self._stats.puts += stored
+            self._stats.bytes_written += self._slot_nbytes * stored
+            if any(c.pending for c in commits):
                 self._changed.notify_all()
-            return True
+        return done
 
     def unreserve(self, slot: int) -> None:
         """Give back a reserved slot that was not committed."""

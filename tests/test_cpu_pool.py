@@ -226,3 +226,27 @@ def test_a_staging_pool_frees_a_read_block_when_its_last_reader_lets_go():
     assert pool.contains(key(0)) and pool.num_evictable() == 1
     pool.release_many([key(0)])
     assert not pool.contains(key(0)) and pool.num_evictable() == 2
+
+
+def test_batched_reserve_stops_at_the_first_block_without_a_slot_and_commit_files_each():
+    from storage.cpu_pool import Commit
+
+    pool = CpuBlockPool(3 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES)
+    assert reserve_and_commit(pool, 0, pending=()) and pool.num_evictable() == 3
+    slots = pool.reserve_many([0, 0, -1, 0])  # the free two, then block 0 matters no more
+    assert len(slots) == 3 and not pool.contains(key(0))
+    assert pool.reserve_many([0]) == []
+    kv = block(1).kv
+    done = pool.commit_many(
+        [Commit(key(1), slots[0], None, (1,), ("disk",)),
+         Commit(key(2), slots[1], key(1).block_hash, (2,), (), priority=7),
+         Commit(key(1), slots[2], None, (1,))],  # already there: its slot goes back
+        kv.dtype, tuple(kv.shape),
+    )
+    assert done == [True, True, False]
+    assert pool.num_pending("disk") == 1 and pool.num_evictable() == 2  # key 2 and the freed slot
+    (taken,) = pool.take_pending("disk", 8, timeout=0)
+    assert taken.key == key(1) and taken.kv.shape == kv.shape
+    held = pool.acquire(key(2))
+    assert held.parent_hash == key(1).block_hash and held.token_ids == (2,) and held.priority == 7
+    assert pool.stats().puts == 3

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 from engine.connector import SavedBlock
 from storage.base import BlockKey
-from storage.cpu_pool import CpuBlockPool
+from storage.cpu_pool import Commit, CpuBlockPool
 from storage.lmdb_store import LmdbStore
 from tiered_kv.block_mover import BlockMover, Copy
 from tiered_kv.config import TierConfig
@@ -165,19 +165,17 @@ class BlockSaver:
     def _offload(self, blocks: list[SavedBlock], started: float) -> None:
         """Reserve a slot for each block and start one batched copy; blocks that find no
         slot wait in ``_deferred`` (their GPU blocks stay held)."""
-        commits: list[tuple[BlockKey, int, SavedBlock]] = []
-        done: list[int] = []
-        for i, block in enumerate(blocks):
-            key = BlockKey(self._namespace, block.block_hash)
-            if self._pool.contains(key):
-                done.append(block.block_id)  # already below (e.g. it was loaded from there)
-                continue
-            slot = self._pool.reserve(self._config.tenant_priority(block.cache_salt))
-            if slot is None:
-                self._deferred.extend((b, started) for b in blocks[i:])
-                self._drop_deferred(time.monotonic())
-                break
-            commits.append((key, slot, block))
+        keys = [BlockKey(self._namespace, block.block_hash) for block in blocks]
+        present = self._pool.contains_many(keys)
+        # already below (e.g. loaded from there): nothing to copy
+        done = [block.block_id for block, here in zip(blocks, present) if here]
+        todo = [(key, block) for key, block, here in zip(keys, blocks, present) if not here]
+        priority = self._config.tenant_priority
+        slots = self._pool.reserve_many([priority(block.cache_salt) for _, block in todo])
+        commits = [(key, slot, block) for (key, block), slot in zip(todo, slots)]
+        if len(slots) < len(todo):  # the rest wait for slots (their GPU blocks stay held)
+            self._deferred.extend((block, started) for _, block in todo[len(slots):])
+            self._drop_deferred(time.monotonic())
         if done:
             self._on_saved(done)
         if not commits:
@@ -222,16 +220,17 @@ class BlockSaver:
 
     def _commit_save(self, save: _Save) -> None:
         pending = self._pending_tiers
-        stored = 0
-        for key, slot, block in save.commits:
-            tiers = pending
-            if "disk" in tiers and self._disk.contains(key):
-                tiers = tuple(t for t in tiers if t != "disk")
-            if self._pool.commit(
-                key, slot, self._mover.slot_dtype, self._mover.slot_shape, block.parent_hash,
-                block.token_ids, tiers, priority=self._config.tenant_priority(block.cache_salt),
-            ):
-                stored += 1
+        on_disk = [False] * len(save.commits)
+        if "disk" in pending:  # a block already on disk is pending only for the others
+            on_disk = self._disk.contains_many([key for key, _, _ in save.commits])
+        below = tuple(t for t in pending if t != "disk")
+        priority = self._config.tenant_priority
+        stored = self._pool.commit_many(
+            [Commit(key, slot, block.parent_hash, block.token_ids,
+                    below if there else pending, priority(block.cache_salt))
+             for (key, slot, block), there in zip(save.commits, on_disk)],
+            self._mover.slot_dtype, self._mover.slot_shape,
+        ).count(True)
         if self._config.has_cpu:
             self._metrics.observe_store(
                 "cpu", time.perf_counter() - save.started, stored, stored * self._block_nbytes
