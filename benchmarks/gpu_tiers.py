@@ -507,8 +507,8 @@ def print_report(r: dict) -> None:
               "the rest of their prompt was recomputed")
     for note in r["notes"]:
         print(f"note: {note}")
-    print("\nRestore bandwidth (KV bytes loaded / the manager's load seconds) against a "
-          "reference on the same bytes:")
+    print("\nRestore bandwidth (KV bytes loaded / the manager's load seconds, median over the "
+          "hits) against a reference on the same bytes:")
     print("| shape | block KiB | prefix | tier | codec | restore GB/s | reference | ref GB/s "
           "| ratio |")
     print("|---|---|---|---|---|---|---|---|---|")
