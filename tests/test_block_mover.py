@@ -131,7 +131,7 @@ def test_cuda_kivi_round_trip_matches_the_host_and_survives_slot_reuse(codec):
     host_cache, host_pool, host_mover = make("cpu", codec=codec)
     pairs = [(b, 15 - b) for b in range(0, 12, 2)]
     mover.offload(pairs).wait()
-    host_mover.offload(pairs)
+    host_mover.offload(pairs).wait()  # on the CPU it runs on the mover's thread
     stored = [pool.slab[s].clone() for _, s in pairs]
     cache.fill_(7)  # reused right after the copy's event
     torch.cuda.synchronize()
@@ -143,6 +143,7 @@ def test_cuda_kivi_round_trip_matches_the_host_and_survives_slot_reuse(codec):
     for b, _ in pairs:
         assert torch.equal(cache[b].cpu(), host_cache[b])
     assert torch.all(cache[1] == 7)
+    host_mover.close()
 
 
 @pytest.mark.cuda
