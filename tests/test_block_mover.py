@@ -94,6 +94,28 @@ def test_kivi_slots_hold_payloads_quantized_before_the_copy(monkeypatch, bits, d
     mover.close()
 
 
+def test_raw_copies_through_the_staging_area_move_the_same_bytes(monkeypatch):
+    """The staged raw path (a gather on the device, one copy per run of slots) writes the
+    slots and the blocks a direct copy writes, in chunks of the staging area."""
+    block_nbytes = torch.empty(SHAPE[1:], dtype=torch.bfloat16).nbytes
+    monkeypatch.setattr(block_mover, "STAGING_BYTES", 3 * block_nbytes)  # 3 blocks per chunk
+    cache, pool, direct = make()
+    staged = BlockMover(cache, pool.slab, staged=True)
+    assert staged.staged and not direct.staged
+    assert staged._in.payloads.data_ptr() == staged._in.bytes.data_ptr()  # no second buffer
+    pairs = [(9, 0), (2, 1), (5, 2), (6, 3), (0, 7), (11, 8), (3, 9)]  # scattered blocks
+    staged.offload(pairs).wait()
+    for b, s in pairs:
+        assert torch.equal(slot(pool, s), cache[b])
+    original = cache.clone()
+    cache.zero_()
+    back = [(b, s) for b, s in reversed(pairs)]
+    staged.restore(back).wait()
+    for b, _ in pairs:
+        assert torch.equal(cache[b], original[b])
+    assert not cache[1].any() and not cache[4].any()  # only the restored blocks were written
+
+
 def test_a_cache_that_is_not_block_major_is_refused():
     cache, pool, _ = make()
     with pytest.raises(ValueError, match="block-major"):
@@ -144,6 +166,23 @@ def test_cuda_kivi_round_trip_matches_the_host_and_survives_slot_reuse(codec):
         assert torch.equal(cache[b].cpu(), host_cache[b])
     assert torch.all(cache[1] == 7)
     host_mover.close()
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_staged_raw_copies_match_direct_ones():
+    cache, pool, direct = make("cuda")
+    staged = BlockMover(cache, pool.slab, staged=True)
+    pairs = [(9, 0), (2, 1), (5, 2), (6, 3), (0, 7), (11, 8), (3, 9)]
+    staged.offload(pairs).wait()
+    stored = pool.slab.clone()
+    direct.offload(pairs).wait()
+    assert torch.equal(pool.slab, stored)
+    original = cache.clone()
+    cache.zero_()
+    staged.restore(pairs).wait()
+    assert torch.equal(cache[[b for b, _ in pairs]], original[[b for b, _ in pairs]])
+    assert not cache[1].any()
 
 
 @pytest.mark.cuda

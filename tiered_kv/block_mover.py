@@ -41,6 +41,11 @@ from storage.codecs.base import TensorCodec
 from storage.codecs.raw import RawCodec
 
 STAGING_BYTES = 32 << 20  # device staging per direction for a transcoding stage
+# Raw blocks on CUDA through the staging area too: a gather (or scatter) on the device and
+# one DMA per run of slots, instead of one DMA per run of (block, slot) pairs. Scattered
+# block ids make many short runs, each a DMA call; with consecutive slots the staged path
+# makes one. ``benchmarks/gpu_tiers.py`` measures both on a GPU.
+STAGE_RAW_COPIES = False
 
 
 class Copy:
@@ -71,13 +76,19 @@ class Copy:
 class BlockMover:
     """Copies blocks between ``kv_cache`` (``[num_blocks, L, 2, T, H, D]``) and ``slab``
     (``[num_slots, slot_nbytes]`` uint8 host memory, pinned for CUDA), each slot holding a
-    block in ``stage``'s form (default: raw bytes).
+    block in ``stage``'s form (default: raw bytes). ``staged``: raw copies go through the
+    device staging area too (default: :data:`STAGE_RAW_COPIES` on CUDA).
 
     :meth:`offload` is called by the engine thread; :meth:`restore` by any thread.
     """
 
     def __init__(
-        self, kv_cache: torch.Tensor, slab: torch.Tensor, stage: TensorCodec | None = None
+        self,
+        kv_cache: torch.Tensor,
+        slab: torch.Tensor,
+        stage: TensorCodec | None = None,
+        *,
+        staged: bool | None = None,
     ) -> None:
         block_nbytes = kv_cache[0].numel() * kv_cache.element_size()
         if not kv_cache[0].is_contiguous() or kv_cache.stride(0) * kv_cache.element_size() != block_nbytes:
@@ -90,6 +101,10 @@ class BlockMover:
                 f"slab must be [num_slots, {self.slot_nbytes}] uint8, got {slab.dtype}{list(slab.shape)}"
             )
         self.transcodes = stage.name != "raw"
+        # copies through the device staging area (a transcoding stage needs it)
+        if staged is None:
+            staged = STAGE_RAW_COPIES and kv_cache.is_cuda
+        self.staged = self.transcodes or staged
         self.device = kv_cache.device
         self.cache = kv_cache
         self.blocks = kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)  # [num_blocks, nbytes]
@@ -99,10 +114,10 @@ class BlockMover:
         if kv_cache.is_cuda:
             self.offload_stream = torch.cuda.Stream(self.device)
             self.restore_stream = torch.cuda.Stream(self.device)
-        if self.transcodes:
+        if self.staged:
             self._chunk = max(1, STAGING_BYTES // block_nbytes)
-            self._out = _Staging(self._chunk, kv_cache, self.slot_nbytes)
-            self._in = _Staging(self._chunk, kv_cache, self.slot_nbytes)
+            self._out = _Staging(self._chunk, kv_cache, self.slot_nbytes, self.transcodes)
+            self._in = _Staging(self._chunk, kv_cache, self.slot_nbytes, self.transcodes)
             self._out_lock, self._in_lock = threading.Lock(), threading.Lock()
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         if self.transcodes and self.offload_stream is None:
@@ -160,7 +175,7 @@ class BlockMover:
     def _offload(self, pairs: Sequence[tuple[int, int]]) -> None:
         """The copies of :meth:`offload`, queued on the current stream."""
         cuda = self.offload_stream is not None
-        if not self.transcodes:
+        if not self.staged:
             _move(self.slab, self.blocks, [(s, b, n) for b, s, n in _runs(pairs)], cuda)
             return
         with self._out_lock:  # one user of the staging area at a time; the stream orders the rest
@@ -170,13 +185,14 @@ class BlockMover:
                 # gathered as bytes: index_select need not know the KV dtype (fp8)
                 ids = self._ids([b for b, _ in chunk])
                 torch.index_select(self.blocks, 0, ids, out=self._out.bytes[:n])
-                self.stage.encode_blocks(staged, payloads)
+                if self.transcodes:  # raw: the gathered bytes are the payloads
+                    self.stage.encode_blocks(staged, payloads)
                 runs = _runs([(s, i) for i, (_, s) in enumerate(chunk)])
                 _move(self.slab, payloads, runs, cuda)
 
     def _restore(self, pairs: Sequence[tuple[int, int]]) -> None:
         cuda = self.restore_stream is not None
-        if not self.transcodes:
+        if not self.staged:
             _move(self.blocks, self.slab, _runs(pairs), cuda)
             return
         with self._in_lock:
@@ -184,7 +200,8 @@ class BlockMover:
                 n = len(chunk)
                 staged, payloads = self._in.blocks[:n], self._in.payloads[:n]
                 _move(payloads, self.slab, _runs([(i, s) for i, (_, s) in enumerate(chunk)]), cuda)
-                self.stage.decode_blocks(payloads, staged)
+                if self.transcodes:  # raw: the payloads are the blocks' bytes already
+                    self.stage.decode_blocks(payloads, staged)
                 if cuda:
                     self.blocks.index_copy_(0, self._ids([b for b, _ in chunk]), self._in.bytes[:n])
                 else:  # the CPU's index_copy_ goes element by element: copy rows instead
@@ -201,13 +218,16 @@ class BlockMover:
 
 class _Staging:
     """A device staging area for up to ``count`` blocks (``blocks``, typed, and ``bytes``, the
-    same memory as ``[count, block_nbytes]`` uint8) and their stage payloads."""
+    same memory as ``[count, block_nbytes]`` uint8) and their stage payloads (for a raw
+    stage, the same memory again)."""
 
-    def __init__(self, count: int, kv_cache: torch.Tensor, slot_nbytes: int) -> None:
+    def __init__(self, count: int, kv_cache: torch.Tensor, slot_nbytes: int, transcodes: bool) -> None:
         block_nbytes = kv_cache[0].numel() * kv_cache.element_size()
         self.bytes = torch.empty((count, block_nbytes), dtype=torch.uint8, device=kv_cache.device)
         self.blocks = self.bytes.view(kv_cache.dtype).view(count, *kv_cache.shape[1:])
-        self.payloads = torch.empty((count, slot_nbytes), dtype=torch.uint8, device=kv_cache.device)
+        self.payloads = self.bytes
+        if transcodes:
+            self.payloads = torch.empty((count, slot_nbytes), dtype=torch.uint8, device=kv_cache.device)
 
 
 def _move(
