@@ -96,8 +96,12 @@ def write_random_llama(
     return model
 
 
-def write_json(path: Path, data: dict) -> None:
-    """Write a benchmark's results (creating the folder) and say where."""
+def write_json(path: Path, data: dict, *, quiet: bool = False) -> None:
+    """Write a benchmark's results (creating the folder; replacing the file in one rename, so
+    a run killed meanwhile leaves the last complete write) and, unless ``quiet``, say where."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
-    print(f"\nwrote {path}", file=sys.stderr)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+    if not quiet:
+        print(f"\nwrote {path}", file=sys.stderr)

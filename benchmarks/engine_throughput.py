@@ -24,6 +24,7 @@ default; ``1b`` and ``8b`` as in ``gpu_tiers.py``, bf16, the CUDA default).
 from __future__ import annotations
 
 import argparse
+import signal
 import statistics
 import sys
 import tempfile
@@ -118,10 +119,10 @@ def run_engine(llm: LLM, prompts, new, device) -> dict:
     return result
 
 
-def throughput(path: Path, shape: Shape, args, device: torch.device) -> list[dict]:
+def throughput(path: Path, shape: Shape, args, device: torch.device, rows: list[dict]) -> None:
+    """Append to ``rows`` the engine's start-up, then a row per workload as it finishes."""
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=DTYPES[args.dtype]).to(device).eval()
-    rows = []
     max_len = max(p + n for _, p, n in args.workloads) + 16
     max_seqs = max(b for b, _, _ in args.workloads)
     engine_kwargs = dict(device=str(device), dtype=args.dtype, max_model_len=max_len,
@@ -129,6 +130,7 @@ def throughput(path: Path, shape: Shape, args, device: torch.device) -> list[dic
     if device.type == "cpu":
         engine_kwargs["num_gpu_blocks_override"] = max_seqs * (-(-max_len // 16)) + 16
     llm, startup_s = timed(lambda: LLM(str(path), **engine_kwargs), device)
+    rows.append({"startup_s": startup_s, "enforce_eager": args.enforce_eager})
     compiled_model = None
     for b, p, n in args.workloads:
         prompts = random_prompts(b, p, shape.vocab, SEED + b + p)
@@ -151,7 +153,6 @@ def throughput(path: Path, shape: Shape, args, device: torch.device) -> list[dic
                 row[key].pop("tokens")
         rows.append(row)
     llm.close()
-    return [{"startup_s": startup_s, "enforce_eager": args.enforce_eager}] + rows
 
 
 def ttft(path: Path, shape: Shape, args, device: torch.device) -> dict:
@@ -183,6 +184,8 @@ def ttft(path: Path, shape: Shape, args, device: torch.device) -> dict:
 
 
 def print_tables(rows: list[dict], tt: dict | None, device: torch.device) -> None:
+    if not rows:
+        return
     head, *rows = rows
     print(f"engine start-up: {head['startup_s']:.1f} s"
           + (" (eager)" if head["enforce_eager"] else " (CUDA graphs captured)" * (device.type == "cuda")))
@@ -252,14 +255,29 @@ def main(argv: list[str] | None = None) -> None:
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 
-    with tempfile.TemporaryDirectory(prefix="engine-bench-") as tmp:
-        path = Path(tmp)
-        max_len = max(p + n for _, p, n in args.workloads) + 2048
-        write_random_llama(path, shape.llama_config(max_len), SEED, device=args.device,
-                           dtype=DTYPES[args.dtype])
-        rows = throughput(path, shape, args, device)
-        tt = None if args.no_ttft else ttft(path, shape, args, device)
+    # a run stopped by `timeout` (SIGTERM) still prints and keeps the workloads it finished
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    rows: list[dict] = []
+    tt = None
+    complete = False
+    try:
+        with tempfile.TemporaryDirectory(prefix="engine-bench-") as tmp:
+            path = Path(tmp)
+            max_len = max(p + n for _, p, n in args.workloads) + 2048
+            write_random_llama(path, shape.llama_config(max_len), SEED, device=args.device,
+                               dtype=DTYPES[args.dtype])
+            throughput(path, shape, args, device, rows)
+            tt = None if args.no_ttft else ttft(path, shape, args, device)
+        complete = True
+    finally:
+        report(rows, tt, device, args, argv, shape_name, complete)
+
+
+def report(rows: list[dict], tt: dict | None, device: torch.device, args, argv: list[str],
+           shape_name: str, complete: bool) -> None:
     print_tables(rows, tt, device)
+    if not complete:
+        print("note: the run stopped early: these are the workloads it finished")
     engine_rows = [r for r in rows[1:] if "compiled" in r and "engine" in r]
     if device.type == "cuda" and engine_rows:
         worst = min(r["engine"]["tok_s"] / r["compiled"]["tok_s"] for r in engine_rows)
@@ -270,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
         "machine": machine(transformers=transformers.__version__,
                            gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else ""),
         "shape": shape_name, "dtype": args.dtype, "threads": torch.get_num_threads(),
-        "throughput": rows, "ttft": tt,
+        "complete": complete, "throughput": rows, "ttft": tt,
     })
 
 

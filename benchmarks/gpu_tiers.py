@@ -40,7 +40,11 @@ cold request.
 
     .venv/bin/python benchmarks/gpu_tiers.py [--quick] [--device auto|cuda|cpu]
         [--shapes 1b,8b] [--prefixes 2K,8K,32K] [--codecs raw,zstd,kivi4]
-        [--remote-url redis://127.0.0.1:6379/0] [--out benchmarks/results/gpu_tiers.json]
+        [--remote-url redis://127.0.0.1:6379/0] [--skip cpu,staged,disk,remote,offload]
+        [--out benchmarks/results/gpu_tiers.json]
+
+The JSON is rewritten after every case (``"complete": false`` until the end), and a run
+stopped by SIGTERM (``timeout``) prints its report of the cases it finished.
 """
 from __future__ import annotations
 
@@ -51,6 +55,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -82,6 +87,7 @@ FLUSH_TIMEOUT_S = 600.0
 MiB = 1 << 20
 ONE = SamplingParams(temperature=0.0, max_tokens=1)  # greedy, TTFT only
 STAGED_CPU_HIT = "CPU-pool hit, staged DMA"
+SKIPPABLE = ("cpu", "staged", "disk", "remote", "offload")  # cases --skip can leave out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -446,11 +452,12 @@ def restore_rows(r: dict) -> list[dict]:
                 "remote hit": "remote"}.get(t["case"])
         if tier is None:
             continue
-        ref = refs[(t["shape"], t["prefix"])]
+        ref = refs.get((t["shape"], t["prefix"]), {})  # none yet in a run cut short
         bps = t["restore_Bps"]
         name, ref_bps = {
-            "cpu": ("pinned copy" if r["device"] == "cuda" else "memcpy", ref["copy_Bps"]),
-            "disk": ("pread into pinned" if r["device"] == "cuda" else "pread", ref["pread_Bps"]),
+            "cpu": ("pinned copy" if r["device"] == "cuda" else "memcpy", ref.get("copy_Bps")),
+            "disk": ("pread into pinned" if r["device"] == "cuda" else "pread",
+                     ref.get("pread_Bps")),
             "remote": (None, None),
         }[tier]
         out.append(dict(shape=t["shape"], prefix=t["prefix"], tier=tier, codec=t["codec"],
@@ -510,10 +517,11 @@ def print_report(r: dict) -> None:
     print("| shape | prefix | case | codec | TTFT ms | first ms | / recompute | cached / prefix |")
     print("|---|---|---|---|---|---|---|---|")
     for t in r["ttft"]:
-        rec = find(r["ttft"], shape=t["shape"], prefix=t["prefix"], case="recompute")["ttft_s"]
+        rec = find(r["ttft"], shape=t["shape"], prefix=t["prefix"], case="recompute")
         first = ms(t["first_s"]) if "first_s" in t else ""
+        ratio = f"{t['ttft_s'] / rec['ttft_s']:.2f}" if rec else ""
         print(f"| {t['shape']} | {t['prefix']} | {t['case']} | {t['codec'] or ''} | "
-              f"{ms(t['ttft_s'])} | {first} | {t['ttft_s'] / rec:.2f} | "
+              f"{ms(t['ttft_s'])} | {first} | {ratio} | "
               f"{t['cached_tokens']} / {t['prefix']} |")
     partial = [t for t in r["ttft"] if "hit" in t["case"] and t["cached_tokens"] < t["prefix"]]
     if partial:
@@ -575,7 +583,8 @@ def set_threads(device: str) -> None:
 
 
 def run_shape(name: str, args: argparse.Namespace, tmp: Path, url: str | None,
-              result: dict) -> None:
+              result: dict, save) -> None:
+    """Every case of one shape, ``save()`` after each, so a run cut short keeps its rows."""
     shape = SHAPES[name]
     folder = tmp / name
     model = folder / "model"
@@ -584,30 +593,39 @@ def run_shape(name: str, args: argparse.Namespace, tmp: Path, url: str | None,
     write_random_llama(model, shape.llama_config(run.max_len), SEED, device=args.device,
                        dtype=DTYPES[shape.dtype])
     free_device()
+    result["references"] += references(run, folder)
     print(f"{name}: model written; recompute and engine hits", file=sys.stderr)
     result["ttft"] += no_tiers(run)
     free_device()
-    # the pool holds raw blocks for the lossless codecs, the codec's payloads for KIVI
-    for codec in ["raw", *(c for c in args.codecs if not get_codec(c).lossless)]:
-        result["ttft"] += cpu_hits(run, codec)
+    save()
+    if "cpu" not in args.skip:
+        # the pool holds raw blocks for the lossless codecs, the codec's payloads for KIVI
+        for codec in ["raw", *(c for c in args.codecs if not get_codec(c).lossless)]:
+            result["ttft"] += cpu_hits(run, codec)
+            free_device()
+            save()
+    if args.device == "cuda" and "staged" not in args.skip:
+        result["ttft"] += cpu_hits(run, "raw", staged=True)  # the faster way is kept
         free_device()
-    if args.device == "cuda":  # raw copies the other way: the faster one is kept
-        result["ttft"] += cpu_hits(run, "raw", staged=True)
-        free_device()
+        save()
     for codec in args.codecs:
-        print(f"{name}: {codec}: store, disk hits" + (", remote" if url else ""),
-              file=sys.stderr)
-        cache = folder / f"kv-{codec}"
-        rows, on_disk = store_pass(run, codec, cache)
-        free_device()
-        result["ttft"] += rows + disk_hits(run, codec, cache)
-        result["on_disk"] += on_disk
-        if url:
+        if "disk" in args.skip and ("remote" in args.skip or not url):
+            break
+        if "disk" not in args.skip:
+            print(f"{name}: {codec}: store, disk hits", file=sys.stderr)
+            cache = folder / f"kv-{codec}"
+            rows, on_disk = store_pass(run, codec, cache)
+            free_device()
+            result["ttft"] += rows + disk_hits(run, codec, cache)
+            result["on_disk"] += on_disk
+            shutil.rmtree(cache)
+            save()
+        if url and "remote" not in args.skip:
+            print(f"{name}: {codec}: remote hits", file=sys.stderr)
             result["ttft"] += remote_hits(run, codec, url)
             free_device()
-        shutil.rmtree(cache)
-    result["references"] += references(run, folder)
-    if name == result["offload_shape"]:
+            save()
+    if name == result["offload_shape"] and "offload" not in args.skip:
         print(f"{name}: offload overhead", file=sys.stderr)
         cold = min(max(args.prefixes), 8192) + SUFFIX_TOKENS
         quick = dict(prompts=8, prompt_tokens=256, max_tokens=32, rounds=3)
@@ -615,6 +633,7 @@ def run_shape(name: str, args: argparse.Namespace, tmp: Path, url: str | None,
         result["offload"] = offload_overhead(run, folder / "kv-offload", cold_tokens=cold,
                                              **(quick if args.quick else full))
         free_device()
+        save()
     shutil.rmtree(folder)
 
 
@@ -632,6 +651,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--codecs", help="disk/remote codecs (default raw,zstd,kivi4)")
     parser.add_argument("--remote-url", help="Valkey/Redis for the remote case (default: a "
                         "loopback valkey-server/redis-server if on PATH, else skipped)")
+    parser.add_argument("--skip", default="", help="cases left out, comma-separated: "
+                        f"{', '.join(SKIPPABLE)} (to split a long run)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--disk-child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -649,6 +670,9 @@ def main(argv: list[str] | None = None) -> int:
         args.codecs = (args.codecs or ("raw,zstd" if args.quick else "raw,zstd,kivi4")).split(",")
         for codec in args.codecs:
             get_codec(codec)
+        args.skip = {c for c in args.skip.split(",") if c}
+        if args.skip - set(SKIPPABLE):
+            raise ValueError(f"--skip takes {', '.join(SKIPPABLE)}")
     except ValueError as e:
         parser.error(str(e))
     unknown = [s for s in args.shapes if s not in SHAPES]
@@ -667,31 +691,42 @@ def main(argv: list[str] | None = None) -> int:
                         ttft=[], on_disk=[], references=[], notes=[],
                         offload_shape="1b" if args.device == "cuda" and "1b" in args.shapes
                         else args.shapes[0])
-    with tempfile.TemporaryDirectory(prefix="gpu-tiers-") as tmp:
-        server, url = None, args.remote_url
-        if url is None:
-            try:
-                server = LoopbackServer(Path(tmp) / "redis")
-                url = server.url
-            except (FileNotFoundError, RuntimeError) as e:
-                result["notes"].append(f"remote case skipped: {e}")
-        try:
-            for name in args.shapes:
-                run_shape(name, args, Path(tmp), url, result)
-        finally:
-            if server is not None:
-                server.close()
-    result["targets"] = verdicts(result)
-    print_report(result)
-    result["targets"] = [v._asdict() for v in result["targets"]]
     command = "python benchmarks/gpu_tiers.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_json(args.out, {
-        "command": command.strip(),
-        "machine": machine(device=device_name, transformers=transformers.__version__),
-        "threads": torch.get_num_threads(),
-        "shapes": {name: dataclasses.asdict(SHAPES[name]) for name in args.shapes},
-        "result": result,
-    })
+    header = dict(command=command.strip(),
+                  machine=machine(device=device_name, transformers=transformers.__version__),
+                  threads=torch.get_num_threads(),
+                  shapes={name: dataclasses.asdict(SHAPES[name]) for name in args.shapes})
+
+    def save(complete: bool = False) -> None:
+        targets = [v._asdict() for v in verdicts(result)]
+        write_json(args.out, {**header, "complete": complete,
+                              "result": {**result, "targets": targets}}, quiet=not complete)
+
+    # a run stopped by `timeout` (SIGTERM) still prints and keeps what it measured
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    complete = False
+    try:
+        with tempfile.TemporaryDirectory(prefix="gpu-tiers-") as tmp:
+            server, url = None, args.remote_url
+            if url is None and "remote" not in args.skip:
+                try:
+                    server = LoopbackServer(Path(tmp) / "redis")
+                    url = server.url
+                except (FileNotFoundError, RuntimeError) as e:
+                    result["notes"].append(f"remote case skipped: {e}")
+            try:
+                for name in args.shapes:
+                    run_shape(name, args, Path(tmp), url, result, save)
+            finally:
+                if server is not None:
+                    server.close()
+        complete = True
+    finally:
+        if not complete:
+            result["notes"].append("the run stopped early: these are the cases it finished")
+        result["targets"] = verdicts(result)
+        print_report(result)
+        save(complete)
     return 0
 
 
