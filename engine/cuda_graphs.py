@@ -87,6 +87,9 @@ class DecodeGraphs:
         # Host staging of one step's rows: [4, B] (ids, positions, seq_lens, slots).
         self._host_rows = torch.zeros(4, b, dtype=torch.int64, pin_memory=pin)
         self._host_tables = torch.zeros(b, width, dtype=torch.int32, pin_memory=pin)
+        # Recorded after a step's copies out of the staging rows: the next step rewrites them
+        # only once those copies ran (a caller need not sync between two runs).
+        self._rows_copied = torch.cuda.Event() if pin else None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
 
@@ -138,6 +141,8 @@ class DecodeGraphs:
             raise ValueError(f"{n} sequences exceed the largest decode graph ({self.max_batch})")
         if width > self.block_tables.shape[1]:
             raise ValueError(f"block tables of {width} blocks exceed max_model_len")
+        if self._rows_copied is not None:
+            self._rows_copied.synchronize()  # host sync: the last step's copies have read the rows
         rows = self._host_rows[:, :b].numpy()
         rows[0, :n], rows[1, :n], rows[2, :n], rows[3, :n] = input_ids, positions, positions + 1, slots
         rows[0, n:], rows[1, n:], rows[2, n:] = 0, 0, 1
@@ -151,6 +156,8 @@ class DecodeGraphs:
         self.seq_lens[:b].copy_(staged[2], non_blocking=True)
         self.slot_mapping[:b].copy_(staged[3], non_blocking=True)
         self.block_tables[:b, :width].copy_(self._host_tables[:b, :width], non_blocking=True)
+        if self._rows_copied is not None:
+            self._rows_copied.record(torch.cuda.current_stream(self.input_ids.device))
         self.num_replays += 1
         if b in self._graphs:
             self._graphs[b].replay()

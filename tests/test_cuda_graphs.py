@@ -75,3 +75,25 @@ def test_cuda_graph_decode_gives_the_eager_tokens():
         assert graphs is not None and graphs.capture_seconds > 0
         assert _generate(llm, PROMPTS) == expected
         assert graphs.num_replays >= GREEDY.max_tokens - 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_step_staged_behind_a_busy_gpu_reads_its_own_rows():
+    # Two runs without a host sync between them: the first one's copies out of the pinned
+    # staging rows wait behind a busy stream while the second one stages other rows.
+    with LLM(max_model_len=64, num_gpu_blocks_override=32, max_num_seqs=4, device="cuda",
+             dtype="float32") as llm:
+        graphs = llm.engine.model_runner.decode_graphs
+        tables = np.array([[2, 0, 0, 0], [9, 0, 0, 0]], dtype=np.int32)  # every column: contiguous
+
+        def step(ids):
+            return graphs.run(np.array(ids), np.array([5, 5]), tables[:, 0] * 16 + 5, tables)
+
+        expected = step([3, 4]).clone()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1 << 30)  # about half a second of GPU time
+        first = step([3, 4]).clone()
+        step([7, 8])
+        torch.cuda.synchronize()
+        assert torch.equal(first, expected)
