@@ -208,3 +208,30 @@ def test_a_slab_dropped_without_close_unpins_its_memory():
     # this address by the allocator could not be pinned
     assert int(cudart.cudaHostRegister(memory.data_ptr(), memory.numel(), 0)) == 0
     assert int(cudart.cudaHostUnregister(memory.data_ptr())) == 0
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("direction", ["offload", "restore"])
+def test_cuda_a_batch_that_fails_part_way_waits_for_what_it_queued(monkeypatch, direction):
+    """The caller gives the slots and blocks back on the error (the saver unreserves the
+    slots, a load lets them go and the engine recomputes into the blocks): nothing the
+    batch queued may still be running by then."""
+    block_nbytes = torch.empty(SHAPE[1:], dtype=torch.bfloat16).nbytes
+    monkeypatch.setattr(block_mover, "STAGING_BYTES", block_nbytes)  # one block per chunk
+    cache, pool, _ = make("cuda")
+    mover = BlockMover(cache, pool.slab, staged=True)
+    move, calls = block_mover._move, []
+
+    def slow_then_failing(dst, src, runs, cuda):
+        calls.append(runs)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA out of memory")
+        torch.cuda._sleep(200_000_000)  # on the side stream: the first chunk is still queued
+        move(dst, src, runs, cuda)
+
+    monkeypatch.setattr(block_mover, "_move", slow_then_failing)
+    stream = mover.offload_stream if direction == "offload" else mover.restore_stream
+    with pytest.raises(RuntimeError, match="out of memory"):
+        getattr(mover, direction)([(0, 0), (1, 1)])
+    assert len(calls) == 2 and stream.query()

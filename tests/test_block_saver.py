@@ -137,3 +137,25 @@ def test_asynchronous_copies_are_committed_by_the_save_watcher():
     assert sorted(s.reported) == [0, 2] and all(s.pool.contains(key(b)) for b in blocks)
     s.close()
     assert "tiered-kv-save-watcher" not in {t.name for t in threading.enumerate()}
+
+
+def test_an_offload_that_fails_when_queued_drops_its_blocks_instead_of_raising(monkeypatch):
+    """On CUDA the copies are queued by ``offload`` itself, so a device error (out of
+    memory, a kernel that does not compile) raises there. The save must not raise: the
+    engine would let go of every block it offered, including those already reported."""
+    s = Saves(slots=3)
+    s.saver.save([saved(0)])
+    offload = s.mover.offload
+
+    def failing(pairs):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(s.mover, "offload", failing)
+    s.saver.save([saved(0), saved(1), saved(2)])  # 0 is in the pool already
+    assert sorted(s.reported) == [0, 0, 1, 2] and not s.saver.busy()  # each save once
+    assert s.dropped() == 2 and not s.pool.contains(key(saved(1)))
+    assert s.pool.num_evictable() == 2  # the failed save's slots are free again
+    monkeypatch.setattr(s.mover, "offload", offload)
+    s.saver.save([saved(1), saved(2)])
+    assert all(s.pool.contains(key(saved(b))) for b in (1, 2))
+    s.close()

@@ -23,7 +23,8 @@ that fit it::
     offload:  cache ─ index_select ─▶ staged blocks ─ encode ─▶ payloads ─ DMA ─▶ slots
     restore:  slots ─ DMA ─▶ payloads ─ decode ─▶ staged blocks ─ index_copy ─▶ cache
 
-Nothing here synchronizes the device; :meth:`Copy.done` only queries an event. On the CPU
+Nothing here synchronizes the device; :meth:`Copy.done` only queries an event (a batch
+that fails part-way waits for its own stream before it raises). On the CPU
 a raw copy is a memcpy in the calling thread, finished when the call returns; an offload
 that transcodes runs on the mover's own thread (the CPU stands in for the offload stream),
 so the engine thread never runs a codec, and its :class:`Copy` is done when that work is.
@@ -32,8 +33,9 @@ A restore runs in the calling thread (a load worker), transcoding or not.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -156,10 +158,7 @@ class BlockMover:
         written.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.offload_stream):
             self.offload_stream.wait_event(written)
-            self._offload(pairs)
-            copied = torch.cuda.Event()
-            copied.record(self.offload_stream)
-        return Copy(copied)
+            return _issued(self._offload, pairs, self.offload_stream)
 
     def restore(self, pairs: Sequence[tuple[int, int]]) -> Copy:
         """Copy slot ``s`` into block ``b`` for each ``(b, s)``."""
@@ -167,10 +166,7 @@ class BlockMover:
             self._restore(pairs)
             return Copy()
         with torch.cuda.stream(self.restore_stream):
-            self._restore(pairs)
-            copied = torch.cuda.Event()
-            copied.record(self.restore_stream)
-        return Copy(copied)
+            return _issued(self._restore, pairs, self.restore_stream)
 
     def _offload(self, pairs: Sequence[tuple[int, int]]) -> None:
         """The copies of :meth:`offload`, queued on the current stream."""
@@ -214,6 +210,26 @@ class BlockMover:
         if not self.cache.is_cuda:
             return ids
         return ids.pin_memory().to(self.device, non_blocking=True)
+
+
+def _issued(
+    issue: Callable[[Sequence[tuple[int, int]]], None],
+    pairs: Sequence[tuple[int, int]],
+    stream: torch.cuda.Stream,
+) -> Copy:
+    """``issue(pairs)`` queued on ``stream`` (the current stream), behind a ``copied`` event.
+    If it raises part-way (out of device memory, a kernel that does not compile), the copies
+    queued so far still read or write slots and blocks that the caller gives back on the
+    error: wait for them (this stream only) before the error goes on."""
+    try:
+        issue(pairs)
+    except BaseException:
+        with contextlib.suppress(Exception):  # a broken stream: the first error is the one
+            stream.synchronize()
+        raise
+    copied = torch.cuda.Event()
+    copied.record(stream)
+    return Copy(copied)
 
 
 class _Staging:

@@ -4,7 +4,8 @@ A save reserves a pool slot per block and starts one batched copy (``BlockMover.
 once the copy is complete its blocks are committed to the pool, pending for the lower tiers
 the ``PoolWriter`` threads write, and reported saved (the engine then lets their GPU blocks
 go). A synchronous copy (a plain host memcpy) is committed at once; an asynchronous one (CUDA,
-or a transcoding host copy) by the ``tiered-kv-save-watcher`` thread, in order.
+or a transcoding host copy) by the ``tiered-kv-save-watcher`` thread, in order. A copy that
+fails, when it is queued or on the way, drops its blocks (reported saved, counted, logged).
 
 When every slot holds a block not yet written to the lower tiers, a save waits, deferred
 (its GPU block stays held), and is retried at each ``poll`` (or by a flush while the engine
@@ -180,8 +181,15 @@ class BlockSaver:
             self._on_saved(done)
         if not commits:
             return
-        copy = self._mover.offload([(block.block_id, slot) for _, slot, block in commits])
-        save = _Save(copy, commits, [block.block_id for _, _, block in commits], time.perf_counter())
+        block_ids = [block.block_id for _, _, block in commits]
+        try:
+            # On CUDA the copies are queued here, so a device error (out of memory for the
+            # staging temporaries, a kernel that does not compile) raises here, not in wait().
+            copy = self._mover.offload([(block.block_id, slot) for _, slot, block in commits])
+        except Exception:
+            self._drop_failed(commits, block_ids)
+            return
+        save = _Save(copy, commits, block_ids, time.perf_counter())
         if self._save_watcher is None:
             self._commit_save(save)  # a host memcpy: complete already
         else:
@@ -207,16 +215,24 @@ class BlockSaver:
         while (save := self._saves.get()) is not None:
             try:
                 save.copy.wait()
-            except Exception:  # the copy failed: its slots hold nothing to keep
-                logger.exception("offload of %d blocks failed; dropping them", len(save.commits))
-                for _, slot, _ in save.commits:
-                    self._pool.unreserve(slot)
-                self._metrics.add(self._drop_tier, dropped=len(save.commits))
-                self._on_saved(save.block_ids)
+            except Exception:
+                self._drop_failed(save.commits, save.block_ids)
             else:
                 self._commit_save(save)
             with self._in_flight_lock:
                 self._saves_in_flight -= 1
+
+    def _drop_failed(
+        self, commits: list[tuple[BlockKey, int, SavedBlock]], block_ids: list[int]
+    ) -> None:
+        """An offload that failed: its slots hold nothing to keep. The blocks are reported
+        saved (the engine lets them go) and counted dropped; the save never raises, since
+        the engine would then let go of blocks this save still reports."""
+        logger.exception("offload of %d blocks failed; dropping them", len(commits))
+        for _, slot, _ in commits:
+            self._pool.unreserve(slot)
+        self._metrics.add(self._drop_tier, dropped=len(commits))
+        self._on_saved(block_ids)
 
     def _commit_save(self, save: _Save) -> None:
         pending = self._pending_tiers
