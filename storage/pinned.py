@@ -6,12 +6,18 @@ registered with ``cudaHostRegister``, which pins exactly its pages, and unregist
 :meth:`PinnedSlab.close`, or when the slab is collected (a range left registered after its
 memory is freed would make CUDA refuse to register that address again). Copies between a registered buffer and the GPU run as DMA
 (``non_blocking=True`` copies are truly asynchronous), at the bus's full speed.
+
+Pinned pages stay resident, so a slab larger than the host memory available is refused
+(``ValueError``) before anything is allocated: pinning it would fail, or wake the OOM killer.
 """
 from __future__ import annotations
 
 import weakref
+from pathlib import Path
 
 import torch
+
+_GiB = 1 << 30
 
 
 class PinnedSlab:
@@ -23,6 +29,12 @@ class PinnedSlab:
         if num_rows <= 0 or row_nbytes <= 0:
             raise ValueError(f"need positive num_rows and row_nbytes, got {num_rows}, {row_nbytes}")
         self.pinned = torch.cuda.is_available() if pin is None else pin
+        available = available_host_bytes() if self.pinned else None
+        if available is not None and num_rows * row_nbytes > available:
+            raise ValueError(
+                f"cannot pin {num_rows * row_nbytes / _GiB:.2f} GiB of host memory: "
+                f"{available / _GiB:.2f} GiB is available"
+            )
         self.tensor = torch.empty((num_rows, row_nbytes), dtype=torch.uint8)  # [rows, bytes]
         self._unpin = None
         if self.pinned:
@@ -44,6 +56,29 @@ class PinnedSlab:
         if self._unpin is not None:
             self._unpin()
         self.tensor = None
+
+
+def available_host_bytes() -> int | None:
+    """Host memory that can be made resident now: ``MemAvailable``, and within a cgroup (v2)
+    with a limit, no more than the limit less its working set (usage less inactive page
+    cache, which the kernel reclaims). ``None`` where ``/proc/meminfo`` cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        available = int(fields["MemAvailable"].split()[0]) * 1024  # "123 kB"
+    except (OSError, KeyError, ValueError):
+        return None
+    cgroup = Path("/sys/fs/cgroup")
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            used = int((cgroup / "memory.current").read_text())
+            stat = dict(line.split() for line in (cgroup / "memory.stat").read_text().splitlines())
+            working_set = used - int(stat.get("inactive_file", 0))
+            available = min(available, int(limit) - working_set)
+    except (OSError, ValueError):
+        pass  # no cgroup v2 limit here
+    return max(available, 0)
 
 
 def _unregister(tensor: torch.Tensor) -> None:

@@ -8,6 +8,7 @@ import torch
 
 from storage.base import BlockKey
 from storage.cpu_pool import CpuBlockPool, HostBlock
+from storage.pinned import available_host_bytes
 
 NS = hashlib.sha256(b"ns").digest()
 
@@ -34,6 +35,19 @@ def test_slab_is_sized_from_the_first_block():
 def test_pinned_only_when_asked_or_cuda_present():
     assert CpuBlockPool(BLOCK_BYTES).pin_memory == torch.cuda.is_available()
     assert not CpuBlockPool(BLOCK_BYTES, pin_memory=False).pin_memory
+
+
+def test_a_pinned_slab_larger_than_the_host_memory_is_refused_before_it_is_allocated():
+    """Pinned pages stay resident: asking for more than the host has fails with a message,
+    not in the allocator or in cudaHostRegister (nor by the OOM killer while pinning)."""
+    assert 0 < available_host_bytes() <= _mem_total()
+    with pytest.raises(ValueError, match=r"cannot pin 1048576\.00 GiB of host memory"):
+        CpuBlockPool(1 << 50, block_nbytes=1 << 20, pin_memory=True)
+
+
+def _mem_total() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
 
 
 def test_block_of_another_size_is_refused_and_counted():

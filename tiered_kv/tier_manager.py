@@ -238,16 +238,19 @@ class TierManager(KVConnector):
         # A slot holds a block in the codec's tensor stage (a KIVI payload is smaller).
         slot_nbytes = self._codec.stage.payload_size(kv_cache.dtype, self._block_shape)
         pool_bytes = config.cpu_bytes if config.has_cpu else config.staging_bytes
+        setting = "cpu_bytes" if config.has_cpu else "staging_bytes"
         if pool_bytes < slot_nbytes:
-            setting = "cpu_bytes" if config.has_cpu else "staging_bytes"
             raise ValueError(
                 f"{setting}={pool_bytes} holds no KV block ({slot_nbytes} bytes each); "
                 f"raise it" + (" or set 0 for no CPU tier" if config.has_cpu else "")
             )
-        self._pool = CpuBlockPool(
-            pool_bytes, block_nbytes=slot_nbytes, keep_clean=config.has_cpu,
-            pin_memory=kv_cache.is_cuda,
-        )
+        try:
+            self._pool = CpuBlockPool(
+                pool_bytes, block_nbytes=slot_nbytes, keep_clean=config.has_cpu,
+                pin_memory=kv_cache.is_cuda,
+            )
+        except ValueError as e:  # more than the host can pin
+            raise ValueError(f"{setting}={pool_bytes}: {e}; lower it") from None
         self._kv_cache = kv_cache
         self._mover = BlockMover(kv_cache, self._pool.slab, self._codec.stage)
         block = (kv_cache.dtype, self._block_shape)
