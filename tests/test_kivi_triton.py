@@ -31,18 +31,13 @@ from storage.codecs import kivi, kivi_triton
 sys.path.insert(0, "tests")
 from interpreter_testing import value_errors
 
+from test_kivi_triton import case_block
+
 assert kivi_triton._interpreting(), "TRITON_INTERPRET=1 did not reach triton"
 results = {}
 for i, (bits, dtype, shape, layout) in enumerate(json.loads(sys.argv[1])):
     dtype, shape = getattr(torch, dtype), tuple(shape)
-    g = torch.Generator().manual_seed(i)
-    x = torch.randn(shape, generator=g) * 3
-    x[:, 0, ..., :2] += 8
-    if layout == "constant":
-        x[:, :, :, 0] = 1.5
-    kv = x.to(dtype)
-    if layout == "strided":
-        kv = kv.permute(4, 0, 1, 2, 3).contiguous().permute(1, 2, 3, 4, 0)
+    kv = case_block(i)
     ref = kivi.quantize_block(kv, bits, backend="torch")
     tri = kivi.quantize_block(kv, bits, backend="triton")
     dec_ref = kivi.dequantize_block(ref, bits, dtype, shape, backend="torch")
@@ -93,6 +88,22 @@ print(json.dumps({"results": results, "batches": batches, "errors": errors}))
 """
 
 
+def case_block(i: int):
+    """The KV block of ``CASES[i]`` (on the CPU, in the case's layout)."""
+    import torch
+
+    _, dtype, shape, layout = CASES[i]
+    g = torch.Generator().manual_seed(i)
+    x = torch.randn(shape, generator=g) * 3
+    x[:, 0, ..., :2] += 8
+    if layout == "constant":
+        x[:, :, :, 0] = 1.5
+    kv = x.to(getattr(torch, dtype))
+    if layout == "strided":
+        kv = kv.permute(4, 0, 1, 2, 3).contiguous().permute(1, 2, 3, 4, 0)
+    return kv
+
+
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
     return run_interpreted(CHECK, json.dumps(CASES))
@@ -130,3 +141,29 @@ def test_a_batch_of_blocks_matches_one_block_at_a_time(interpreted, bits):
 def test_wrapper_rejects_bad_arguments(interpreted, call, message):
     error = interpreted["errors"][call]
     assert error is not None and message in error
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[_case_id(c) for c in CASES])
+def test_compiled_kernels_match_torch_on_the_gpu_and_the_cpu(case):
+    """The kernels compiled for the GPU (not the interpreter) give the payload torch gives on
+    the CPU and on the GPU, byte for byte, and decode it to the same tensor."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from storage.codecs import kivi
+
+    bits, dtype, shape, _ = CASES[case]
+    dtype, shape = getattr(torch, dtype), tuple(shape)
+    kv = case_block(case)
+    on_gpu = kv.to("cuda")  # keeps the strided layout
+    assert on_gpu.stride() == kv.stride()
+    ref = kivi.quantize_block(kv, bits, backend="torch")
+    assert torch.equal(kivi.quantize_block(on_gpu, bits, backend="triton").cpu(), ref)
+    assert torch.equal(kivi.quantize_block(on_gpu, bits, backend="torch").cpu(), ref)
+    as_bytes = lambda t: t.cpu().contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
+    decoded = as_bytes(kivi.dequantize_block(ref, bits, dtype, shape, backend="torch"))
+    for backend in ("triton", "torch"):
+        on_device = kivi.dequantize_block(ref.to("cuda"), bits, dtype, shape, backend=backend)
+        assert torch.equal(as_bytes(on_device), decoded), backend
