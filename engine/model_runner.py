@@ -11,6 +11,7 @@ from engine.attention import AttentionMetadata, KVScales
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCacheSpec, fp8_scales_from_cache
+from engine.penalties import to_device
 from engine.sampler import Sample, SampleError, Sampler, SamplingRow
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
@@ -126,7 +127,8 @@ class ModelRunner:
             for i, tokens in zip(verified, verify_step(logits, rows)):
                 results[i] = tokens
         if plain:
-            index = torch.as_tensor(offsets[plain], device=logits.device)
+            # staged in pinned memory: a pageable copy would wait for the queued forward
+            index = to_device(offsets[plain].tolist(), torch.int64, logits.device)
             rows = [self._sampling_row(items[i].seq) for i in plain]
             for i, sample in zip(plain, self.sampler(logits.index_select(0, index), rows)):
                 results[i] = _as_result(sample)
