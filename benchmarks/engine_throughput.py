@@ -164,9 +164,8 @@ def ttft(path: Path, shape: Shape, args, device: torch.device) -> dict:
     result: dict = {"prefix_tokens": prefix_len, "suffix_tokens": 16, "requests": requests}
     for caching in (False, True):
         kwargs = dict(device=str(device), dtype=args.dtype, max_model_len=2048,
-                      enable_prefix_caching=caching, enforce_eager=args.enforce_eager)
-        if device.type == "cpu":
-            kwargs["num_gpu_blocks_override"] = 256
+                      enable_prefix_caching=caching, enforce_eager=args.enforce_eager,
+                      num_gpu_blocks_override=256)
         with LLM(str(path), **kwargs) as llm:
             llm.generate([[300] * 8], one)  # warm-up, shares nothing with the prompts
             times, cached = [], []
