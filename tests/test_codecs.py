@@ -449,3 +449,24 @@ def test_a_batch_of_blocks_encodes_like_each_block(spec, shape, dtype):
     for i in range(3):
         expected = codec.decode(payloads[i].numpy().tobytes(), dtype, shape)
         assert torch.equal(bits_of(out[i]), bits_of(expected))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("spec", ["raw", "kivi2", "kivi4"])
+@pytest.mark.parametrize("shape", [SHAPE, (1, 2, 3, 1, 5)], ids=["block", "odd-payload"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn], ids=str)
+def test_a_batch_encoded_on_the_gpu_is_the_hosts_encoding(spec, shape, dtype):
+    """The block mover encodes and decodes on the engine's device (Triton for 16- and 32-bit
+    KV, torch for fp8): the payloads and the decoded blocks are the host's, byte for byte."""
+    codec = get_codec(spec)
+    blocks = torch.stack([make_kv(shape, torch.float32, seed=s) for s in range(3)]).to(dtype)
+    payloads = torch.empty(3, codec.payload_size(dtype, shape), dtype=torch.uint8, device="cuda")
+    codec.encode_blocks(blocks.to("cuda"), payloads)
+    for i in range(3):
+        assert np.array_equal(payloads[i].cpu().numpy(), codec.encode_array(blocks[i]))
+    out = torch.empty_like(blocks, device="cuda")
+    codec.decode_blocks(payloads, out)
+    host = torch.empty_like(blocks)
+    codec.decode_blocks(payloads.cpu(), host)
+    assert torch.equal(bits_of(out.cpu()), bits_of(host))
