@@ -170,6 +170,30 @@ def test_cuda_kivi_round_trip_matches_the_host_and_survives_slot_reuse(codec):
 
 @pytest.mark.cuda
 @needs_cuda
+def test_cuda_kivi_mover_runs_its_kernels_once_when_built():
+    """The KIVI kernels compile when the mover is built (at start-up), not in the first
+    offload on the engine thread: construction encodes and decodes one block."""
+    calls = []
+
+    class Counting(type(get_codec("kivi4").stage)):
+        def encode_blocks(self, blocks, out):
+            calls.append("encode")
+            super().encode_blocks(blocks, out)
+
+        def decode_blocks(self, payloads, out):
+            calls.append("decode")
+            super().decode_blocks(payloads, out)
+
+    stage = Counting(4)
+    cache = torch.zeros(SHAPE, dtype=torch.bfloat16, device="cuda")
+    nbytes = stage.payload_size(cache.dtype, SHAPE[1:])
+    pool = CpuBlockPool(4 * nbytes, block_nbytes=nbytes, pin_memory=True)
+    BlockMover(cache, pool.slab, stage)
+    assert calls == ["encode", "decode"]
+
+
+@pytest.mark.cuda
+@needs_cuda
 def test_cuda_staged_raw_copies_match_direct_ones():
     cache, pool, direct = make("cuda")
     staged = BlockMover(cache, pool.slab, staged=True)

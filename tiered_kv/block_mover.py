@@ -121,11 +121,23 @@ class BlockMover:
             self._out = _Staging(self._chunk, kv_cache, self.slot_nbytes, self.transcodes)
             self._in = _Staging(self._chunk, kv_cache, self.slot_nbytes, self.transcodes)
             self._out_lock, self._in_lock = threading.Lock(), threading.Lock()
+        if self.transcodes and self.offload_stream is not None:
+            self._warm_up()
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         if self.transcodes and self.offload_stream is None:
             self._thread = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="tiered-kv-offload"
             )
+
+    def _warm_up(self) -> None:
+        """Run the stage's device kernels once on one (zeroed) staged block, so that they are
+        compiled at start-up rather than by the first offload on the engine thread (and the
+        first restore on a load worker)."""
+        with torch.cuda.stream(self.offload_stream):
+            block, payload = self._out.blocks[:1].zero_(), self._out.payloads[:1]
+            self.stage.encode_blocks(block, payload)
+            self.stage.decode_blocks(payload, block)
+        self.offload_stream.synchronize()
 
     @property
     def asynchronous(self) -> bool:
