@@ -16,9 +16,10 @@ A slot holds a block in the form of the codec's tensor stage (:attr:`Codec.stage
 block's own bytes for ``raw`` (and ``zstd``, whose byte stage runs on the host later), or
 its KIVI payload for ``kivi2``/``kivi4``. KIVI blocks are quantized on the engine's device
 before the copy and dequantized there after it, so the lossy codecs also cut the bytes
-that cross PCIe and the pool holds 2.9x (kivi4) to 4.6x (kivi2) more blocks. That takes a device staging area per
-direction (:data:`STAGING_BYTES` of blocks, and their payloads): a batch moves in chunks
-that fit it::
+that cross PCIe and the pool holds 2.9x (kivi4) to 4.6x (kivi2) more blocks. That takes a
+device staging area per direction (:data:`STAGING_BYTES` of blocks, and their payloads): a
+batch moves in chunks that fit it. On CUDA the stage's kernels run once on a zeroed block
+when the mover is built, so they compile at start-up rather than in the first offload::
 
     offload:  cache ─ index_select ─▶ staged blocks ─ encode ─▶ payloads ─ DMA ─▶ slots
     restore:  slots ─ DMA ─▶ payloads ─ decode ─▶ staged blocks ─ index_copy ─▶ cache
