@@ -147,7 +147,10 @@ class DecodeGraphs:
         rows[0, :n], rows[1, :n], rows[2, :n], rows[3, :n] = input_ids, positions, positions + 1, slots
         rows[0, n:], rows[1, n:], rows[2, n:] = 0, 0, 1
         rows[3, n:] = self.scratch_block * self.block_size
-        host_tables = self._host_tables[:b, :width].numpy()
+        # [b, width] packed at the front of the pinned buffer: a contiguous source, so the
+        # copy below is one asynchronous DMA (a strided one goes through pageable memory)
+        packed = self._host_tables.view(-1)[: b * width].view(b, width)
+        host_tables = packed.numpy()
         host_tables[:n] = tables
         host_tables[n:] = self.scratch_block
         staged = self._host_rows[:, :b]
@@ -155,7 +158,7 @@ class DecodeGraphs:
         self.positions[:b].copy_(staged[1], non_blocking=True)
         self.seq_lens[:b].copy_(staged[2], non_blocking=True)
         self.slot_mapping[:b].copy_(staged[3], non_blocking=True)
-        self.block_tables[:b, :width].copy_(self._host_tables[:b, :width], non_blocking=True)
+        self.block_tables[:b, :width].copy_(packed, non_blocking=True)
         if self._rows_copied is not None:
             self._rows_copied.record(torch.cuda.current_stream(self.input_ids.device))
         self.num_replays += 1
