@@ -17,6 +17,8 @@ import pytest
 import valkey
 from valkey.crc import key_slot
 
+from ports import free_port
+
 BINARIES = ("valkey-server", "redis-server")
 
 
@@ -28,12 +30,6 @@ def server_binary() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RedisServer:
     """Start, stop and restart one server process on a fixed port; ``extra``: more
     command-line options."""
@@ -42,7 +38,7 @@ class RedisServer:
         self.binary = binary
         self.workdir = workdir
         self.extra = extra
-        self.port = _free_port()
+        self.port = free_port()
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -102,7 +98,7 @@ class RedisCluster:
         self.bus_ports: list[int] = []
         for i in range(size):
             (workdir / f"node{i}").mkdir(parents=True, exist_ok=True)
-            bus = _free_port()
+            bus = free_port()
             self.bus_ports.append(bus)
             self.nodes.append(RedisServer(binary, workdir / f"node{i}", (
                 "--cluster-enabled", "yes", "--cluster-port", str(bus),

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import httpx
 
+from ports import free_port  # noqa: F401  (tests import it from here)
 from tiered_kv.serve_config import ServeConfig
 from tiered_kv.server import create_app
 
@@ -75,12 +75,6 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
         assert error["param"] == param
     if code is not None:
         assert error["code"] == code
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

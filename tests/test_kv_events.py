@@ -2,7 +2,6 @@
 the block pool caches and evicts, and replay of missed batches."""
 from __future__ import annotations
 
-import socket
 import time
 
 import msgspec
@@ -13,19 +12,14 @@ from engine import LLM, SamplingParams
 from engine.hashing import hash_blocks, root_hash
 from engine.kv_events import END_SEQ, KVEventsConfig, decode_batch, external_hash
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
+from ports import free_port
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 BLOCK = 16
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _config(**extra) -> KVEventsConfig:
-    return KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://127.0.0.1:{_free_port()}",
+    return KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://127.0.0.1:{free_port()}",
                           topic="kv", **extra)
 
 
@@ -59,7 +53,7 @@ def _events(messages) -> list[list]:
 @pytest.fixture
 def subscribed():
     """An engine publishing to a SUB socket that is already connected."""
-    config = _config(replay_endpoint=f"tcp://127.0.0.1:{_free_port()}")
+    config = _config(replay_endpoint=f"tcp://127.0.0.1:{free_port()}")
     context = zmq.Context()
     sub = context.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
