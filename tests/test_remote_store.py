@@ -186,7 +186,9 @@ def test_a_paused_server_opens_the_breaker_and_a_probe_closes_it(private_server)
 def test_a_server_out_of_memory_drops_the_stores_it_refuses_and_keeps_the_rest(private_server):
     """A pipeline whose later SETs the server refuses (maxmemory reached, noeviction) keeps
     the records stored before: those are puts, the refused ones are drops."""
-    s = store(private_server.url, breaker=BreakerConfig(failures=5, cooldown_s=60))
+    # a timeout would drop the whole pipeline: on a loaded 2-core machine half a MiB of SETs
+    # can take longer than the default 0.2 s
+    s = store(private_server.url, timeout_s=5.0, breaker=BreakerConfig(failures=5, cooldown_s=60))
     client = private_server.client()
     try:
         used = int(client.info("memory")["used_memory"])
