@@ -54,6 +54,8 @@ class EngineConfig:
     cpu_kv_cache_bytes: int = 256 * 2**20
     seed: int = 0
     enforce_eager: bool = False  # False: decode runs under CUDA graphs on a GPU
+    # launch each decode forward a step ahead (engine/lookahead); None: on CUDA with graphs
+    async_scheduling: bool | None = None
     scheduling_policy: str = "fcfs"  # or "priority", as in vLLM
     kv_events_config: KVEventsConfig | None = None  # publish KV events for routers
     # draft tokens verified in one forward (engine/spec_decode); a dict of vLLM's keys is parsed
@@ -88,6 +90,8 @@ class EngineConfig:
             _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _bool("enable_prefix_caching", self.enable_prefix_caching)
         _bool("enforce_eager", self.enforce_eager)
+        if self.async_scheduling is not None:
+            _bool("async_scheduling", self.async_scheduling)
         if self.kv_events_config is not None and not isinstance(self.kv_events_config, KVEventsConfig):
             raise ValueError(f"kv_events_config must be a KVEventsConfig, got {self.kv_events_config!r}")
         if isinstance(self.speculative_config, dict):
@@ -150,11 +154,20 @@ class EngineConfig:
                 "without chunked prefill a whole prompt must fit into one step; enable chunked "
                 "prefill or lower max_model_len"
             )
+        device = self.torch_device
+        async_scheduling = self.async_scheduling
+        if async_scheduling is None:
+            async_scheduling = (
+                device.type == "cuda" and not self.enforce_eager and self.speculative_config is None
+            )
+        elif async_scheduling and self.speculative_config is not None:
+            raise ValueError("async_scheduling does not work with speculative decoding")
         return dataclasses.replace(
             self,
             max_model_len=max_model_len,
             max_num_batched_tokens=budget,
-            device=str(self.torch_device),
+            device=str(device),
+            async_scheduling=async_scheduling,
         )
 
 

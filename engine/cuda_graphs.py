@@ -131,10 +131,13 @@ class DecodeGraphs:
         positions: np.ndarray,  # [n] its position (context length - 1)
         slots: np.ndarray,  # [n] the cache slot its K/V go to
         tables: np.ndarray,  # [n, w] int32 block tables, w blocks cover every context
+        device_ids: torch.Tensor | None = None,  # [n] on the device: these, not input_ids
     ) -> torch.Tensor:
         """One decode step of ``n <= max_batch`` sequences; the hidden states ``[n, hidden]``.
 
-        The returned tensor is the graph's output buffer: valid until the next run."""
+        The returned tensor is the graph's output buffer: valid until the next run.
+        ``device_ids`` (ids sampled on the device, not yet on the host) are copied in on the
+        stream, after the staged rows."""
         n, width = tables.shape
         b = self.bucket_for(n)
         if b is None:
@@ -159,6 +162,8 @@ class DecodeGraphs:
         self.seq_lens[:b].copy_(staged[2], non_blocking=True)
         self.slot_mapping[:b].copy_(staged[3], non_blocking=True)
         self.block_tables[:b, :width].copy_(packed, non_blocking=True)
+        if device_ids is not None:
+            self.input_ids[:n].copy_(device_ids, non_blocking=True)
         if self._rows_copied is not None:
             self._rows_copied.record(torch.cuda.current_stream(self.input_ids.device))
         self.num_replays += 1

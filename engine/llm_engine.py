@@ -32,12 +32,13 @@ from engine.kv_cache import (
     num_blocks_for_budget,
 )
 from engine.kv_events import KVEventLog, ZmqEventPublisher
-from engine.model_runner import ModelRunner
+from engine.lookahead import NOTHING, reserve
+from engine.model_runner import ModelRunner, StepResult
 from engine.models import LoadedModel, load_model
 from engine.outputs import RequestOutput
 from engine.penalties import TokenCounts
 from engine.sampler import Sample, SampleError, SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.spec_decode.draft import DraftProposer, draft_kv_spec
 from engine.spec_decode.speculator import NgramProposer, Speculator
@@ -155,6 +156,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config, self.block_manager, self._stats, kv_connector)
         self._texts: dict[str, _TextState] = {}
+        self._ahead_held: list[int] = []  # blocks a forward launched ahead may still write
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self._counter = itertools.count()
         self._closed = False
@@ -267,6 +269,9 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
+        if plan.is_empty and self._ahead_held:  # its blocks may be what the plan lacks
+            self._end_lookahead()
+            plan = self.scheduler.schedule()
         if plan.is_empty and self.scheduler.has_pending_transfers():
             self.scheduler.apply_transfers(self.connector.poll(TRANSFER_WAIT_S))
             plan = self.scheduler.schedule()
@@ -274,7 +279,7 @@ class LLMEngine:
             if self.scheduler.has_unfinished() and not self.scheduler.has_pending_transfers():
                 raise RuntimeError("the scheduler could not schedule any of the queued requests")
             return []
-        results = self.model_runner.run(plan)
+        results = self._run(plan)
         now = time.perf_counter()
         num_rejected = [0] * len(plan.scheduled)
         done: list[tuple[Sequence, str | None, Exception | None]] = []  # (seq, reason, error)
@@ -308,7 +313,38 @@ class LLMEngine:
                 self.scheduler.finish(seq, reason)
                 del self._texts[seq.request_id]
             outputs.append(self._output(seq, state))
+        if self._ahead_held and not self.scheduler.running:  # launched for requests now gone
+            self._end_lookahead()
         return outputs
+
+    def _run(self, plan: SchedulerOutput) -> list[StepResult]:
+        """The model runner's step; with ``async_scheduling`` it launches the next decode
+        forward before this step's tokens reach the host (:mod:`engine.lookahead`)."""
+        reserved = NOTHING
+        if self.config.async_scheduling:
+            reserved = reserve(plan, self.scheduler, self.block_manager, self.config)
+        previous, self._ahead_held = self._ahead_held, reserved.held
+        try:
+            results = self.model_runner.run(plan, reserved.seqs)
+        except BaseException:
+            self._ahead_held = previous + reserved.held
+            self._end_lookahead(sync=True)
+            raise
+        # run() waited for the forward launched in the step before: its blocks can go
+        self.block_manager.release(previous)
+        if self.model_runner.lookahead is None and reserved.held:  # not launched after all
+            self.block_manager.release(reserved.held)
+            self._ahead_held = []
+        return results
+
+    def _end_lookahead(self, sync: bool = False) -> None:
+        """Wait for the forward launched ahead (``sync``: for all queued work) and give back
+        the blocks held for it."""
+        self.model_runner.drop_lookahead()
+        if sync and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        held, self._ahead_held = self._ahead_held, []
+        self.block_manager.release(held)
 
     def stats(self) -> EngineStats:
         s, bm = self._stats, self.block_manager
@@ -342,6 +378,7 @@ class LLMEngine:
         if self._closed:
             return
         self._closed = True
+        self._end_lookahead()
         for request_id in list(self._texts):
             self.abort_request(request_id)
         if self.connector is not None:

@@ -11,9 +11,10 @@ from engine.attention import AttentionMetadata, KVScales
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCacheSpec, fp8_scales_from_cache
+from engine.lookahead import Lookahead
 from engine.penalties import to_device
 from engine.sampler import Sample, SampleError, Sampler, SamplingRow
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
 from engine.spec_decode.rejection import VerifyRow, verifiable, verify_step
 from engine.spec_decode.speculator import place_drafts
@@ -54,6 +55,9 @@ class ModelRunner:
         self._full_cache: torch.Tensor | None = None  # kv_cache and the scratch block after it
         self.kv_scales: list[KVScales] | None = None
         self.decode_graphs: DecodeGraphs | None = None
+        self.lookahead: Lookahead | None = None  # the decode forward launched a step ahead
+        self.num_lookahead_used = 0  # steps that took the forward launched for them
+        self.num_lookahead_wasted = 0  # launched forwards no step took
 
     def init_kv_cache(self, num_blocks: int, kv_scales: list[KVScales] | None) -> torch.Tensor:
         """Allocate the pool's ``num_blocks`` blocks (returned) and one scratch block after
@@ -86,6 +90,7 @@ class ModelRunner:
         """Drop the KV cache and the decode graphs and, on CUDA, return their memory to the
         device (the caching allocator would otherwise keep it from the next engine in this
         process). Whoever else held a view of the cache must have dropped it first."""
+        self.drop_lookahead()
         self.decode_graphs = None
         self.kv_cache = None
         self._full_cache = None
@@ -93,22 +98,35 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     @torch.inference_mode()
-    def run(self, output: SchedulerOutput) -> list[StepResult]:
+    def run(self, output: SchedulerOutput, ahead: Seq[Sequence] = ()) -> list[StepResult]:
         """Forward the step; for each scheduled sequence that completes its tokens the tokens
         to append (one sample, or with draft tokens those that verification accepted and
-        the target's next; :mod:`engine.spec_decode`), or the error sampling raised."""
+        the target's next; :mod:`engine.spec_decode`), or the error sampling raised.
+
+        ``ahead``: sequences of this decode step whose next forward to launch before the
+        step's tokens reach the host (:mod:`engine.lookahead`); each has a block for it."""
         if self.kv_cache is None:
             raise RuntimeError("init_kv_cache() must be called before run()")
         items = output.scheduled
         num_logits = [_num_logits(seq, n) for seq, n in items]
+        launched, self.lookahead = self.lookahead, None
+        rows = launched.rows_for(items) if launched is not None else None
+        if rows is not None:
+            self.num_lookahead_used += 1
+            logits = launched.logits
+            if rows != list(range(len(launched.seqs))):
+                logits = logits.index_select(0, to_device(rows, torch.int64, logits.device))
+            return self._sample_decode(items, logits, ahead)
+        if launched is not None:  # wasted: wait for it, its blocks are given back after run()
+            self.num_lookahead_wasted += 1
+            launched.wait()
         graphs = self.decode_graphs
-        if graphs is not None and len(items) <= graphs.max_batch and all(
-            n == 1 and m == 1 for (_, n), m in zip(items, num_logits)
-        ):
+        decode = all(n == 1 and m == 1 for (_, n), m in zip(items, num_logits))
+        if graphs is not None and len(items) <= graphs.max_batch and decode:
             hidden = self._run_decode_graph(graphs, [seq for seq, _ in items])
-            logits = self.model.compute_logits(hidden)  # [B, vocab] float32
-            rows = [self._sampling_row(seq) for seq, _ in items]
-            return [_as_result(s) for s in self.sampler(logits, rows)]
+            return self._sample_decode(items, self.model.compute_logits(hidden), ahead)
+        if ahead and decode:
+            return self._sample_decode(items, self.forward(self._step_inputs(output, num_logits)), ahead)
         logits = self.forward(self._step_inputs(output, num_logits))  # [sum(num_logits), vocab]
         results: list[StepResult] = [None] * len(items)
         offsets = np.cumsum([0, *num_logits])
@@ -181,18 +199,64 @@ class ModelRunner:
             place_drafts(batch.input_ids, starts, drafts)
         return batch
 
-    def _run_decode_graph(self, graphs: DecodeGraphs, seqs: Seq[Sequence]) -> torch.Tensor:
-        """One new token per sequence through the decode graphs; hidden states ``[B, hidden]``."""
+    def _sample_decode(
+        self, items: Seq[ScheduledSequence], logits: torch.Tensor, ahead: Seq[Sequence]
+    ) -> list[StepResult]:
+        """Sample a decode step's ``logits`` (``[B, vocab]``); with ``ahead``, launch their
+        next forward on the drawn ids before the host waits for them."""
+        pending = self.sampler.launch(logits, [self._sampling_row(seq) for seq, _ in items])
+        if ahead and pending.token_ids is not None:
+            index = {id(seq): b for b, (seq, _) in enumerate(items)}
+            rows = to_device([index[id(seq)] for seq in ahead], torch.int64, logits.device)
+            self.lookahead = self._launch_ahead(list(ahead), pending.token_ids.index_select(0, rows))
+        return [_as_result(s) for s in pending.samples()]
+
+    def _launch_ahead(self, seqs: list[Sequence], input_ids: torch.Tensor) -> Lookahead:
+        """Queue the forward of the token each of ``seqs`` is being sampled now (``input_ids``,
+        ``[B]`` on the device) at its next position."""
+        graphs = self.decode_graphs
+        if graphs is not None and len(seqs) <= graphs.max_batch:
+            hidden = self._run_decode_graph(graphs, seqs, input_ids)
+            logits = self.model.compute_logits(hidden)
+        else:
+            starts = [seq.num_tokens for seq in seqs]
+            batch = self.prepare(None, starts, [1] * len(seqs), [s.block_table for s in seqs], [1] * len(seqs))
+            batch.input_ids = input_ids
+            logits = self.forward(batch)
+        done = None
+        if logits.is_cuda:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(logits.device))
+        rows = {id(seq): b for b, seq in enumerate(seqs)}
+        return Lookahead(seqs, [seq.num_tokens for seq in seqs], logits, done, rows)
+
+    def drop_lookahead(self) -> None:
+        """Forget the forward launched ahead, once it ran (its blocks can be given back then)."""
+        launched, self.lookahead = self.lookahead, None
+        if launched is not None:
+            self.num_lookahead_wasted += 1
+            launched.wait()
+
+    def _run_decode_graph(
+        self, graphs: DecodeGraphs, seqs: Seq[Sequence], ahead_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One new token per sequence through the decode graphs; hidden states ``[B, hidden]``.
+        With ``ahead_ids`` (``[B]`` on the device) the tokens are those being sampled now, one
+        position past each sequence's last."""
         bs = self.block_size
-        positions = np.fromiter((seq.num_tokens - 1 for seq in seqs), np.int64, len(seqs))  # [B]
-        input_ids = np.fromiter((seq.token_ids[-1] for seq in seqs), np.int64, len(seqs))
+        shift = 0 if ahead_ids is None else 1
+        positions = np.fromiter((seq.num_tokens - 1 + shift for seq in seqs), np.int64, len(seqs))  # [B]
+        if ahead_ids is None:
+            input_ids = np.fromiter((seq.token_ids[-1] for seq in seqs), np.int64, len(seqs))
+        else:
+            input_ids = np.zeros(len(seqs), dtype=np.int64)  # placeholders until the copy below
         width = int(positions.max()) // bs + 1
         tables = np.zeros((len(seqs), width), dtype=np.int32)  # [B, width]
         for b, seq in enumerate(seqs):
             used = int(positions[b]) // bs + 1
             tables[b, :used] = seq.block_table[:used]
         slots = tables[np.arange(len(seqs)), positions // bs].astype(np.int64) * bs + positions % bs
-        return graphs.run(input_ids, positions, slots, tables)
+        return graphs.run(input_ids, positions, slots, tables, ahead_ids)
 
     @torch.inference_mode()
     def profile_peak_memory(self, kv_scales: list[KVScales] | None) -> int:

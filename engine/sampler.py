@@ -172,24 +172,69 @@ class Sampler:
         their own fail (as a :class:`SampleError`). The others are drawn again then, so a
         seeded row's token may differ from the one the batch would have given it.
         """
+        return self.launch(logits, rows).samples()
+
+    def launch(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> PendingSamples:
+        """Queue the batch's draws on the device; :meth:`PendingSamples.samples` brings them
+        to the host (the step's one sync). In between, the drawn ids can feed the next
+        forward on the device (:mod:`engine.lookahead`)."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(rows)} requests")
-        if not rows:
-            return []
-        try:
-            return _sample(logits, rows)
-        except Exception:
-            return [_sample_alone(logits[i : i + 1], row) for i, row in enumerate(rows)]
+        pending = PendingSamples(logits, rows)
+        if rows:
+            try:
+                pending.drawn = _draw_batch(logits, rows)
+            except Exception:
+                pending.fall_back()
+        else:
+            pending.done = []
+        return pending
+
+
+class _Drawn(NamedTuple):
+    """A batch's draws, still on the device."""
+
+    token_ids: torch.Tensor  # [M] int64
+    logprob_rows: list[int]  # rows that asked for logprobs
+    picked: torch.Tensor | None  # [L] the chosen tokens' logprobs
+    top: torch.return_types.topk | None  # [L, k]
+    num_top: list[int]  # per logprob row
+
+
+class PendingSamples:
+    """The samples of a launched batch (:meth:`Sampler.launch`)."""
+
+    def __init__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        self._logits, self._rows = logits, rows
+        self.drawn: _Drawn | None = None
+        self.done: list[Sample | SampleError] | None = None
+
+    @property
+    def token_ids(self) -> torch.Tensor | None:
+        """``[M]`` the drawn ids on the device; None once the batch fell back to row by row."""
+        return self.drawn.token_ids if self.drawn is not None else None
+
+    def samples(self) -> list[Sample | SampleError]:
+        if self.done is None:
+            try:
+                self.done = _to_host(self.drawn)
+            except Exception:
+                self.fall_back()
+        return self.done
+
+    def fall_back(self) -> None:
+        self.drawn = None
+        self.done = [_sample_alone(self._logits[i : i + 1], row) for i, row in enumerate(self._rows)]
 
 
 def _sample_alone(logits: torch.Tensor, row: SamplingRow) -> Sample | SampleError:
     try:
-        return _sample(logits, [row])[0]
+        return _to_host(_draw_batch(logits, [row]))[0]
     except Exception as e:
         return SampleError(e)
 
 
-def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sample]:
+def _draw_batch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> _Drawn:
     device = logits.device
     logprob_rows = [i for i, r in enumerate(rows) if r.params.wants_logprobs]
     logprob_index = to_device(logprob_rows, torch.int64, device)
@@ -212,13 +257,18 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sample]:
         picked = logprobs.gather(1, token_ids.index_select(0, logprob_index)[:, None]).squeeze(1)
         if max(num_top):
             top = logprobs.topk(min(max(num_top), logprobs.shape[1]), dim=-1)  # [L, k]
-    chosen = token_ids.tolist()  # the step's host sync; what follows is already computed
+    return _Drawn(token_ids, logprob_rows, picked, top, num_top)
+
+
+def _to_host(drawn: _Drawn) -> list[Sample]:
+    chosen = drawn.token_ids.tolist()  # the step's host sync; what follows is already computed
     samples = [Sample(t, None, None) for t in chosen]
-    if picked is not None:
-        picked_list = picked.tolist()
+    if drawn.picked is not None:
+        picked_list = drawn.picked.tolist()
+        top = drawn.top
         top_ids, top_values = (top.indices.tolist(), top.values.tolist()) if top is not None else ((), ())
-        for j, i in enumerate(logprob_rows):
-            k = num_top[j]
+        for j, i in enumerate(drawn.logprob_rows):
+            k = drawn.num_top[j]
             alternatives = dict(zip(top_ids[j][:k], top_values[j][:k])) if k else None
             samples[i] = Sample(chosen[i], picked_list[j], alternatives)
     return samples

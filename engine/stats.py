@@ -20,7 +20,7 @@ class EngineStats:
     """A point-in-time copy of the engine's state and counters. Counters only grow."""
 
     num_blocks: int
-    num_used_blocks: int  # referenced by a sequence, or held for a connector's save
+    num_used_blocks: int  # referenced by a sequence, or held (a connector's save, a forward launched ahead)
     num_cached_blocks: int  # findable in the prefix cache (referenced or free)
     num_running: int
     num_waiting: int

@@ -177,6 +177,11 @@ class ServeConfig:
         False, "Run decode eagerly; without it decode runs under CUDA graphs on a GPU.", ENGINE,
         default_text="off",
     )
+    async_scheduling: bool | None = option(
+        None, "Queue each decode step's forward before the last step's tokens reach the host, "
+        "so that the GPU does not wait on the host between steps; outputs are unchanged.",
+        ENGINE, default_text="on with CUDA graphs",
+    )
     scheduling_policy: str = option(
         "fcfs", "`fcfs`: first come, first served; `priority`: by the requests' `priority` "
         "(lower first).", ENGINE, choices=SCHEDULING_POLICIES,
@@ -334,6 +339,7 @@ class ServeConfig:
             kv_cache_dtype=self.kv_cache_dtype,
             enable_prefix_caching=self.enable_prefix_caching,
             enforce_eager=self.enforce_eager,
+            async_scheduling=self.async_scheduling,
             scheduling_policy=self.scheduling_policy,
             seed=self.seed,
             kv_events_config=self._kv_events(),
