@@ -10,7 +10,10 @@ default; ``1b`` and ``8b`` as in ``gpu_tiers.py``, bf16, the CUDA default).
               - ``compiled``: the same with a static cache and ``torch.compile``
                 (CUDA only unless ``--engines`` names it);
               - the engine: one ``LLM.generate()`` (CUDA graphs for decode unless
-                ``--enforce-eager``).
+                ``--enforce-eager``, each decode forward launched a step ahead on CUDA:
+                ``async_scheduling``);
+              - ``engine-sync``: the same engine with ``async_scheduling`` off (CUDA only
+                unless ``--engines`` names it).
               Output tokens per second of wall time, prefill included, after a warm-up
               call. On CUDA, the GPU busy fraction of the engine's decode (kernel time over
               wall time, from the torch profiler) and the engine's start-up seconds.
@@ -24,6 +27,8 @@ default; ``1b`` and ``8b`` as in ``gpu_tiers.py``, bf16, the CUDA default).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import signal
 import statistics
 import sys
@@ -41,7 +46,7 @@ from engine.sampler import SamplingParams
 REPO = Path(__file__).resolve().parents[1]
 SEED = 0
 BENCH = Shape(512, 8, 8, 4, 64, 1408, 32000, "float32")
-ENGINES = ("transformers", "compiled", "engine")
+ENGINES = ("transformers", "compiled", "engine", "engine-sync")
 DEFAULT_WORKLOADS = {
     "cuda": "1x16x256,32x512x128,128x256x128",
     "cpu": "1x16x64,16x256x64",
@@ -143,6 +148,9 @@ def throughput(path: Path, shape: Shape, args, device: torch.device, rows: list[
                 compiled_model = hf_model
                 compiled_model.forward = torch.compile(compiled_model.forward, mode="reduce-overhead")
             row["compiled"] = run_transformers(compiled_model, prompts, n, True, device)
+        if "engine-sync" in args.engines:
+            with synchronous(llm):
+                row["engine-sync"] = run_engine(llm, prompts, n, device)
         if "engine" in args.engines:
             row["engine"] = run_engine(llm, prompts, n, device)
             reference = row.get("transformers", {}).get("tokens")
@@ -154,6 +162,17 @@ def throughput(path: Path, shape: Shape, args, device: torch.device, rows: list[
                 row[key].pop("tokens")
         rows.append(row)
     llm.close()
+
+
+@contextlib.contextmanager
+def synchronous(llm: LLM):
+    """The same engine (pool, graphs) with ``async_scheduling`` off, for a side-by-side row."""
+    config = llm.engine.config
+    llm.engine.config = dataclasses.replace(config, async_scheduling=False)
+    try:
+        yield
+    finally:
+        llm.engine.config = config
 
 
 def ttft(path: Path, shape: Shape, args, device: torch.device) -> dict:
@@ -190,8 +209,9 @@ def print_tables(rows: list[dict], tt: dict | None, device: torch.device) -> Non
     print(f"engine start-up: {head['startup_s']:.1f} s"
           + (" (eager)" if head["enforce_eager"] else " (CUDA graphs captured)" * (device.type == "cuda")))
     print("| B x prompt -> new | transformers tok/s | compiled tok/s | engine tok/s "
-          "| engine / compiled | engine / transformers | GPU busy | identical greedy |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| engine / compiled | engine / transformers | GPU busy | engine, async off tok/s "
+          "| GPU busy, async off | identical greedy |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         def tok_s(key: str) -> str:
             return f"{r[key]['tok_s']:,.0f}" if key in r else "–"
@@ -199,11 +219,15 @@ def print_tables(rows: list[dict], tt: dict | None, device: torch.device) -> Non
         def ratio(key: str) -> str:
             return f"{r['engine']['tok_s'] / r[key]['tok_s']:.2f}×" if key in r and "engine" in r else "–"
 
-        busy = r.get("engine", {}).get("gpu_busy")
+        def busy(key: str) -> str:
+            value = r.get(key, {}).get("gpu_busy")
+            return "–" if value is None else f"{value:.0%}"
+
         same = f"{r['identical_outputs']}/{r['batch']}" if "identical_outputs" in r else "–"
         print(f"| {r['batch']} x {r['prompt']} -> {r['new']} | {tok_s('transformers')} | "
               f"{tok_s('compiled')} | {tok_s('engine')} | {ratio('compiled')} | "
-              f"{ratio('transformers')} | {'–' if busy is None else f'{busy:.0%}'} | {same} |")
+              f"{ratio('transformers')} | {busy('engine')} | {tok_s('engine-sync')} | "
+              f"{busy('engine-sync')} | {same} |")
     if tt is None:
         return
     print(f"\nTTFT, {tt['prefix_tokens']}-token shared prefix + {tt['suffix_tokens']}-token "
@@ -247,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
         args.workloads = [parse_workload(w) for w in (args.workloads or DEFAULT_WORKLOADS[default]).split(",")]
     except ValueError as e:
         parser.error(str(e))
-    args.engines = (args.engines or ("transformers,compiled,engine" if device.type == "cuda"
+    args.engines = (args.engines or ("transformers,compiled,engine,engine-sync" if device.type == "cuda"
                                      else "transformers,engine")).split(",")
     if unknown := set(args.engines) - set(ENGINES):
         parser.error(f"unknown engines {sorted(unknown)}; known: {', '.join(ENGINES)}")
