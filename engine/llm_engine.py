@@ -340,11 +340,13 @@ class LLMEngine:
     def _end_lookahead(self, sync: bool = False) -> None:
         """Wait for the forward launched ahead (``sync``: for all queued work) and give back
         the blocks held for it."""
-        self.model_runner.drop_lookahead()
-        if sync and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
         held, self._ahead_held = self._ahead_held, []
-        self.block_manager.release(held)
+        try:
+            self.model_runner.drop_lookahead()
+            if sync and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        finally:
+            self.block_manager.release(held)
 
     def stats(self) -> EngineStats:
         s, bm = self._stats, self.block_manager
@@ -378,7 +380,10 @@ class LLMEngine:
         if self._closed:
             return
         self._closed = True
-        self._end_lookahead()
+        try:
+            self._end_lookahead()
+        except Exception:  # a broken device: the rest of the clean-up still runs
+            logger.exception("waiting for the decode forward launched ahead failed")
         for request_id in list(self._texts):
             self.abort_request(request_id)
         if self.connector is not None:

@@ -18,7 +18,13 @@ sequence being recomputed), the launched forward is wasted and the step runs its
 
 Nothing is sampled ahead: sampling waits for the step that takes the logits, so penalties,
 ``min_tokens``, logit bias and grammars see every earlier token, and seeded draws come in
-the same order as without lookahead. Outputs are those of the synchronous engine.
+the same order as without lookahead. A launched batch may hold rows of sequences that
+stopped meanwhile, so it can be larger (on CUDA, fall in a larger graph bucket) than the
+step that takes it: float rounding may move, as with any other change of batch.
+
+The host waits for a step's draws alone: the sampler copies them into pinned memory
+behind an event before the forward is launched (a ``.tolist()`` on the device would wait
+for that forward too, and the host would again finish the step while the GPU idles).
 
 A launched forward writes the KV of one position per sequence in a block the engine
 reserved for it (:func:`reserve`). The engine holds those blocks until that forward is

@@ -209,7 +209,11 @@ class ModelRunner:
             index = {id(seq): b for b, (seq, _) in enumerate(items)}
             rows = to_device([index[id(seq)] for seq in ahead], torch.int64, logits.device)
             self.lookahead = self._launch_ahead(list(ahead), pending.token_ids.index_select(0, rows))
-        return [_as_result(s) for s in pending.samples()]
+        samples = pending.samples()
+        if pending.drawn is None and self.lookahead is not None:
+            # redrawn row by row after the launch: not the ids the launched forward computes
+            self.drop_lookahead()
+        return [_as_result(s) for s in samples]
 
     def _launch_ahead(self, seqs: list[Sequence], input_ids: torch.Tensor) -> Lookahead:
         """Queue the forward of the token each of ``seqs`` is being sampled now (``input_ids``,

@@ -184,6 +184,7 @@ class Sampler:
         if rows:
             try:
                 pending.drawn = _draw_batch(logits, rows)
+                pending.staged = _stage(pending.drawn)
             except Exception:
                 pending.fall_back()
         else:
@@ -192,7 +193,7 @@ class Sampler:
 
 
 class _Drawn(NamedTuple):
-    """A batch's draws, still on the device."""
+    """A batch's draws, on the device (or their pinned host copies, :func:`_stage`)."""
 
     token_ids: torch.Tensor  # [M] int64
     logprob_rows: list[int]  # rows that asked for logprobs
@@ -207,6 +208,7 @@ class PendingSamples:
     def __init__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         self._logits, self._rows = logits, rows
         self.drawn: _Drawn | None = None
+        self.staged: tuple[_Drawn, torch.cuda.Event | None] | None = None  # on their way to the host
         self.done: list[Sample | SampleError] | None = None
 
     @property
@@ -217,19 +219,22 @@ class PendingSamples:
     def samples(self) -> list[Sample | SampleError]:
         if self.done is None:
             try:
-                self.done = _to_host(self.drawn)
+                host, copied = self.staged
+                if copied is not None:
+                    copied.synchronize()  # the draws only, not what was queued after them
+                self.done = _to_host(host)
             except Exception:
                 self.fall_back()
         return self.done
 
     def fall_back(self) -> None:
-        self.drawn = None
+        self.drawn = self.staged = None
         self.done = [_sample_alone(self._logits[i : i + 1], row) for i, row in enumerate(self._rows)]
 
 
 def _sample_alone(logits: torch.Tensor, row: SamplingRow) -> Sample | SampleError:
     try:
-        return _to_host(_draw_batch(logits, [row]))[0]
+        return _to_host(_draw_batch(logits, [row]))[0]  # a sync, but a fallback is rare
     except Exception as e:
         return SampleError(e)
 
@@ -260,8 +265,30 @@ def _draw_batch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> _Drawn:
     return _Drawn(token_ids, logprob_rows, picked, top, num_top)
 
 
+def _stage(drawn: _Drawn) -> tuple[_Drawn, torch.cuda.Event | None]:
+    """On CUDA, the draws copied into pinned host memory behind an event: the host then waits
+    for the draws alone, not for work queued after them (a forward launched ahead; a
+    ``.tolist()`` on the device tensor would wait for the whole stream)."""
+    if not drawn.token_ids.is_cuda:
+        return drawn, None
+
+    def pinned(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return host.copy_(t, non_blocking=True)
+
+    top = drawn.top
+    if top is not None:
+        top = torch.return_types.topk((pinned(top.values), pinned(top.indices)))
+    host = drawn._replace(token_ids=pinned(drawn.token_ids), picked=pinned(drawn.picked), top=top)
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(drawn.token_ids.device))
+    return host, copied
+
+
 def _to_host(drawn: _Drawn) -> list[Sample]:
-    chosen = drawn.token_ids.tolist()  # the step's host sync; what follows is already computed
+    chosen = drawn.token_ids.tolist()  # on the host: the copy ran (_stage); or a CPU tensor
     samples = [Sample(t, None, None) for t in chosen]
     if drawn.picked is not None:
         picked_list = drawn.picked.tolist()

@@ -281,7 +281,9 @@ def apply_token_masks(logits: torch.Tensor, grammars: Sequence[GrammarState | No
     for row, grammar in enumerate(grammars):
         if grammar is not None:
             grammar.fill_bitmask(bitmask, row)
-    allowed = unpack_bitmask(bitmask.to(logits.device), vocab_size)  # [M, vocab] bool
+    if logits.is_cuda:  # pinned: a pageable copy would wait for the forward queued before it
+        bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
+    allowed = unpack_bitmask(bitmask, vocab_size)  # [M, vocab] bool
     logits.masked_fill_(~allowed, float("-inf"))
 
 

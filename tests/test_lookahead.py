@@ -233,3 +233,33 @@ def test_on_a_gpu_graphs_launched_ahead_generate_what_eager_steps_do():
         assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == expected
         assert llm.engine.model_runner.num_lookahead_used > 0
         assert_all_blocks_back(llm)
+
+
+def test_a_batch_redrawn_row_by_row_drops_the_forward_launched_on_its_first_draw(monkeypatch):
+    """The host copy of a batch's draws fails after the next forward was launched on them:
+    the rows are drawn again one by one (seeded rows get other tokens), so that forward
+    computed ids that were not appended and must not be taken."""
+    import engine.sampler as sampler
+
+    real = sampler._to_host
+
+    def run(async_scheduling: bool) -> list[list[int]]:
+        calls = 0
+
+        def failing_once(drawn):
+            nonlocal calls
+            if drawn.token_ids.shape[0] > 1:
+                calls += 1
+                if calls == 6:
+                    raise RuntimeError("the copy of the draws failed")
+            return real(drawn)
+
+        monkeypatch.setattr(sampler, "_to_host", failing_once)
+        seeded = [SamplingParams(temperature=1.0, seed=10 + i, max_tokens=15, ignore_eos=True)
+                  for i in range(3)]
+        with make_llm(async_scheduling) as llm:
+            out = [o.token_ids for o in llm.generate(PROMPTS[:3], seeded)]
+            assert_all_blocks_back(llm)
+            return out
+
+    assert run(True) == run(False)

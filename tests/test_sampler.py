@@ -354,3 +354,22 @@ def test_engine_counts_the_generated_tokens_for_the_penalties(llm, monkeypatch):
         assert prompt_tokens == sorted(set(out.prompt_token_ids))
         expected = torch.bincount(torch.tensor(out.token_ids[:step], dtype=torch.long), minlength=output_counts.numel())
         assert output_counts.tolist() == expected.tolist()
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_draws_reach_the_host_without_waiting_for_work_queued_after_them():
+    """What a forward launched a step ahead relies on (engine/lookahead.py): samples()
+    waits for the draws' copy, not for the whole stream."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    x = logits(3).cuda()
+    rows = [row(SamplingParams(temperature=0.0)), row(SamplingParams(temperature=0.0, logprobs=2)),
+            row(SamplingParams(temperature=0.0, logprobs=0))]
+    expected = Sampler()(x.clone(), rows)
+    pending = Sampler().launch(x.clone(), rows)
+    torch.cuda._sleep(2_000_000_000)  # a long kernel queued after the draws (~1 s)
+    samples = pending.samples()
+    assert not torch.cuda.current_stream().query()  # returned while that kernel still runs
+    torch.cuda.synchronize()
+    assert [s.token_id for s in samples] == [int(t) for t in x.argmax(dim=-1).tolist()]
+    assert samples == expected
