@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import deque
 from typing import NamedTuple
 
@@ -79,12 +80,17 @@ class StatsCollector:
         self.itl_s: deque[float] = deque(maxlen=max_samples)
 
 
+MEMORY_TTL_S = 0.5
+
+
 class NvmlTelemetry:
     """Total and used memory of one CUDA device through NVML (package ``nvidia-ml-py``)."""
 
     def __init__(self, device: torch.device) -> None:
         self._handle = None
         self._nvml = None
+        self._memory: GpuMemory | None = None
+        self._memory_at = 0.0
         if device.type != "cuda":
             return
         try:
@@ -103,10 +109,15 @@ class NvmlTelemetry:
             self._handle = None
 
     def memory(self) -> GpuMemory | None:
+        """At most ``MEMORY_TTL_S`` old: the engine thread takes stats after every step, and
+        an NVML query is not free."""
         if self._handle is None:
             return None
-        info = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
-        return GpuMemory(int(info.total), int(info.used))
+        now = time.monotonic()
+        if self._memory is None or now - self._memory_at >= MEMORY_TTL_S:
+            info = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
+            self._memory, self._memory_at = GpuMemory(int(info.total), int(info.used)), now
+        return self._memory
 
     def close(self) -> None:
         if self._nvml is not None:

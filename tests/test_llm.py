@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import types
 
 import pytest
 import torch
@@ -268,3 +269,27 @@ def test_output_text_keeps_the_leading_space_of_sentencepiece_decoders():
     full = backend.decode(final.prompt_token_ids + final.token_ids)
     assert final.text == full[len("w1 w2 w3") :] and final.text.startswith(" w")
     assert "".join(o.delta_text for o in outs) == final.text
+
+
+def test_nvml_memory_is_queried_at_most_once_per_ttl(monkeypatch):
+    """The engine thread takes stats after every step; NVML is asked again only when the
+    last answer is older than MEMORY_TTL_S."""
+    from engine import stats
+
+    class FakeNvml:
+        calls = 0
+
+        def nvmlDeviceGetMemoryInfo(self, handle):
+            FakeNvml.calls += 1
+            return types.SimpleNamespace(total=100, used=FakeNvml.calls)
+
+    telemetry = stats.NvmlTelemetry(torch.device("cpu"))
+    assert telemetry.memory() is None
+    telemetry._nvml, telemetry._handle = FakeNvml(), object()
+    clock = [1000.0]
+    monkeypatch.setattr(stats.time, "monotonic", lambda: clock[0])
+    assert telemetry.memory() == stats.GpuMemory(100, 1)
+    clock[0] += stats.MEMORY_TTL_S / 2
+    assert telemetry.memory() == stats.GpuMemory(100, 1) and FakeNvml.calls == 1
+    clock[0] += stats.MEMORY_TTL_S
+    assert telemetry.memory() == stats.GpuMemory(100, 2)
