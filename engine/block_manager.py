@@ -137,6 +137,8 @@ class BlockManager:
             raise ValueError("a cached prefix can only start an empty block table")
         if self.kv_window is not None:
             self.free_out_of_window(seq)
+        elif not prefix and num_tokens <= len(seq.block_table) * self.block_size:
+            return True  # most decode steps: the last block has room
         if not self.can_allocate(seq, num_tokens, prefix):
             return False
         for block_id in prefix:

@@ -1,6 +1,7 @@
 """``LLM``: offline batch generation, the way vLLM's ``LLM`` class is used."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -8,7 +9,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.connector import KVConnector
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, RequestOutputKind
 from engine.sampler import SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -89,12 +90,19 @@ class LLM:
         engine = self.engine
         ids: list[str] = []
         done: dict[str, RequestOutput] = {}
+        final_only: dict[int, SamplingParams] = {}  # only finished outputs are kept here
         try:
             for prompt, params, salt, priority, special in requests:
+                if isinstance(params, SamplingParams):  # add_request refuses anything else
+                    if id(params) not in final_only:
+                        final_only[id(params)] = dataclasses.replace(
+                            params, output_kind=RequestOutputKind.FINAL_ONLY
+                        )
+                    params = final_only[id(params)]
                 ids.append(
                     engine.add_request(
-                        prompt, params, cache_salt=salt, add_special_tokens=special,
-                        priority=priority,
+                        prompt, params, cache_salt=salt,
+                        add_special_tokens=special, priority=priority,
                     )
                 )
             pending = set(ids)

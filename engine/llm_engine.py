@@ -35,7 +35,7 @@ from engine.kv_events import KVEventLog, ZmqEventPublisher
 from engine.lookahead import NOTHING, reserve
 from engine.model_runner import ModelRunner, StepResult
 from engine.models import LoadedModel, load_model
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, RequestOutputKind
 from engine.penalties import TokenCounts
 from engine.sampler import Sample, SampleError, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -57,6 +57,7 @@ class _TextState:
     """Detokenization and stop-string state of one request."""
 
     detokenizer: IncrementalDetokenizer
+    prompt_token_ids: list[int]  # every output of the request shares this one list
     text: str = ""
     num_sent_chars: int = 0
     stop_reason: str | int | None = None
@@ -225,7 +226,7 @@ class LLMEngine:
             seq.grammar = self.grammars.state(params.structured_output)
         if params.has_penalties:
             seq.token_counts = TokenCounts(token_ids, self.model_config.vocab_size, self.device)
-        text_state = _TextState(self._detokenizer(token_ids, params))
+        text_state = _TextState(self._detokenizer(token_ids, params), token_ids)
         self.scheduler.add(seq)
         self._texts[request_id] = text_state
         return request_id
@@ -312,6 +313,8 @@ class LLMEngine:
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 del self._texts[seq.request_id]
+            elif seq.params.output_kind is RequestOutputKind.FINAL_ONLY:
+                continue
             outputs.append(self._output(seq, state))
         if self._ahead_held and not self.scheduler.running:  # launched for requests now gone
             self._end_lookahead()
@@ -504,7 +507,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=seq.request_id,
             prompt=seq.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
+            prompt_token_ids=state.prompt_token_ids if state is not None else seq.prompt_token_ids,
             token_ids=seq.output_token_ids,
             text=state.text[: state.num_sent_chars] if state is not None else "",
             delta_text="",
@@ -520,7 +523,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=seq.request_id,
             prompt=seq.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
+            prompt_token_ids=state.prompt_token_ids,
             token_ids=seq.output_token_ids,
             text=text,
             delta_text=delta,

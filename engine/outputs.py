@@ -2,6 +2,18 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
+
+
+class RequestOutputKind(enum.Enum):
+    """Which outputs :meth:`engine.llm_engine.LLMEngine.step` hands back for a request (as
+    vLLM's ``SamplingParams.output_kind``). ``CUMULATIVE``: one after every step that gave
+    it tokens, each with everything so far (streaming). ``FINAL_ONLY``: only the finished
+    one; the steps before build none, which spares the engine thread a copy of the request's
+    token ids and text per step (``LLM.generate`` asks for this)."""
+
+    CUMULATIVE = "cumulative"
+    FINAL_ONLY = "final_only"
 
 
 @dataclasses.dataclass(frozen=True)

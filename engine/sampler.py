@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.outputs import RequestOutputKind
 from engine.penalties import TokenCounts, apply_penalties, to_device
 from engine.structured_output import GrammarState, StructuredOutputSpec, apply_token_masks
 
@@ -45,6 +46,8 @@ class SamplingParams:
     - ``structured_output``: a grammar the output must match (:mod:`engine.structured_output`);
       tokens it forbids are masked before sampling, and the request stops when it ends. It
       cannot be combined with ``min_tokens`` (the grammar decides where the output ends).
+    - ``output_kind``: every step's cumulative output, or only the final one
+      (:class:`engine.outputs.RequestOutputKind`).
     """
 
     temperature: float = 1.0
@@ -64,6 +67,7 @@ class SamplingParams:
     logprobs: bool | int | None = None
     skip_special_tokens: bool = True
     structured_output: StructuredOutputSpec | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         # Normalize list/str arguments once, at construction, so the object stays hashable.
@@ -119,6 +123,8 @@ class SamplingParams:
             raise ValueError(f"structured_output must be a StructuredOutputSpec, got {so!r}")
         if so is not None and self.min_tokens:
             raise ValueError("min_tokens cannot be combined with structured output")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     @property
     def is_greedy(self) -> bool:

@@ -56,6 +56,7 @@ class Tokenizer:
             "eos_token": eos_token or "",
         }
         self._compiled: jinja2.Template | None = None
+        self._single: dict[tuple[int, bool], str] = {}  # decode_one's answers
 
     @classmethod
     def from_folder(cls, folder: str | Path, *, eos_token_ids: Iterable[int] = ()) -> Tokenizer:
@@ -116,6 +117,16 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_one(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """``decode([token_id])``, remembered (at most one entry per vocabulary entry): the
+        incremental detokenizer decodes the same one-token contexts over and over."""
+        key = (token_id, skip_special_tokens)
+        text = self._single.get(key)
+        if text is None:
+            text = self._backend.decode([token_id], skip_special_tokens=skip_special_tokens)
+            self._single[key] = text
+        return text
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
@@ -195,9 +206,12 @@ class IncrementalDetokenizer:
         return piece
 
     def _pending(self) -> str:
-        decode = self._tokenizer.decode
-        context = decode(self._ids[self._prefix : self._read], self._skip)
-        text = decode(self._ids[self._prefix :], self._skip)
+        tokenizer, ids, prefix = self._tokenizer, self._ids, self._prefix
+        if self._read - prefix == 1:  # the usual context: the one token emitted last
+            context = tokenizer.decode_one(ids[prefix], self._skip)
+        else:
+            context = tokenizer.decode(ids[prefix : self._read], self._skip)
+        text = tokenizer.decode(ids[prefix:], self._skip)
         return text[len(context) :]
 
 

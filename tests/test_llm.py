@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, RequestOutput, SamplingParams
+from engine import LLM, EngineConfig, RequestOutput, RequestOutputKind, SamplingParams
 from engine.kv_cache import KVCacheSpec
 from engine.models import tiny_model_path
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
@@ -136,6 +136,32 @@ def test_abort_frees_blocks(llm):
     assert out.finish_reason == "abort" and len(out.token_ids) == 1
     assert engine.abort_request(request_id) is None
     assert engine.stats().num_used_blocks == 0 and not engine.has_unfinished_requests()
+
+
+def test_a_final_only_request_gives_one_output_the_cumulative_one_ends_with(llm):
+    engine = llm.engine
+    stop = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, stop=["zz"])
+    final = dataclasses.replace(stop, output_kind=RequestOutputKind.FINAL_ONLY)
+    each = engine.add_request("Hello there", stop)
+    last = engine.add_request("Hello there", final)
+    seen: dict[str, list[RequestOutput]] = {each: [], last: []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert len(seen[each]) == 9 and len(seen[last]) == 1
+    a, b = seen[each][-1], seen[last][0]
+    assert b.finished and (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+    assert b.prompt_token_ids == a.prompt_token_ids == llm.tokenizer.encode("Hello there")
+    assert b.delta_text == b.text  # nothing was handed out before
+    # an abort still answers with the final output
+    request_id = engine.add_request("abort me", final)
+    assert engine.step() == []
+    assert engine.abort_request(request_id).finish_reason == "abort"
+    # generate() asks for final outputs only and leaves the caller's params alone
+    assert llm.generate("Hello there", stop)[0].token_ids == a.token_ids
+    assert stop.output_kind is RequestOutputKind.CUMULATIVE
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="final_only")
 
 
 def test_a_closed_engine_takes_no_requests():

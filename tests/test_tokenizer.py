@@ -92,6 +92,14 @@ def test_special_tokens(tok):
     assert tok.decode(ids, skip_special_tokens=False) == "<|user|>hi<|end|>"
 
 
+def test_decode_one_is_decode_of_one_token_for_either_skip_setting(tok):
+    for token_id in (ord("a"), 0xC3, BOS_ID, END_ID, 260):
+        for skip in (True, False):
+            assert tok.decode_one(token_id, skip) == tok.decode([token_id], skip)
+            assert tok.decode_one(token_id, skip) == tok.decode([token_id], skip)  # remembered
+    assert tok.decode_one(END_ID, True) == "" and tok.decode_one(END_ID, False) == "<|end|>"
+
+
 def test_max_token_chars_bounds_the_text_of_a_token(tok):
     assert tok.max_token_chars == len("<|assistant|>")
     for text in [*TEXTS, "<|assistant|>" * 3]:
