@@ -11,8 +11,8 @@ from engine.attention import AttentionMetadata, KVScales
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCacheSpec, fp8_scales_from_cache
+from engine.host_staging import to_device, upload
 from engine.lookahead import Lookahead
-from engine.penalties import to_device
 from engine.sampler import Sample, SampleError, Sampler, SamplingRow
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
@@ -331,30 +331,30 @@ class ModelRunner:
         query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
         np.cumsum(query_lens, out=query_start_loc[1:])
 
-        device = self.device
-        meta = AttentionMetadata(
-            query_start_loc=torch.from_numpy(query_start_loc).to(device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=torch.from_numpy(tables).to(device),
-            slot_mapping=torch.from_numpy(slots).to(device),
-            seq_lens_cpu=list(seq_lens),
-            query_lens_cpu=list(query_lens),
-        )
         ends = query_start_loc[1:].astype(np.int64)
-        logits_indices = torch.from_numpy(
-            np.concatenate([np.arange(e - m, e) for e, m in zip(ends, num_logits)])
-        )
-        input_ids = None
+        logits_indices = np.concatenate([np.arange(e - m, e) for e, m in zip(ends, num_logits)])
+        arrays = [query_start_loc, np.asarray(seq_lens, dtype=np.int32), tables, slots, positions,
+                  logits_indices]
         if token_ids is not None:
             flat: list[int] = []
             for tokens, s, n in zip(token_ids, starts, query_lens):
                 flat += tokens[s : s + n]
-            input_ids = torch.tensor(flat, dtype=torch.int64, device=device)
+            arrays.append(np.asarray(flat, dtype=np.int64))
+        # one asynchronous copy on CUDA: a pageable one would wait for the queued forward
+        moved = upload(arrays, self.device)
+        meta = AttentionMetadata(
+            query_start_loc=moved[0],
+            seq_lens=moved[1],
+            block_tables=moved[2],
+            slot_mapping=moved[3],
+            seq_lens_cpu=list(seq_lens),
+            query_lens_cpu=list(query_lens),
+        )
         return BatchInputs(
-            input_ids=input_ids,
-            positions=torch.from_numpy(positions).to(device),
+            input_ids=moved[6] if token_ids is not None else None,
+            positions=moved[4],
             meta=meta,
-            logits_indices=logits_indices.to(device),
+            logits_indices=moved[5],
         )
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:

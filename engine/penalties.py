@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.host_staging import to_device
+
 
 class TokenCounts:
     """Which tokens a sequence's prompt holds, and how often each was generated."""
@@ -51,10 +53,3 @@ def apply_penalties(
     logits = logits - to_device(frequency, dtype, device)[:, None] * output_counts
     return logits - to_device(presence, dtype, device)[:, None] * generated.to(dtype)
 
-
-def to_device(values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A short host list as a tensor on ``device``. On CUDA it is staged in pinned memory and
-    copied asynchronously: a copy from pageable memory would wait for the queued forward."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

@@ -8,8 +8,9 @@ from typing import NamedTuple
 
 import torch
 
+from engine.host_staging import to_device
 from engine.outputs import RequestOutputKind
-from engine.penalties import TokenCounts, apply_penalties, to_device
+from engine.penalties import TokenCounts, apply_penalties
 from engine.structured_output import GrammarState, StructuredOutputSpec, apply_token_masks
 
 _MAX_SEED = 2**63 - 1

@@ -32,10 +32,10 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.host_staging import to_device
 from engine.kv_cache import KVCacheSpec
 from engine.model_runner import BatchInputs, ModelRunner
 from engine.models import LoadedModel
-from engine.penalties import to_device
 from engine.sampler import draw, filtered_probs
 from engine.sequence import Sequence
 from engine.spec_decode.speculator import Proposal

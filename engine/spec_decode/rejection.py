@@ -30,7 +30,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from engine.penalties import to_device
+from engine.host_staging import to_device
 from engine.sampler import Sample, SampleError, SamplingParams, draw, filtered_probs
 from engine.sequence import Sequence
 from engine.spec_decode.speculator import composes_with_speculation, place_drafts

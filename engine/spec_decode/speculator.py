@@ -14,7 +14,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from engine.penalties import to_device
+from engine.host_staging import to_device
 from engine.sampler import SampleError, SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec_decode.config import SpeculativeConfig

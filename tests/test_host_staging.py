@@ -1,0 +1,60 @@
+"""Host arrays moved to the device (engine/host_staging.py): one packed asynchronous copy on
+CUDA, each array back with its dtype, shape and values."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.host_staging import to_device, upload
+
+
+def arrays() -> list[np.ndarray]:
+    """Mixed dtypes and sizes, so that packing needs padding between them."""
+    return [
+        np.array([0, 3, 7], dtype=np.int32),  # 12 bytes: the next starts 4 bytes later
+        np.arange(15, dtype=np.int32).reshape(3, 5),
+        np.array([2**40, -1, 5], dtype=np.int64),
+        np.zeros(0, dtype=np.int64),
+        np.array([1.5, -2.25], dtype=np.float32),
+        np.arange(6, dtype=np.int64)[::2],  # not contiguous
+    ]
+
+
+def check(moved: list[torch.Tensor], device: torch.device) -> None:
+    expected = arrays()
+    assert len(moved) == len(expected)
+    for tensor, array in zip(moved, expected):
+        assert tensor.device.type == device.type
+        assert tensor.dtype == torch.from_numpy(np.ascontiguousarray(array)).dtype
+        assert tuple(tensor.shape) == array.shape and tensor.is_contiguous()
+        assert tensor.cpu().numpy().tolist() == array.tolist()
+
+
+def test_on_the_cpu_each_array_comes_back_as_it_was():
+    check(upload(arrays(), torch.device("cpu")), torch.device("cpu"))
+
+
+def test_to_device_on_the_cpu():
+    t = to_device([3, 1, 2], torch.int32, torch.device("cpu"))
+    assert t.dtype == torch.int32 and t.tolist() == [3, 1, 2]
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_arrays_cross_in_one_copy_that_does_not_wait_for_queued_work():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    device = torch.device("cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # a long kernel queued before the copy (~1 s)
+    moved = upload(arrays(), device)
+    assert not torch.cuda.current_stream().query()  # upload returned while it still runs
+    torch.cuda.synchronize()
+    check(moved, device)
+    # the pinned buffer is not reused before its copy ran: with both copies still queued
+    # behind a kernel, the second upload's values do not reach the first's
+    torch.cuda._sleep(1_000_000_000)
+    first = upload([np.full(1000, 7, dtype=np.int64)], device)[0]
+    upload([np.full(1000, 9, dtype=np.int64)], device)
+    torch.cuda.synchronize()
+    assert first.eq(7).all()
