@@ -249,17 +249,19 @@ def _sample_alone(logits: torch.Tensor, row: SamplingRow) -> Sample | SampleErro
 def _draw_batch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> _Drawn:
     device = logits.device
     logprob_rows = [i for i, r in enumerate(rows) if r.params.wants_logprobs]
-    logprob_index = to_device(logprob_rows, torch.int64, device)
-    logprobs = torch.log_softmax(logits.index_select(0, logprob_index), dim=-1) if logprob_rows else None
+    logprob_index = logprobs = None
+    if logprob_rows:
+        logprob_index = to_device(logprob_rows, torch.int64, device)
+        logprobs = torch.log_softmax(logits.index_select(0, logprob_index), dim=-1)
 
     logits = _penalized(_biased(logits, rows), rows)
     apply_token_masks(logits, [r.grammar for r in rows])
     token_ids = logits.argmax(dim=-1)  # [M]; kept for greedy rows
     random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if random_rows:
-        random_logits = logits.index_select(0, to_device(random_rows, torch.int64, device))
-        probs = filtered_probs(random_logits, [rows[i].params for i in random_rows])
-        token_ids[to_device(random_rows, torch.int64, device)] = draw(
+        random_index = to_device(random_rows, torch.int64, device)
+        probs = filtered_probs(logits.index_select(0, random_index), [rows[i].params for i in random_rows])
+        token_ids[random_index] = draw(
             probs, [rows[i].generator for i in random_rows]
         )
 
