@@ -8,6 +8,7 @@ default; ``1b`` and ``8b`` as in ``gpu_tiers.py``, bf16, the CUDA default).
               greedy, N new tokens each with eos ignored, side by side in one run:
               - ``transformers``: one ``generate()`` on the batch (dynamic cache, eager);
               - ``compiled``: the same with a static cache and ``torch.compile``
+                (warmed up on the timed call itself: it compiles per shape)
                 (CUDA only unless ``--engines`` names it);
               - the engine: one ``LLM.generate()`` (CUDA graphs for decode unless
                 ``--enforce-eager``, each decode forward launched a step ahead on CUDA:
@@ -105,7 +106,12 @@ def gpu_busy(fn, device: torch.device) -> float | None:
 
 
 def run_transformers(model, prompts, new, static: bool, device) -> dict:
-    hf_generate(model, [p[:8] for p in prompts], 4, static)  # warm-up (and compile)
+    # Warm-up. A compiled model specializes on the static cache's length and the prompt's
+    # shape: it warms up on the timed call itself, or its timed run would compile again.
+    if static:
+        hf_generate(model, prompts, new, static)
+    else:
+        hf_generate(model, [p[:8] for p in prompts], 4, static)
     out, seconds = timed(lambda: hf_generate(model, prompts, new, static), device)
     return {"s": seconds, "tok_s": len(prompts) * new / seconds, "tokens": out}
 
@@ -137,17 +143,20 @@ def throughput(path: Path, shape: Shape, args, device: torch.device, rows: list[
     engine_kwargs["num_gpu_blocks_override"] = max_seqs * (-(-max_len // 16)) + 16
     llm, startup_s = timed(lambda: LLM(str(path), **engine_kwargs), device)
     rows.append({"startup_s": startup_s, "enforce_eager": args.enforce_eager})
-    compiled_model = None
+    compiled_forward = None  # installed on hf_model only for the compiled runs
     for b, p, n in args.workloads:
         prompts = random_prompts(b, p, shape.vocab, SEED + b + p)
         row: dict = {"workload": f"{b}x{p}x{n}", "batch": b, "prompt": p, "new": n}
         if "transformers" in args.engines:
             row["transformers"] = run_transformers(hf_model, prompts, n, False, device)
         if "compiled" in args.engines:
-            if compiled_model is None:
-                compiled_model = hf_model
-                compiled_model.forward = torch.compile(compiled_model.forward, mode="reduce-overhead")
-            row["compiled"] = run_transformers(compiled_model, prompts, n, True, device)
+            if compiled_forward is None:
+                compiled_forward = torch.compile(hf_model.forward, mode="reduce-overhead")
+            hf_model.forward = compiled_forward
+            try:
+                row["compiled"] = run_transformers(hf_model, prompts, n, True, device)
+            finally:
+                del hf_model.forward  # the eager forward again, for the next workload's row
         if "engine-sync" in args.engines:
             with synchronous(llm):
                 row["engine-sync"] = run_engine(llm, prompts, n, device)

@@ -134,9 +134,9 @@ def test_a_load_from_the_pool_alone_is_one_restore(tmp_path, monkeypatch):
     restores = []
     restore = loader._mover.restore
 
-    def counted(pairs):
+    def counted(pairs, after=None):
         restores.append(len(pairs))
-        return restore(pairs)
+        return restore(pairs, after)
 
     monkeypatch.setattr(loader._mover, "restore", counted)
     in_pool = [dataclasses.replace(w, tier="cpu") for w in wanted]

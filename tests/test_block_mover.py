@@ -144,6 +144,25 @@ def test_cuda_round_trip_and_slot_reuse_after_offload():
 
 @pytest.mark.cuda
 @needs_cuda
+def test_cuda_restore_after_a_fence_waits_for_the_forward_queued_before_it():
+    """A block freed while a forward still writes it (a request aborted mid-prefill) and
+    handed to a load: the restore starts only after that write."""
+    cache, pool, mover = make("cuda")
+    mover.offload([(3, 0)]).wait()
+    stored = slot(pool, 0).clone()
+    torch.cuda._sleep(1_000_000_000)  # the queued forward (~0.5 s) ...
+    cache[3].fill_(7)  # ... and its write into block 3
+    mover.restore([(3, 0)], mover.fence()).wait()
+    assert torch.equal(cache[3].cpu(), stored)
+
+
+def test_on_the_cpu_there_is_no_fence_to_wait_for():
+    _, _, mover = make()
+    assert mover.fence() is None
+
+
+@pytest.mark.cuda
+@needs_cuda
 @pytest.mark.parametrize("codec", ["kivi4", "kivi2"])
 def test_cuda_kivi_round_trip_matches_the_host_and_survives_slot_reuse(codec):
     """Quantized on the GPU before the copy: the slots hold the same bytes the CPU path

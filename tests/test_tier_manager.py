@@ -20,6 +20,7 @@ from storage.codecs import get_codec
 from storage.codecs.kivi import KiviCodec
 from storage.lmdb_store import LmdbStore
 from tiered_kv import TierConfig, TierManager, block_saver, build_llm
+from tiered_kv.block_mover import BlockMover
 from tiered_kv.tier_manager import SWITCH_INTERVAL_S
 
 BLOCK = 16
@@ -106,6 +107,37 @@ def test_cpu_pool_restores_what_the_engine_evicted(reference):
     assert cpu["stored_blocks"] == cpu["entries"] == 8 + len(FLUSH) // BLOCK
     assert cpu["loaded_bytes"] > 0 and cpu["load_bytes_per_s"] > 0
     assert set(stats) == {"cpu"}
+
+
+def test_restores_wait_for_the_fence_taken_on_the_engine_thread_when_the_load_starts(
+    reference, disk, monkeypatch
+):
+    """A load's blocks may have been freed while a forward still writes them (a request
+    aborted mid-prefill): every restore of the load is ordered after the work queued when
+    the engine handed the blocks out (the mover's fence; on a GPU an event, see
+    test_block_mover's cuda test)."""
+    fences, afters = [], []
+
+    def fence(self):
+        fences.append((object(), threading.current_thread()))
+        return fences[-1][0]
+
+    def restore(self, pairs, after=None):
+        afters.append(after)
+        return real_restore(self, pairs)
+
+    real_restore = BlockMover.restore
+    monkeypatch.setattr(BlockMover, "fence", fence)
+    monkeypatch.setattr(BlockMover, "restore", restore)
+    tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=4 << 20, disk_bytes=64 << 20)
+    with make_llm(tiers) as llm:
+        llm.generate(PROMPTS[0], GREEDY)
+        llm.generate(FLUSH, GREEDY)  # the CPU-pool hit below is a load
+        assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids == reference[0]
+    with make_llm(tiers) as llm:  # a disk hit, read on the reader threads
+        assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids == reference[0]
+    assert len(fences) == 2 and all(t is threading.main_thread() for _, t in fences)
+    assert afters and set(map(id, afters)) == {id(f) for f, _ in fences}
 
 
 def test_disk_restores_in_a_new_engine_and_promotes_to_cpu(reference, disk):

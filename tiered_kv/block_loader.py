@@ -114,14 +114,16 @@ class BlockLoader:
         request_id: str,
         blocks: list[WantedBlock],
         report: Callable[[LoadResult], None] | None = None,
+        after: torch.cuda.Event | None = None,
     ) -> LoadResult:
         """Load ``blocks``; once every copy is complete, ``report`` the result (the engine
         may run the request from then on) and only then let go of the last slots read, so
-        that bookkeeping is not on the request's path."""
+        that bookkeeping is not on the request's path. ``after``: the mover's fence, taken
+        when the blocks were handed to the load; no copy into them starts before it."""
         start = time.perf_counter()
         held: list[BlockKey] = []
         try:
-            loaded, by_tier = self._load(blocks, held)
+            loaded, by_tier = self._load(blocks, held, after)
         except Exception:
             logger.exception("load of %s failed; the engine recomputes", request_id)
             loaded, by_tier = 0, {}
@@ -133,7 +135,9 @@ class BlockLoader:
             self._pool.release_many(held)
         return result
 
-    def _load(self, blocks: list[WantedBlock], held: list[BlockKey]) -> tuple[int, dict[str, int]]:
+    def _load(
+        self, blocks: list[WantedBlock], held: list[BlockKey], after: torch.cuda.Event | None
+    ) -> tuple[int, dict[str, int]]:
         """Fetch and restore the leading ``blocks`` that can be served; returns (their
         number, by tier) once every copy it issued is complete, the keys of the slots the
         last copies read added to ``held`` for the caller to let go."""
@@ -142,7 +146,7 @@ class BlockLoader:
             # here (their slots are taken already, so holding them all costs the pool nothing).
             got = self._fetch(blocks)
             held += got.held
-            self._mover.restore(got.pairs).wait()
+            self._mover.restore(got.pairs, after).wait()
             return len(got.pairs), got.by_tier
         chunks = [blocks[i : i + READ_CHUNK] for i in range(0, len(blocks), READ_CHUNK)]
         # A few chunks are read at once on the reader threads: copies out of the map or the
@@ -162,7 +166,7 @@ class BlockLoader:
                     queued += 1
                 got = reads.popleft().result()
                 try:
-                    in_flight.append((self._mover.restore(got.pairs), got.held))
+                    in_flight.append((self._mover.restore(got.pairs, after), got.held))
                 except BaseException:
                     held += got.held
                     raise

@@ -173,12 +173,26 @@ class BlockMover:
             self.offload_stream.wait_event(written)
             return _issued(self._offload, pairs, self.offload_stream)
 
-    def restore(self, pairs: Sequence[tuple[int, int]]) -> Copy:
-        """Copy slot ``s`` into block ``b`` for each ``(b, s)``."""
+    def fence(self) -> torch.cuda.Event | None:
+        """An event past the work queued so far on the current (compute) stream, for a
+        :meth:`restore` into blocks that work may still write: blocks freed while a forward
+        was in flight (a request aborted mid-prefill) and handed to a load. None without a
+        restore stream (copies and forwards are then ordered by the host)."""
+        if self.restore_stream is None:
+            return None
+        queued = torch.cuda.Event()
+        queued.record(torch.cuda.current_stream(self.device))
+        return queued
+
+    def restore(self, pairs: Sequence[tuple[int, int]], after: torch.cuda.Event | None = None) -> Copy:
+        """Copy slot ``s`` into block ``b`` for each ``(b, s)``; with ``after`` (a
+        :meth:`fence`), once the work before it has run."""
         if self.restore_stream is None:
             self._restore(pairs)
             return Copy()
         with torch.cuda.stream(self.restore_stream):
+            if after is not None:
+                self.restore_stream.wait_event(after)
             return _issued(self._restore, pairs, self.restore_stream)
 
     def _offload(self, pairs: Sequence[tuple[int, int]]) -> None:

@@ -319,7 +319,11 @@ class TierManager(KVConnector):
                 self.metrics.add(self._first_lower_tier(), load_failures=1)
             self._report(loaded={request_id: 0})
             return
-        future = self._load_pool.submit(self._loader.run, request_id, wanted, self._load_finished)
+        # on the engine thread: the blocks may still be written by a forward queued before now
+        after = self._mover.fence()
+        future = self._load_pool.submit(
+            self._loader.run, request_id, wanted, self._load_finished, after
+        )
         self._loads_in_flight.add(future)
         future.add_done_callback(functools.partial(self._load_done, request_id))
 
