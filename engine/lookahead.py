@@ -89,13 +89,12 @@ def reserve(
 ) -> Reserved:
     """The sequences of a decode step to launch a step ahead, each with a block for the
     position it computes then, and those blocks held; :data:`NOTHING` when the step is not
-    a plain decode step, or the next step would not be one (a waiting request would join).
+    a plain decode step, or the next step would not be one (a waiting request could join:
+    one that waits for blocks does not stop the launch).
 
     A sequence whose token of this step ends it by length is left out; one that another
     stop ends is launched, and its row is wasted."""
     if plan.preempted or not plan.scheduled:
-        return NOTHING
-    if scheduler.waiting and len(scheduler.running) + len(scheduler.loading) < config.max_num_seqs:
         return NOTHING
     for seq, num_new in plan.scheduled:
         if num_new != 1 or len(seq.spec_token_ids) or seq.num_computed_tokens + 1 != seq.num_tokens:
@@ -104,6 +103,8 @@ def reserve(
     for seq in seqs:  # what the next step's schedule would allocate, a step early
         if not block_manager.allocate(seq, seq.num_tokens + 1):
             return NOTHING
+    if scheduler.may_admit():
+        return NOTHING
     bs = config.block_size
     held = [seq.block_table[seq.num_tokens // bs] for seq in seqs]
     block_manager.hold(held)

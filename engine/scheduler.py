@@ -124,6 +124,28 @@ class Scheduler:
             or self._lookups_pending
         )
 
+    def may_admit(self) -> bool:
+        """Whether the next :meth:`schedule` could start the first waiting request, as far as
+        the pool tells now. It counts the least the request needs (its first chunk after its
+        GPU hit; a connector hit takes more), so False means it waits for blocks: a decode
+        step may then be launched a step ahead (:mod:`engine.lookahead`)."""
+        if not self.waiting or len(self.running) + len(self.loading) >= self.config.max_num_seqs:
+            return False
+        budget = self.config.max_num_batched_tokens - len(self.running)  # decodes go first
+        if budget <= 0:
+            return False
+        if self._lookups_pending:  # one of those behind the first may be admitted
+            return True
+        seq = self.waiting.peek()
+        gpu_hit = self.block_manager.find_cached_prefix(seq, (seq.num_tokens - 1) // self.block_size)
+        num_hit_tokens = len(gpu_hit) * self.block_size
+        first_chunk = min(seq.num_tokens - num_hit_tokens, budget)
+        bm = self.block_manager
+        needed = bm.num_blocks_to_allocate(seq, num_hit_tokens + first_chunk, gpu_hit)
+        # the running sequences' next tokens are given blocks first
+        needed += sum(bm.num_blocks_to_allocate(r, r.num_tokens) for r in self.running)
+        return needed <= bm.num_free_blocks
+
     def get(self, request_id: str) -> Sequence | None:
         return self._requests.get(request_id)
 

@@ -190,6 +190,36 @@ def test_preemption_in_a_small_pool_matches_the_synchronous_engine():
         assert_all_blocks_back(llm)
 
 
+def _step_all(llm: LLM) -> tuple[list[tuple], list[bool]]:
+    """Run PROMPTS step by step: the final outputs, and per step whether a request waited
+    while a forward was launched ahead."""
+    engine, finals, launched_while_waiting = llm.engine, {}, []
+    ids = [engine.add_request(p, params) for p, params in zip(PROMPTS, PARAMS)]
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        launched_while_waiting.append(
+            bool(engine.scheduler.waiting) and engine.model_runner.lookahead is not None
+        )
+    outs = [(o.token_ids, o.text, o.finish_reason, o.stop_reason, o.logprobs, o.top_logprobs)
+            for o in (finals[i] for i in ids)]
+    return outs, launched_while_waiting
+
+
+def test_requests_waiting_for_blocks_do_not_stop_the_launch():
+    """A full pool keeps waiting requests out until blocks come back; meanwhile the decode
+    steps are launched ahead (they used to be only when nothing waited)."""
+    kw = dict(num_gpu_blocks_override=14, max_num_seqs=6, max_model_len=128)
+    with make_llm(False, **kw) as llm:
+        expected, _ = _step_all(llm)
+    with make_llm(True, **kw) as llm:
+        got, launched_while_waiting = _step_all(llm)
+        assert_same(got, expected)
+        assert sum(launched_while_waiting) >= 5
+        assert_all_blocks_back(llm)
+
+
 def test_decode_graph_buffers_take_the_ids_from_the_device(synchronous):
     """The decode-graph path (run eagerly on the CPU): launched forwards feed the sampled
     ids into the static buffers. Padding the batch to a bucket may move float rounding, so

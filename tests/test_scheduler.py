@@ -370,3 +370,22 @@ def test_a_victim_scheduled_earlier_in_the_step_gives_its_budget_back():
     assert [q.request_id for q in out.preempted] == ["low"]
     assert plan(out) == [("high", 1)] and out.num_batched_tokens == 1
     assert low.status is SequenceStatus.WAITING and low.block_table == []
+
+
+def test_may_admit_says_whether_the_first_waiting_request_could_start_next_step():
+    s = scheduler(num_blocks=6, max_num_seqs=4)
+    assert not s.may_admit()  # nothing waits
+    s.add(make_seq(range(1, 17), request_id="a", block_size=BS))  # 4 blocks
+    assert s.may_admit()
+    step(s)
+    s.add(make_seq(range(101, 109), request_id="b", block_size=BS))  # 2 blocks
+    assert not s.may_admit()  # 2 are free, but a's next token takes one first
+    assert plan(step(s)) == [("a", 1)]  # and b waits indeed
+    s.finish(s.get("a"), "length")
+    assert s.may_admit()
+    assert plan(step(s)) == [("b", 8)]
+    full = scheduler(num_blocks=64, max_num_seqs=1)
+    full.add(make_seq(range(1, 5), request_id="x", block_size=BS))
+    step(full)
+    full.add(make_seq(range(5, 9), request_id="y", block_size=BS))
+    assert not full.may_admit()  # max_num_seqs keeps it out
