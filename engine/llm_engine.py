@@ -79,6 +79,7 @@ class LLMEngine:
         loaded_model: LoadedModel | None = None,
     ) -> None:
         config = config or EngineConfig()
+        _use_device(config.torch_device)
         model = loaded_model
         if model is None:
             model = load_model(config.model, dtype=config.dtype, device=config.torch_device)
@@ -240,6 +241,12 @@ class LLMEngine:
             return None
         self.scheduler.finish(seq, "abort")
         return self._output(seq, self._texts.pop(request_id))
+
+    def bind_thread(self) -> None:
+        """Make the engine's device the calling thread's current CUDA device. Kernels
+        (Triton's too) launch on the current device, which is per thread: a thread other
+        than the one that built the engine calls this before stepping it (``cuda:N``)."""
+        _use_device(self.device)
 
     def has_unfinished_requests(self) -> bool:
         """Requests waiting, loading or running, or connector transfers still to be reported
@@ -533,6 +540,11 @@ class LLMEngine:
             logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
             top_logprobs=list(seq.top_logprobs) if seq.top_logprobs is not None else None,
         )
+
+
+def _use_device(device: torch.device) -> None:
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
 
 
 def _find_stop(text: str, stops: Seq[str], searched_from: int) -> tuple[int, str] | None:

@@ -1,11 +1,14 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
+import torch
 
 from engine import LLM, AsyncLLM, SamplingParams
+from engine import llm_engine
 from engine.async_engine import EngineDeadError, RequestFailedError
 from engine.llm_engine import LLMEngine
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
@@ -194,3 +197,23 @@ def test_idle_engine_thread_blocks_instead_of_spinning(fresh):
     start = time.process_time()
     time.sleep(0.3)
     assert time.process_time() - start < 0.1
+
+
+def test_the_engine_thread_takes_the_engines_cuda_device(monkeypatch):
+    """Kernels launch on the thread's current CUDA device: with ``cuda:N`` the engine
+    thread makes N its own before stepping (and an engine being built, the building one)."""
+    bound = []
+    monkeypatch.setattr(
+        LLMEngine, "bind_thread", lambda self: bound.append(threading.current_thread().name)
+    )
+    llm = AsyncLLM(max_model_len=256, num_gpu_blocks_override=64, device="cpu")
+    try:
+        asyncio.run(collect(llm, "hi"))
+    finally:
+        llm.shutdown()
+    assert bound == ["tiered-kv-engine"]
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    for device in ("cuda:1", "cuda", "cpu"):
+        llm_engine._use_device(torch.device(device))
+    assert calls == [torch.device("cuda:1")]
