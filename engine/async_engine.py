@@ -184,7 +184,6 @@ class AsyncLLM:
     def _run(self) -> None:
         engine = self.engine
         try:
-            engine.bind_thread()
             while True:
                 idle = not engine.has_unfinished_requests()
                 commands = [self._commands.get()] if idle else []

@@ -108,6 +108,10 @@ class KVConnector(abc.ABC):
         ``request_id`` in ``loaded``. Blocks past the reported count may hold anything:
         the engine recomputes them. Only the reported blocks are marked computed and
         entered in the prefix cache.
+
+        A forward queued before this call may still write these blocks (they may have been
+        freed under it: a request aborted mid-prefill). On a GPU, order the writes after the
+        work queued on the current stream when this is called (an event recorded here).
         """
 
     @abc.abstractmethod

@@ -14,7 +14,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-_ALIGN = 8  # bytes: each array starts where any of its dtypes may be viewed
+# bytes: each array starts where any dtype may be viewed, and where Triton takes a pointer
+# as 16-byte aligned (it compiles a kernel per alignment of its pointer arguments)
+_ALIGN = 16
 
 
 def to_device(values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -27,10 +29,10 @@ def to_device(values: Sequence[int] | Sequence[float], dtype: torch.dtype, devic
 def upload(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """``arrays`` as tensors on ``device``, with their dtypes and shapes. On CUDA they are
     packed into one pinned buffer and cross in one asynchronous copy, each a view of the
-    device buffer; on the CPU each tensor shares its array's memory."""
+    device buffer, 16-byte aligned; on the CPU each tensor shares its array's memory."""
     arrays = [np.ascontiguousarray(a) for a in arrays]
     if device.type != "cuda":
-        return [torch.from_numpy(a) for a in arrays]
+        return [torch.from_numpy(a).to(device) for a in arrays]  # no copy on the CPU
     offsets, total = [], 0
     for a in arrays:
         offsets.append(total)

@@ -242,23 +242,19 @@ class LLMEngine:
         self.scheduler.finish(seq, "abort")
         return self._output(seq, self._texts.pop(request_id))
 
-    def bind_thread(self) -> None:
-        """Make the engine's device the calling thread's current CUDA device. Kernels
-        (Triton's too) launch on the current device, which is per thread: a thread other
-        than the one that built the engine calls this before stepping it (``cuda:N``)."""
-        _use_device(self.device)
-
     def has_unfinished_requests(self) -> bool:
         """Requests waiting, loading or running, or connector transfers still to be reported
         (a load of an aborted request, saves that hold blocks): steps complete them all."""
         return self.scheduler.has_unfinished() or self.scheduler.has_pending_transfers()
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; an output for every request that got a token or finished in it.
+        """Run one step; an output for every request that got a token or finished in it
+        (only for those that finished, of the requests that asked for ``FINAL_ONLY``).
 
         With a connector, the step first takes in the transfers it finished. When nothing
         can run until a transfer finishes, the step waits up to ``TRANSFER_WAIT_S`` for one
         and may then run nothing."""
+        _use_device(self.device)  # the stepping thread may not be the building one
         try:
             return self._step()
         finally:
@@ -543,6 +539,8 @@ class LLMEngine:
 
 
 def _use_device(device: torch.device) -> None:
+    """Make ``cuda:N`` the calling thread's current device: kernels (Triton's too) launch on
+    the current device, which is per thread and may have been set by another engine."""
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
 

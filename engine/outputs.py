@@ -20,10 +20,11 @@ class RequestOutputKind(enum.Enum):
 class RequestOutput:
     """The state of one request after a step; the last one has ``finished`` set.
 
-    ``token_ids``, ``text`` and ``logprobs`` are cumulative; ``delta_text`` is the text
-    that is new since the previous output of the same request (for streaming). While a
-    request has stop strings, the last ``len(longest stop) - 1`` characters are held back
-    until it is clear they do not start a stop string.
+    ``prompt_token_ids`` is one list shared by every output of the request: read it, do
+    not change it. ``token_ids``, ``text`` and ``logprobs`` are cumulative; ``delta_text``
+    is the text that is new since the previous output of the same request (for
+    streaming). While a request has stop strings, the last ``len(longest stop) - 1``
+    characters are held back until it is clear they do not start a stop string.
     """
 
     request_id: str

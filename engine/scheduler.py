@@ -126,9 +126,10 @@ class Scheduler:
 
     def may_admit(self) -> bool:
         """Whether the next :meth:`schedule` could start the first waiting request, as far as
-        the pool tells now. It counts the least the request needs (its first chunk after its
-        GPU hit; a connector hit takes more), so False means it waits for blocks: a decode
-        step may then be launched a step ahead (:mod:`engine.lookahead`)."""
+        the pool tells now: room under ``max_num_seqs`` and in the token budget, and blocks
+        for the least it needs (its first chunk after its GPU hit; a connector hit takes
+        more). When False a decode step may be launched a step ahead
+        (:mod:`engine.lookahead`); an answer that proves wrong only wastes that launch."""
         if not self.waiting or len(self.running) + len(self.loading) >= self.config.max_num_seqs:
             return False
         budget = self.config.max_num_batched_tokens - len(self.running)  # decodes go first
@@ -136,15 +137,16 @@ class Scheduler:
             return False
         if self._lookups_pending:  # one of those behind the first may be admitted
             return True
-        seq = self.waiting.peek()
-        gpu_hit = self.block_manager.find_cached_prefix(seq, (seq.num_tokens - 1) // self.block_size)
+        seq, bm = self.waiting.peek(), self.block_manager
+        # the running sequences' next tokens are given blocks first
+        decoding = sum(bm.num_blocks_to_allocate(r, r.num_tokens) for r in self.running)
+        free = bm.num_free_blocks - decoding
+        if -(-min(seq.num_tokens, budget) // self.block_size) <= free:
+            return True  # it fits without a hit: no need to look its prefix up
+        gpu_hit = bm.find_cached_prefix(seq, (seq.num_tokens - 1) // self.block_size)
         num_hit_tokens = len(gpu_hit) * self.block_size
         first_chunk = min(seq.num_tokens - num_hit_tokens, budget)
-        bm = self.block_manager
-        needed = bm.num_blocks_to_allocate(seq, num_hit_tokens + first_chunk, gpu_hit)
-        # the running sequences' next tokens are given blocks first
-        needed += sum(bm.num_blocks_to_allocate(r, r.num_tokens) for r in self.running)
-        return needed <= bm.num_free_blocks
+        return bm.num_blocks_to_allocate(seq, num_hit_tokens + first_chunk, gpu_hit) <= free
 
     def get(self, request_id: str) -> Sequence | None:
         return self._requests.get(request_id)

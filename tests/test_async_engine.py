@@ -199,21 +199,23 @@ def test_idle_engine_thread_blocks_instead_of_spinning(fresh):
     assert time.process_time() - start < 0.1
 
 
-def test_the_engine_thread_takes_the_engines_cuda_device(monkeypatch):
-    """Kernels launch on the thread's current CUDA device: with ``cuda:N`` the engine
-    thread makes N its own before stepping (and an engine being built, the building one)."""
-    bound = []
+def test_each_step_runs_on_the_engines_cuda_device(monkeypatch):
+    """Kernels launch on the thread's current CUDA device: with ``cuda:N`` every step (on
+    the engine thread here) makes N current first, whatever thread built the engine."""
+    steps = []
+    use_device = llm_engine._use_device
     monkeypatch.setattr(
-        LLMEngine, "bind_thread", lambda self: bound.append(threading.current_thread().name)
+        llm_engine, "_use_device",
+        lambda device: (steps.append((device, threading.current_thread().name)), use_device(device)),
     )
     llm = AsyncLLM(max_model_len=256, num_gpu_blocks_override=64, device="cpu")
     try:
         asyncio.run(collect(llm, "hi"))
     finally:
         llm.shutdown()
-    assert bound == ["tiered-kv-engine"]
+    assert ("cpu", "tiered-kv-engine") in {(d.type, t) for d, t in steps}
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", calls.append)
     for device in ("cuda:1", "cuda", "cpu"):
-        llm_engine._use_device(torch.device(device))
+        use_device(torch.device(device))
     assert calls == [torch.device("cuda:1")]

@@ -51,6 +51,8 @@ def test_on_a_gpu_the_arrays_cross_in_one_copy_that_does_not_wait_for_queued_wor
     assert not torch.cuda.current_stream().query()  # upload returned while it still runs
     torch.cuda.synchronize()
     check(moved, device)
+    # Triton compiles a kernel per alignment of its pointers: every array starts 16-aligned
+    assert all(t.data_ptr() % 16 == 0 for t in moved)
     # the pinned buffer is not reused before its copy ran: with both copies still queued
     # behind a kernel, the second upload's values do not reach the first's
     torch.cuda._sleep(1_000_000_000)

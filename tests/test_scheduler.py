@@ -384,6 +384,13 @@ def test_may_admit_says_whether_the_first_waiting_request_could_start_next_step(
     s.finish(s.get("a"), "length")
     assert s.may_admit()
     assert plan(step(s)) == [("b", 8)]
+    # a prefix shared with a running request costs no block: only its lookup tells
+    hit = scheduler(num_blocks=6, max_num_seqs=4)
+    hit.add(make_seq(range(1, 17), request_id="a", block_size=BS))
+    step(hit)  # a: 4 full blocks, cached; its next token takes the 5th
+    hit.add(make_seq([*range(1, 17), 50, 51, 52, 53], request_id="b", block_size=BS))
+    assert hit.may_admit()  # 4 blocks shared with a, 1 new: the last free one
+    assert plan(step(hit)) == [("a", 1), ("b", 4)]
     full = scheduler(num_blocks=64, max_num_seqs=1)
     full.add(make_seq(range(1, 5), request_id="x", block_size=BS))
     step(full)
