@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine import LLM
 from engine.host_staging import to_device, upload
 
 
@@ -60,3 +61,19 @@ def test_on_a_gpu_the_arrays_cross_in_one_copy_that_does_not_wait_for_queued_wor
     upload([np.full(1000, 9, dtype=np.int64)], device)
     torch.cuda.synchronize()
     assert first.eq(7).all()
+
+
+def test_a_prepared_batch_keeps_the_dtypes_the_kernels_take():
+    with LLM(max_model_len=64, num_gpu_blocks_override=16, device="cpu") as llm:
+        batch = llm.engine.model_runner.prepare(
+            [[5, 6, 7, 8, 9], [1, 2]], [2, 0], [3, 2], [[4], [9]], [1, 2]
+        )
+    meta = batch.meta
+    assert batch.input_ids.tolist() == [7, 8, 9, 1, 2] and batch.input_ids.dtype == torch.int64
+    assert batch.positions.tolist() == [2, 3, 4, 0, 1] and batch.positions.dtype == torch.int64
+    assert batch.logits_indices.tolist() == [2, 3, 4] and batch.logits_indices.dtype == torch.int64
+    assert meta.query_start_loc.tolist() == [0, 3, 5] and meta.query_start_loc.dtype == torch.int32
+    assert meta.seq_lens.tolist() == [5, 2] and meta.seq_lens.dtype == torch.int32
+    assert meta.block_tables.tolist() == [[4], [9]] and meta.block_tables.dtype == torch.int32
+    assert meta.slot_mapping.tolist() == [66, 67, 68, 144, 145]
+    assert meta.slot_mapping.dtype == torch.int64
