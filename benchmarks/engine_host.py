@@ -1,0 +1,89 @@
+"""The engine thread's own work per decode step: scheduling, appending and detokenizing the
+sampled tokens, stop checks and outputs, with the model runner replaced by one that returns
+fixed tokens at once. On a GPU this work overlaps the next forward (async scheduling); when
+it takes longer than a forward, the GPU waits for it.
+
+For each batch size B and prompt length P: B requests of P token ids on the tiny model
+(CPU), prefilled, then decode steps timed in CPU time, the fastest of 6 chunks (a shared VM
+is noisy). ``--output-kind final_only`` asks for final outputs only, as ``LLM.generate``
+does; the default is every step's output, as the server streams.
+
+    python benchmarks/engine_host.py [--batches 1,32] [--prompts 32,2048] [--steps 600]
+        [--output-kind cumulative|final_only] [--out benchmarks/results/engine_host.json]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from bench_common import machine, write_json
+from engine import LLM, RequestOutputKind, SamplingParams
+from engine.sampler import Sample
+
+REPO = Path(__file__).resolve().parents[1]
+CHUNKS = 6
+
+
+def host_ms_per_step(batch: int, prompt: int, steps: int, kind: RequestOutputKind) -> float:
+    max_len = min(prompt + steps + 16, 4096)
+    llm = LLM(device="cpu", max_model_len=max_len, max_num_seqs=max(batch, 8),
+              max_num_batched_tokens=max(2048, prompt))
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True,
+                            output_kind=kind)
+    for i in range(batch):
+        engine.add_request([(7 * i + j) % 200 + 3 for j in range(prompt)], params)
+    while engine.scheduler.waiting or any(s.is_prefilling for s in engine.scheduler.running):
+        engine.step()
+    count = [0]
+
+    def run(plan, ahead=()):  # the forward and sampling, done at once
+        count[0] += 1
+        return [[Sample(65 + (count[0] + b) % 26, None, None)] for b in range(len(plan.scheduled))]
+
+    engine.model_runner.run = run
+    per_chunk = steps // CHUNKS
+    best = float("inf")
+    for _ in range(CHUNKS):
+        start = time.process_time()
+        for _ in range(per_chunk):
+            engine.step()
+        best = min(best, (time.process_time() - start) / per_chunk)
+    llm.engine.close()
+    return 1e3 * best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--prompts", default="32,2048")
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--output-kind", choices=[k.value for k in RequestOutputKind],
+                    default=RequestOutputKind.CUMULATIVE.value)
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/engine_host.json")
+    args = ap.parse_args()
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+        prompts = [int(p) for p in args.prompts.split(",")]
+    except ValueError:
+        sys.exit("--batches and --prompts are comma-separated integers")
+    if args.steps < CHUNKS or any(b < 1 for b in batches) or any(not 1 <= p <= 3000 for p in prompts):
+        sys.exit(f"--steps must be >= {CHUNKS}, batches >= 1, prompts in [1, 3000]")
+    kind = RequestOutputKind(args.output_kind)
+    rows = []
+    print(f"engine host work per decode step, model runner stubbed ({kind.value} outputs)")
+    print("| batch | prompt tokens | ms / step | µs / request |")
+    print("|---|---|---|---|")
+    for b in batches:
+        for p in prompts:
+            ms = host_ms_per_step(b, p, args.steps, kind)
+            rows.append({"batch": b, "prompt": p, "ms_per_step": ms})
+            print(f"| {b} | {p} | {ms:.3f} | {1e3 * ms / b:.1f} |", flush=True)
+    write_json(args.out, {"machine": machine(), "output_kind": kind.value,
+                          "steps": args.steps, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
