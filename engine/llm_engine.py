@@ -10,7 +10,6 @@ A request whose sampling or detokenization raises is finished alone with
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import itertools
 import logging
@@ -35,6 +34,7 @@ from engine.kv_events import KVEventLog, ZmqEventPublisher
 from engine.lookahead import NOTHING, reserve
 from engine.model_runner import ModelRunner, StepResult
 from engine.models import LoadedModel, load_model
+from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput, RequestOutputKind
 from engine.penalties import TokenCounts
 from engine.sampler import Sample, SampleError, SamplingParams
@@ -44,23 +44,11 @@ from engine.spec_decode.draft import DraftProposer, draft_kv_spec
 from engine.spec_decode.speculator import NgramProposer, Speculator
 from engine.stats import EngineStats, NvmlTelemetry, StatsCollector
 from engine.structured_output import GrammarCompiler
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-DETOKENIZER_CONTEXT = 4  # prompt tokens decoded before the first output token
 TRANSFER_WAIT_S = 0.05  # how long a step with nothing to run waits for the connector
-
-
-@dataclasses.dataclass
-class _TextState:
-    """Detokenization and stop-string state of one request."""
-
-    detokenizer: IncrementalDetokenizer
-    prompt_token_ids: list[int]  # every output of the request shares this one list
-    text: str = ""
-    num_sent_chars: int = 0
-    stop_reason: str | int | None = None
 
 
 class LLMEngine:
@@ -157,7 +145,7 @@ class LLMEngine:
             kv_window=mc.kv_window,  # every layer windowed: blocks behind it are given back
         )
         self.scheduler = Scheduler(config, self.block_manager, self._stats, kv_connector)
-        self._texts: dict[str, _TextState] = {}
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, config.max_model_len)
         self._ahead_held: list[int] = []  # blocks a forward launched ahead may still write
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self._counter = itertools.count()
@@ -227,9 +215,12 @@ class LLMEngine:
             seq.grammar = self.grammars.state(params.structured_output)
         if params.has_penalties:
             seq.token_counts = TokenCounts(token_ids, self.model_config.vocab_size, self.device)
-        text_state = _TextState(self._detokenizer(token_ids, params), token_ids)
-        self.scheduler.add(seq)
-        self._texts[request_id] = text_state
+        self.outputs.add(request_id, token_ids, params)
+        try:
+            self.scheduler.add(seq)
+        except BaseException:
+            self.outputs.drop(request_id)
+            raise
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -240,7 +231,7 @@ class LLMEngine:
         if seq is None:
             return None
         self.scheduler.finish(seq, "abort")
-        return self._output(seq, self._texts.pop(request_id))
+        return self.outputs.output(seq)
 
     def has_unfinished_requests(self) -> bool:
         """Requests waiting, loading or running, or connector transfers still to be reported
@@ -312,13 +303,11 @@ class LLMEngine:
             if error is not None:
                 outputs.append(self._fail(seq, error))
                 continue
-            state = self._texts[seq.request_id]
             if reason is not None:
                 self.scheduler.finish(seq, reason)
-                del self._texts[seq.request_id]
             elif seq.params.output_kind is RequestOutputKind.FINAL_ONLY:
                 continue
-            outputs.append(self._output(seq, state))
+            outputs.append(self.outputs.output(seq))
         if self._ahead_held and not self.scheduler.running:  # launched for requests now gone
             self._end_lookahead()
         return outputs
@@ -390,7 +379,7 @@ class LLMEngine:
             self._end_lookahead()
         except Exception:  # a broken device: the rest of the clean-up still runs
             logger.exception("waiting for the decode forward launched ahead failed")
-        for request_id in list(self._texts):
+        for request_id in self.outputs.request_ids():
             self.abort_request(request_id)
         if self.connector is not None:
             self.connector.close()
@@ -401,17 +390,6 @@ class LLMEngine:
         if self.speculator is not None and isinstance(self.speculator.proposer, DraftProposer):
             self.speculator.proposer.close()
         self.model_runner.free_kv_cache()
-
-    def _detokenizer(
-        self, prompt_token_ids: list[int], params: SamplingParams
-    ) -> IncrementalDetokenizer:
-        """A detokenizer primed with the prompt's last tokens, so that the first output token
-        decodes in context (SentencePiece decoders drop the leading space of a first token)."""
-        detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-        pieces = [detokenizer.add(t) for t in prompt_token_ids[-DETOKENIZER_CONTEXT:]]
-        if not pieces[-1]:  # the prompt ends inside a character: start clean instead
-            detokenizer.finish()
-        return detokenizer
 
     def _load_draft(self, target: LoadedModel) -> LoadedModel | None:
         """The draft model of ``speculative_config``, in the target's dtype, checked against it."""
@@ -459,7 +437,6 @@ class LLMEngine:
     def _append(self, seq: Sequence, sample: Sample, now: float) -> str | None:
         """Append a sampled token and detokenize it; the finish reason if it ends the
         request (the caller finishes it)."""
-        params, state = seq.params, self._texts[seq.request_id]
         token = sample.token_id
         grammar_ended = seq.grammar is not None and seq.grammar.advance(token)
         seq.append_token(token)
@@ -474,68 +451,14 @@ class LLMEngine:
         else:
             self._stats.itl_s.append(now - seq.last_token_time)
         seq.last_token_time = now
-
-        reason = None
-        num_out = seq.num_output_tokens
-        may_stop = num_out >= params.min_tokens
-        stop_ids = params.stop_token_ids + (() if params.ignore_eos else self.eos_token_ids)
-        new_text = ""
-        if may_stop and token in stop_ids:
-            reason, state.stop_reason = "stop", token
-        else:
-            new_text = state.detokenizer.add(token)
-            if grammar_ended:
-                reason, state.stop_reason = "stop", token
-            elif (params.max_tokens is not None and num_out >= params.max_tokens) or (
-                seq.num_tokens >= self.config.max_model_len
-            ):
-                reason = "length"
-        if reason is not None:
-            new_text += state.detokenizer.finish()
-        searched_from = len(state.text)
-        state.text += new_text
-        if params.stop and may_stop:
-            cut = _find_stop(state.text, params.stop, searched_from)
-            if cut is not None:
-                state.text = state.text[: cut[0]]
-                reason, state.stop_reason = "stop", cut[1]
-        return reason
+        return self.outputs.stop(seq, token, grammar_ended)
 
     def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
         """Finish a request whose sampling or detokenization raised, and only it: its output
         has ``finish_reason="error"`` and the text already sent."""
         logger.error("request %s failed", seq.request_id, exc_info=error)
         self.scheduler.finish(seq, "error")  # a no-op if it finished before raising
-        state = self._texts.pop(seq.request_id, None)
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=state.prompt_token_ids if state is not None else seq.prompt_token_ids,
-            token_ids=seq.output_token_ids,
-            text=state.text[: state.num_sent_chars] if state is not None else "",
-            delta_text="",
-            num_cached_tokens=seq.num_cached_tokens or 0,
-            finish_reason="error",
-        )
-
-    def _output(self, seq: Sequence, state: _TextState) -> RequestOutput:
-        text = state.text
-        if not seq.is_finished and seq.params.stop:
-            text = text[: max(len(text) - max(map(len, seq.params.stop)) + 1, state.num_sent_chars)]
-        delta, state.num_sent_chars = text[state.num_sent_chars :], len(text)
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            token_ids=seq.output_token_ids,
-            text=text,
-            delta_text=delta,
-            num_cached_tokens=seq.num_cached_tokens or 0,
-            finish_reason=seq.finish_reason,
-            stop_reason=state.stop_reason,
-            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-            top_logprobs=list(seq.top_logprobs) if seq.top_logprobs is not None else None,
-        )
+        return self.outputs.failed(seq)
 
 
 def _use_device(device: torch.device) -> None:
@@ -543,16 +466,6 @@ def _use_device(device: torch.device) -> None:
     the current device, which is per thread and may have been set by another engine."""
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
-
-
-def _find_stop(text: str, stops: Seq[str], searched_from: int) -> tuple[int, str] | None:
-    """The earliest stop string in ``text`` that ends after ``searched_from``."""
-    best = None
-    for stop in stops:
-        i = text.find(stop, max(0, searched_from - len(stop) + 1))
-        if i >= 0 and (best is None or i < best[0]):
-            best = (i, stop)
-    return best
 
 
 def _is_unicode(text: str) -> bool:

@@ -10,7 +10,7 @@ import torch
 from engine import LLM, AsyncLLM, SamplingParams
 from engine import llm_engine
 from engine.async_engine import EngineDeadError, RequestFailedError
-from engine.llm_engine import LLMEngine
+from engine.output_processor import OutputProcessor
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -128,7 +128,7 @@ def test_a_request_that_fails_in_the_engine_fails_alone(fresh, monkeypatch):
     """Detokenizing the marked request raises on its third token: it fails, the request
     running beside it and the next one do not, and the engine runs on."""
     marked = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True, seed=13)
-    real = LLMEngine._detokenizer
+    real = OutputProcessor._detokenizer
 
     def detokenizer(self, prompt_token_ids, params):
         detokenizer = real(self, prompt_token_ids, params)
@@ -144,7 +144,7 @@ def test_a_request_that_fails_in_the_engine_fails_alone(fresh, monkeypatch):
             detokenizer.add = failing_add
         return detokenizer
 
-    monkeypatch.setattr(LLMEngine, "_detokenizer", detokenizer)
+    monkeypatch.setattr(OutputProcessor, "_detokenizer", detokenizer)
 
     async def main():
         seen = []

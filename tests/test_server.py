@@ -8,7 +8,7 @@ import pytest
 
 import engine.sampler
 from engine import AsyncLLM
-from engine.llm_engine import LLMEngine
+from engine.output_processor import OutputProcessor
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
 from storage.lmdb_store import LmdbStore
 from server_testing import ADMIN, BLOCK, GREEDY, MAX_MODEL_LEN, assert_error, run, sse_events
@@ -306,7 +306,7 @@ def test_a_request_that_fails_in_the_engine_gets_500_and_the_engine_runs_on(llm,
 
 def test_a_stream_that_fails_ends_with_an_error_event(llm, monkeypatch):
     """Detokenizing the request with seed 15 raises at its third token, after the 200 went out."""
-    real = LLMEngine._detokenizer
+    real = OutputProcessor._detokenizer
 
     def detokenizer(self, prompt_token_ids, params):
         detokenizer = real(self, prompt_token_ids, params)
@@ -322,7 +322,7 @@ def test_a_stream_that_fails_ends_with_an_error_event(llm, monkeypatch):
             detokenizer.add = failing_add
         return detokenizer
 
-    monkeypatch.setattr(LLMEngine, "_detokenizer", detokenizer)
+    monkeypatch.setattr(OutputProcessor, "_detokenizer", detokenizer)
 
     async def test(c):
         body = {"prompt": "x", **GREEDY}

@@ -1,0 +1,149 @@
+"""A request's text and outputs: detokenizes its sampled tokens, applies the stop
+conditions that look at tokens or text, and builds its :class:`RequestOutput` s.
+
+The engine appends each sampled token to the sequence, then asks :meth:`OutputProcessor.stop`
+whether the request ends there. Stop strings are searched in the text as it grows; an
+unfinished request's output holds back the last ``len(longest stop) - 1`` characters, which
+may be the start of a stop string, so no output ever shows text that a stop later cuts::
+
+    text:  | sent | new, shown | held back (could begin a stop) |
+                  ^num_sent_chars
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence as Seq
+
+from engine.outputs import RequestOutput
+from engine.sampler import SamplingParams
+from engine.sequence import Sequence
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+DETOKENIZER_CONTEXT = 4  # prompt tokens decoded before the first output token
+
+
+@dataclasses.dataclass
+class _TextState:
+    """Detokenization and stop-string state of one request."""
+
+    detokenizer: IncrementalDetokenizer
+    prompt_token_ids: list[int]  # every output of the request shares this one list
+    text: str = ""
+    num_sent_chars: int = 0
+    stop_reason: str | int | None = None
+
+
+class OutputProcessor:
+    """The text state of every unfinished request, by request id. Used by the engine's
+    thread only."""
+
+    def __init__(self, tokenizer: Tokenizer, eos_token_ids: Seq[int], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_model_len = max_model_len
+        self._texts: dict[str, _TextState] = {}
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Start the text of a request (``prompt_token_ids`` is kept, not copied);
+        ``ValueError`` if ``request_id`` has one already."""
+        if request_id in self._texts:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        detokenizer = self._detokenizer(prompt_token_ids, params)
+        self._texts[request_id] = _TextState(detokenizer, prompt_token_ids)
+
+    def drop(self, request_id: str) -> None:
+        """Forget a request that did not start after all."""
+        del self._texts[request_id]
+
+    def request_ids(self) -> list[str]:
+        return list(self._texts)
+
+    def stop(self, seq: Sequence, token: int, grammar_ended: bool) -> str | None:
+        """Detokenize ``token``, just appended to ``seq``; the finish reason if the request
+        ends with it (the caller finishes it): ``"stop"`` for a stop token, the end of its
+        grammar or a stop string (the text is cut before it), ``"length"`` for
+        ``max_tokens`` or ``max_model_len``."""
+        params, state = seq.params, self._texts[seq.request_id]
+        reason = None
+        num_out = seq.num_output_tokens
+        may_stop = num_out >= params.min_tokens
+        stop_ids = params.stop_token_ids + (() if params.ignore_eos else self.eos_token_ids)
+        new_text = ""
+        if may_stop and token in stop_ids:
+            reason, state.stop_reason = "stop", token
+        else:
+            new_text = state.detokenizer.add(token)
+            if grammar_ended:
+                reason, state.stop_reason = "stop", token
+            elif (params.max_tokens is not None and num_out >= params.max_tokens) or (
+                seq.num_tokens >= self.max_model_len
+            ):
+                reason = "length"
+        if reason is not None:
+            new_text += state.detokenizer.finish()
+        searched_from = len(state.text)
+        state.text += new_text
+        if params.stop and may_stop:
+            cut = _find_stop(state.text, params.stop, searched_from)
+            if cut is not None:
+                state.text = state.text[: cut[0]]
+                reason, state.stop_reason = "stop", cut[1]
+        return reason
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        """The request's output now: its text so far and the delta since the last output.
+        A finished request's text state is dropped."""
+        state = self._texts.pop(seq.request_id) if seq.is_finished else self._texts[seq.request_id]
+        text = state.text
+        if not seq.is_finished and seq.params.stop:
+            text = text[: max(len(text) - max(map(len, seq.params.stop)) + 1, state.num_sent_chars)]
+        delta, state.num_sent_chars = text[state.num_sent_chars :], len(text)
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            text=text,
+            delta_text=delta,
+            num_cached_tokens=seq.num_cached_tokens or 0,
+            finish_reason=seq.finish_reason,
+            stop_reason=state.stop_reason,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            top_logprobs=list(seq.top_logprobs) if seq.top_logprobs is not None else None,
+        )
+
+    def failed(self, seq: Sequence) -> RequestOutput:
+        """The final output of a request that failed (``finish_reason="error"``): the text
+        already sent, no delta. Its text state is dropped."""
+        state = self._texts.pop(seq.request_id, None)
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=state.prompt_token_ids if state is not None else seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            text=state.text[: state.num_sent_chars] if state is not None else "",
+            delta_text="",
+            num_cached_tokens=seq.num_cached_tokens or 0,
+            finish_reason="error",
+        )
+
+    def _detokenizer(
+        self, prompt_token_ids: list[int], params: SamplingParams
+    ) -> IncrementalDetokenizer:
+        """A detokenizer primed with the prompt's last tokens, so that the first output token
+        decodes in context (SentencePiece decoders drop the leading space of a first token)."""
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        pieces = [detokenizer.add(t) for t in prompt_token_ids[-DETOKENIZER_CONTEXT:]]
+        if not pieces[-1]:  # the prompt ends inside a character: start clean instead
+            detokenizer.finish()
+        return detokenizer
+
+
+def _find_stop(text: str, stops: Seq[str], searched_from: int) -> tuple[int, str] | None:
+    """The earliest stop string in ``text`` that ends after ``searched_from``."""
+    best = None
+    for stop in stops:
+        i = text.find(stop, max(0, searched_from - len(stop) + 1))
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, stop)
+    return best
