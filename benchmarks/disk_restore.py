@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from bench_common import machine, write_json
+from bench_common import BLOCK, SHAPES, machine, write_json
 from engine.config import DTYPES
 from engine.connector import SavedBlock
 from engine.hashing import block_hash, root_hash
-from gpu_tiers import BLOCK, SHAPES, pread_bandwidth
+from reference_copies import pread_bandwidth
 from tiered_kv.config import TierConfig
 from tiered_kv.tier_manager import TierManager
 

@@ -62,7 +62,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import transformers
@@ -72,21 +71,20 @@ from engine.llm import LLM
 from engine.sampler import SamplingParams
 from storage.base import BlockKey
 from storage.codecs import get_codec
-from storage.pinned import PinnedSlab
 from tiered_kv import block_mover
 from tiered_kv.config import TierConfig
 from tiered_kv.tier_manager import build_llm
 from bench_common import BLOCK, DTYPES, SHAPES, Shape, machine, write_json, write_random_llama
-from ttft_tiers import LoopbackServer, evict_cpu_caches, timed
+from gpu_tiers_report import STAGED_CPU_HIT, print_report, verdicts
+from reference_copies import copy_bandwidth, pread_bandwidth
+from ttft_tiers import LoopbackServer, timed
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = 0
 SUFFIX_TOKENS = 16
-REFERENCE_REPEATS = 5
 FLUSH_TIMEOUT_S = 600.0
 MiB = 1 << 20
 ONE = SamplingParams(temperature=0.0, max_tokens=1)  # greedy, TTFT only
-STAGED_CPU_HIT = "CPU-pool hit, staged DMA"
 SKIPPABLE = ("cpu", "staged", "disk", "remote", "offload")  # cases --skip can leave out
 
 
@@ -132,13 +130,6 @@ class Run:
     def prompt(self, prefix: int, prefix_id: int, suffix_id: int) -> list[int]:
         return (tokens(self.shape.vocab, prefix, 100 * prefix + prefix_id)
                 + tokens(self.shape.vocab, SUFFIX_TOKENS, 10**7 + 100 * prefix + suffix_id))
-
-
-class Verdict(NamedTuple):
-    name: str
-    value: float | None
-    goal: str
-    ok: bool | None  # None: not measured in this run
 
 
 def tokens(vocab: int, count: int, seed: int) -> list[int]:
@@ -298,63 +289,6 @@ def remote_hits(run: Run, codec: str, url: str) -> list[dict]:
 # ---------------------------------------------------------------- references
 
 
-def copy_bandwidth(shape: Shape, blocks: int, device: torch.device) -> float:
-    """Bytes/s of one copy of ``blocks`` blocks from a host slab (pinned on CUDA) into a
-    block-major tensor on ``device`` (CPU caches cold; median of REFERENCE_REPEATS)."""
-    cuda = device.type == "cuda"
-    slab = PinnedSlab(blocks, shape.block_nbytes, pin=cuda)
-    try:
-        src = slab.tensor  # [N, block bytes]
-        src.fill_(1)
-        kv = torch.zeros((blocks, *shape.block_shape), dtype=DTYPES[shape.dtype], device=device)
-        dst = kv.view(blocks, -1).view(torch.uint8)  # [N, block bytes] of [N, L, 2, T, H, D]
-        times = []
-        for _ in range(REFERENCE_REPEATS + 1):  # the first one warms up
-            evict_cpu_caches()
-            if cuda:
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            dst.copy_(src, non_blocking=True)
-            if cuda:
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - start)
-        del kv, dst
-    finally:
-        slab.close()
-    return blocks * shape.block_nbytes / statistics.median(times[1:])
-
-
-def pread_bandwidth(folder: Path, block_nbytes: int, blocks: int, pin: bool) -> float:
-    """Bytes/s of ``preadv`` of a file just written (page cache warm), one call per block,
-    into a preallocated host slab (pinned on CUDA), CPU caches cold."""
-    path = folder / "plain-read.bin"
-    piece = os.urandom(block_nbytes)
-    with open(path, "wb") as f:
-        for _ in range(blocks):
-            f.write(piece)
-        f.flush()
-        os.fsync(f.fileno())
-    slab = PinnedSlab(blocks, block_nbytes, pin=pin)
-    rows = slab.tensor.numpy()  # [N, block bytes]
-    rows.fill(0)  # fault the pages in outside the timing
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        times = []
-        for _ in range(REFERENCE_REPEATS):
-            evict_cpu_caches()
-            start = time.perf_counter()
-            done = sum(os.preadv(fd, [rows[i]], i * block_nbytes) for i in range(blocks))
-            times.append(time.perf_counter() - start)
-            if done != blocks * block_nbytes:
-                raise RuntimeError(f"short read of {path}")
-    finally:
-        os.close(fd)
-        del rows
-        slab.close()
-        path.unlink()
-    return blocks * block_nbytes / statistics.median(times)
-
-
 def references(run: Run, folder: Path) -> list[dict]:
     device = torch.device(run.device)
     out = []
@@ -439,139 +373,6 @@ def offload_overhead(run: Run, cache: Path, prompts: int, prompt_tokens: int, ma
         cold_ratio=on["cold_ttft_s"] / off["cold_ttft_s"],
         disk_stored_blocks=disk["stored_blocks"], disk_dropped=disk["dropped"],
     )
-
-
-# ---------------------------------------------------------------- report
-
-
-def restore_rows(r: dict) -> list[dict]:
-    refs = {(x["shape"], x["prefix"]): x for x in r["references"]}
-    out = []
-    for t in r["ttft"]:
-        tier = {"CPU-pool hit": "cpu", STAGED_CPU_HIT: "cpu", "disk hit": "disk",
-                "remote hit": "remote"}.get(t["case"])
-        if tier is None:
-            continue
-        ref = refs.get((t["shape"], t["prefix"]), {})  # none yet in a run cut short
-        bps = t["restore_Bps"]
-        name, ref_bps = {
-            "cpu": ("pinned copy" if r["device"] == "cuda" else "memcpy", ref.get("copy_Bps")),
-            "disk": ("pread into pinned" if r["device"] == "cuda" else "pread",
-                     ref.get("pread_Bps")),
-            "remote": (None, None),
-        }[tier]
-        out.append(dict(shape=t["shape"], prefix=t["prefix"], tier=tier, codec=t["codec"],
-                        case=t["case"],
-                        restore_Bps=bps, reference=name, reference_Bps=ref_bps,
-                        ratio=None if ref_bps is None else bps / ref_bps))
-    return out
-
-
-def find(rows: list[dict], **match) -> dict | None:
-    return next((x for x in rows if all(x.get(k) == v for k, v in match.items())), None)
-
-
-def verdicts(r: dict) -> list[Verdict]:
-    """Every target of the issue for this device; restore ratios judged at the 8K prefix
-    (else the largest measured), on the raw codec for disk."""
-    cuda, restore, out = r["device"] == "cuda", restore_rows(r), []
-
-    def check(name: str, value: float | None, goal: str, ok) -> None:
-        out.append(Verdict(name, value, goal, None if value is None else ok(value)))
-
-    for shape in r["shapes"]:
-        judged = 8192 if 8192 in r["prefixes"] else max(r["prefixes"])
-        cpu = max((x for x in restore if (x["shape"], x["prefix"], x["tier"], x["codec"])
-                   == (shape, judged, "cpu", "raw")), key=lambda x: x["ratio"], default=None)
-        goal = 0.80 if cuda else 0.70
-        ref = "pinned copy" if cuda else "plain copy"
-        check(f"{shape}@{judged}: CPU restore / {ref}", cpu and cpu["ratio"], f">= {goal:.2f}",
-              lambda v, g=goal: v >= g)
-        if cuda:
-            disk = find(restore, shape=shape, prefix=judged, tier="disk", codec="raw")
-            check(f"{shape}@{judged}: disk restore / pread", disk and disk["ratio"], ">= 0.50",
-                  lambda v: v >= 0.50)
-    if cuda:
-        for shape, goal, ok in (("8b", "<= 0.50", lambda v: v <= 0.5),
-                                ("1b", "< 1.00", lambda v: v < 1.0)):
-            disk = find(r["ttft"], shape=shape, prefix=8192, case="disk hit", codec="raw")
-            rec = find(r["ttft"], shape=shape, prefix=8192, case="recompute")
-            value = disk and rec and disk["ttft_s"] / rec["ttft_s"]
-            check(f"{shape}@8192: disk-hit TTFT / recompute", value, goal, ok)
-    o = r.get("offload")
-    check("offload overhead, decode tok/s", o and o["decode_overhead"], "<= 0.05",
-          lambda v: v <= 0.05)
-    if cuda:
-        check("cold request TTFT, tiers on / off", o and o["cold_ratio"], "<= 1.10",
-              lambda v: v <= 1.10)
-        d = find(r["on_disk"], shape="8b", prefix=32768, codec="raw")
-        check("8b@32768: prompt's full blocks on disk after flush", d and
-              d["on_disk"] / d["full_blocks"], "= 1.00", lambda v: v == 1.0)
-    return out
-
-
-def print_report(r: dict) -> None:
-    ms = lambda s: f"{1e3 * s:.1f}"  # noqa: E731
-    gbs = lambda b: "" if b is None else f"{b / 1e9:.2f}"  # noqa: E731
-    print(f"TTFT, prefix + {SUFFIX_TOKENS} tokens, max_tokens=1, {r['device_name']}:")
-    print("| shape | prefix | case | codec | TTFT ms | first ms | / recompute | cached / prefix |")
-    print("|---|---|---|---|---|---|---|---|")
-    for t in r["ttft"]:
-        rec = find(r["ttft"], shape=t["shape"], prefix=t["prefix"], case="recompute")
-        first = ms(t["first_s"]) if "first_s" in t else ""
-        ratio = f"{t['ttft_s'] / rec['ttft_s']:.2f}" if rec else ""
-        print(f"| {t['shape']} | {t['prefix']} | {t['case']} | {t['codec'] or ''} | "
-              f"{ms(t['ttft_s'])} | {first} | {ratio} | "
-              f"{t['cached_tokens']} / {t['prefix']} |")
-    partial = [t for t in r["ttft"] if "hit" in t["case"] and t["cached_tokens"] < t["prefix"]]
-    if partial:
-        print(f"note: {len(partial)} hit cases served less than their prefix (cached / prefix); "
-              "the rest of their prompt was recomputed")
-    for note in r["notes"]:
-        print(f"note: {note}")
-    print("\nRestore bandwidth (KV bytes loaded / the manager's load seconds, median over the "
-          "hits) against a reference on the same bytes:")
-    print("| shape | block KiB | prefix | tier | codec | restore GB/s | reference | ref GB/s "
-          "| ratio |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for x in restore_rows(r):
-        kib = SHAPES[x["shape"]].block_nbytes >> 10
-        ratio = "" if x["ratio"] is None else f"{x['ratio']:.2f}"
-        tier = x["tier"] + (" (staged DMA)" if x["case"] == STAGED_CPU_HIT else "")
-        print(f"| {x['shape']} | {kib} | {x['prefix']} | {tier} | {x['codec'] or ''} | "
-              f"{gbs(x['restore_Bps'])} | {x['reference'] or ''} | {gbs(x['reference_Bps'])} "
-              f"| {ratio} |")
-    print("\nFull prompt blocks on disk after flush (default settings, write-through):")
-    print("| shape | codec | prefix | on disk / full blocks | share | dropped | flushed |")
-    print("|---|---|---|---|---|---|---|")
-    for d in r["on_disk"]:
-        print(f"| {d['shape']} | {d['codec']} | {d['prefix']} | {d['on_disk']} / "
-              f"{d['full_blocks']} | {100 * d['on_disk'] / d['full_blocks']:.1f} % | "
-              f"{d['dropped']} | {d['flushed']} |")
-    o = r.get("offload")
-    if o:
-        print(f"\nOffload overhead ({o['shape']}): {o['prompts']} prompts x {o['prompt_tokens']} "
-              f"tokens + {o['max_tokens']} new, {o['rounds']} rounds taking turns; cold request "
-              f"of {o['cold_tokens']} tokens; medians:")
-        print("| tiers | output tok/s | decode tok/s | cold TTFT ms |")
-        print("|---|---|---|---|")
-        for name in ("off", "off-2", "off, both", "on"):
-            m = o["median"][name]
-            print(f"| {name} | {m['output_tok_s']:.1f} | {m['decode_tok_s']:.1f} | "
-                  f"{ms(m['cold_ttft_s'])} |")
-        print(f"overhead vs both tiers-off engines: decode {100 * o['decode_overhead']:.1f} % "
-              f"(the two differ by {100 * o['decode_noise']:.1f} %), output "
-              f"{100 * o['output_overhead']:.1f} %; cold {o['cold_ratio']:.2f}x; "
-              f"{o['disk_stored_blocks']} blocks stored on disk, {o['disk_dropped']} dropped")
-    print("\n| target | measured | goal | result |")
-    print("|---|---|---|---|")
-    for v in r["targets"]:
-        result = "not measured" if v.ok is None else ("PASS" if v.ok else "MISS")
-        value = "" if v.value is None else f"{v.value:.2f}"
-        print(f"| {v.name} | {value} | {v.goal} | {result} |")
-    if o and abs(o["decode_noise"]) > 0.05:
-        print(f"note: the two tiers-off engines differ by {100 * o['decode_noise']:.1f} % in decode "
-              "tok/s, more than the 5 % target: the offload verdict is within this run's noise")
 
 
 # ---------------------------------------------------------------- main
@@ -688,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     result: dict = dict(device=args.device, device_name=device_name, shapes=args.shapes,
                         prefixes=args.prefixes, codecs=args.codecs, repeats=args.repeats,
+                        suffix_tokens=SUFFIX_TOKENS,
                         ttft=[], on_disk=[], references=[], notes=[],
                         offload_shape="1b" if args.device == "cuda" and "1b" in args.shapes
                         else args.shapes[0])

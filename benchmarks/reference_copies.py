@@ -1,0 +1,79 @@
+"""Reference copies for the tier benchmarks: how fast the plain copy of the same bytes runs
+on this machine, measured in the same run as the restore it is compared with.
+
+- :func:`copy_bandwidth`: one copy from a host slab (pinned on CUDA) into a block-major
+  tensor on the device, what a CPU-pool restore is judged against;
+- :func:`pread_bandwidth`: ``preadv`` of a file in the page cache into a (pinned) slab, one
+  call per block, what a disk restore is judged against.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from storage.pinned import PinnedSlab
+from bench_common import DTYPES, Shape
+from ttft_tiers import evict_cpu_caches
+
+REFERENCE_REPEATS = 5
+
+
+def copy_bandwidth(shape: Shape, blocks: int, device: torch.device) -> float:
+    """Bytes/s of one copy of ``blocks`` blocks from a host slab (pinned on CUDA) into a
+    block-major tensor on ``device`` (CPU caches cold; median of REFERENCE_REPEATS)."""
+    cuda = device.type == "cuda"
+    slab = PinnedSlab(blocks, shape.block_nbytes, pin=cuda)
+    try:
+        src = slab.tensor  # [N, block bytes]
+        src.fill_(1)
+        kv = torch.zeros((blocks, *shape.block_shape), dtype=DTYPES[shape.dtype], device=device)
+        dst = kv.view(blocks, -1).view(torch.uint8)  # [N, block bytes] of [N, L, 2, T, H, D]
+        times = []
+        for _ in range(REFERENCE_REPEATS + 1):  # the first one warms up
+            evict_cpu_caches()
+            if cuda:
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            if cuda:
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        del kv, dst
+    finally:
+        slab.close()
+    return blocks * shape.block_nbytes / statistics.median(times[1:])
+
+
+def pread_bandwidth(folder: Path, block_nbytes: int, blocks: int, pin: bool) -> float:
+    """Bytes/s of ``preadv`` of a file just written (page cache warm), one call per block,
+    into a preallocated host slab (pinned on CUDA), CPU caches cold."""
+    path = folder / "plain-read.bin"
+    piece = os.urandom(block_nbytes)
+    with open(path, "wb") as f:
+        for _ in range(blocks):
+            f.write(piece)
+        f.flush()
+        os.fsync(f.fileno())
+    slab = PinnedSlab(blocks, block_nbytes, pin=pin)
+    rows = slab.tensor.numpy()  # [N, block bytes]
+    rows.fill(0)  # fault the pages in outside the timing
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        times = []
+        for _ in range(REFERENCE_REPEATS):
+            evict_cpu_caches()
+            start = time.perf_counter()
+            done = sum(os.preadv(fd, [rows[i]], i * block_nbytes) for i in range(blocks))
+            times.append(time.perf_counter() - start)
+            if done != blocks * block_nbytes:
+                raise RuntimeError(f"short read of {path}")
+    finally:
+        os.close(fd)
+        del rows
+        slab.close()
+        path.unlink()
+    return blocks * block_nbytes / statistics.median(times)
