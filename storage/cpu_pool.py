@@ -504,10 +504,6 @@ class CpuBlockPool(BlockStore[HostBlock]):
             self._stats.bytes_used = len(self._entries) * self._slot_nbytes
             return dataclasses.replace(self._stats)
 
-    def count_dropped(self, blocks: int = 1) -> None:
-        with self._lock:
-            self._stats.dropped += blocks
-
     def close(self) -> None:
         """Drop every block and the slab. Only once no copy can still use a slot."""
         with self._lock:

@@ -107,8 +107,32 @@ def test_a_save_that_waited_save_wait_s_is_dropped_and_counted(monkeypatch):
     s = Saves(slots=1)
     s.saver.save([saved(0), saved(1), saved(2)])
     assert sorted(s.reported) == [0, 1, 2] and not s.saver.busy()  # drops reported first
-    assert s.dropped() == 2 and s.pool.stats().dropped == 2
+    assert s.dropped() == 2
     assert not s.pool.contains(key(saved(1)))
+    s.close()
+
+
+def test_a_save_retried_after_others_keeps_its_own_wait(monkeypatch):
+    """A and then, 4 s later, B wait for a slot; at 4.5 s one slot frees and A takes it. B
+    has waited 0.5 s: it is dropped only SAVE_WAIT_S after its own save, not A's."""
+    now = [100.0]
+    monkeypatch.setattr(block_saver.time, "monotonic", lambda: now[0])
+    s = Saves(slots=2)
+    s.saver.save([saved(0), saved(1)])  # both slots hold blocks not yet written
+    s.saver.save([saved(2)])  # A
+    now[0] += 4.0
+    s.saver.save([saved(3)])  # B
+    now[0] += 0.5
+    taken = s.pool.take_pending("remote", 1, timeout=0)  # a writer stores one block
+    s.pool.done_pending("remote", [block.key for block in taken])
+    s.saver.retry_deferred()
+    assert s.reported == [0, 1, 2] and s.pool.contains(key(saved(2)))
+    now[0] += 1.0  # B has waited 1.5 s
+    s.saver.retry_deferred()
+    assert s.reported == [0, 1, 2] and s.dropped() == 0 and s.saver.busy()
+    now[0] += block_saver.SAVE_WAIT_S - 1.5  # B has waited SAVE_WAIT_S
+    s.saver.retry_deferred()
+    assert s.reported == [0, 1, 2, 3] and s.dropped() == 1
     s.close()
 
 

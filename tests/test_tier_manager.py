@@ -263,10 +263,12 @@ def test_another_block_size_never_hits(disk):
 # ---------------------------------------------------------------- write policies and pressure
 
 
-def test_write_pressure_drops_stores_and_never_stalls(reference, disk, monkeypatch):
-    """A staging buffer of two blocks and a disk that does not keep up: the two wait for the
-    disk, every other block is dropped (counted) once it has waited SAVE_WAIT_S, and the
-    engine keeps producing the same tokens."""
+@pytest.mark.parametrize("buffer", ["staging", "cpu"])
+def test_write_pressure_drops_stores_and_never_stalls(reference, disk, monkeypatch, buffer):
+    """A buffer of two blocks (the staging buffer, or a CPU tier) and a disk that does not
+    keep up: the two wait for the disk, every other block is dropped and counted once (in
+    the buffer's tier) once it has waited SAVE_WAIT_S, and the engine keeps producing the
+    same tokens."""
     release = threading.Event()
     put_many = LmdbStore.put_many
 
@@ -277,17 +279,25 @@ def test_write_pressure_drops_stores_and_never_stalls(reference, disk, monkeypat
     monkeypatch.setattr(LmdbStore, "put_many", stalled_put_many)
     monkeypatch.setattr(block_saver, "SAVE_WAIT_S", 0.0)
     block_nbytes = _block_nbytes()
-    tiers = TierConfig(
-        kv_cache_dir=disk, cpu_bytes=0, disk_bytes=64 << 20, staging_bytes=2 * block_nbytes
-    )
+    two = 2 * block_nbytes
+    if buffer == "staging":
+        tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=0, disk_bytes=64 << 20, staging_bytes=two)
+    else:
+        tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=two, disk_bytes=64 << 20)
     with make_llm(tiers, blocks=64) as llm:
         manager = llm.engine.connector
         outs = [llm.generate(p, GREEDY)[0] for p in PROMPTS]
-        stats = manager.stats()["disk"]
+        stats = manager.stats()
+        exported = manager.registry.get_sample_value(
+            "tiered_kv_dropped_stores_total", {"tier": "disk" if buffer == "staging" else "cpu"}
+        )
         release.set()
     assert [o.token_ids for o in outs] == reference
     offered = sum(len(p) // BLOCK for p in PROMPTS)
-    assert stats["queued_blocks"] == 2 and stats["dropped"] == offered - 2
+    dropped = stats["disk" if buffer == "staging" else "cpu"]["dropped"]
+    assert stats["disk"]["queued_blocks"] == 2 and dropped == exported == offered - 2
+    if buffer == "cpu":
+        assert stats["disk"]["dropped"] == 0
     with LmdbStore(disk) as store:
         assert store.stats().entries == 2
 

@@ -127,7 +127,8 @@ class BlockSaver:
                     self._on_saved(skipped)
                 blocks = [b for b in blocks if b.is_prompt]
             if blocks:
-                self._offload(list(blocks), time.monotonic())
+                now = time.monotonic()
+                self._offload([(block, now) for block in blocks])
 
     def retry_deferred(self) -> None:
         """Offload the saves that found no slot, as far as slots are free now (from the
@@ -138,9 +139,9 @@ class BlockSaver:
             self._drop_deferred(time.monotonic())
             if not self._deferred or self._pool.num_evictable() == 0:
                 return
-            blocks, started = [b for b, _ in self._deferred], self._deferred[0][1]
+            waiting = list(self._deferred)  # each keeps the time it has waited since
             self._deferred.clear()
-            self._offload(blocks, started)
+            self._offload(waiting)
 
     def busy(self) -> bool:
         """Whether saves are deferred or still copying."""
@@ -163,19 +164,20 @@ class BlockSaver:
             self._saves.put(None)
             self._save_watcher.join()
 
-    def _offload(self, blocks: list[SavedBlock], started: float) -> None:
-        """Reserve a slot for each block and start one batched copy; blocks that find no
-        slot wait in ``_deferred`` (their GPU blocks stay held)."""
-        keys = [BlockKey(self._namespace, block.block_hash) for block in blocks]
+    def _offload(self, blocks: list[tuple[SavedBlock, float]]) -> None:
+        """Reserve a slot for each ``(block, monotonic time its save began)``, oldest first,
+        and start one batched copy; blocks that find no slot wait in ``_deferred`` (their
+        GPU blocks stay held), each with its own start, so the queue stays oldest first."""
+        keys = [BlockKey(self._namespace, block.block_hash) for block, _ in blocks]
         present = self._pool.contains_many(keys)
         # already below (e.g. loaded from there): nothing to copy
-        done = [block.block_id for block, here in zip(blocks, present) if here]
-        todo = [(key, block) for key, block, here in zip(keys, blocks, present) if not here]
+        done = [block.block_id for (block, _), here in zip(blocks, present) if here]
+        todo = [(key, item) for key, item, here in zip(keys, blocks, present) if not here]
         priority = self._config.tenant_priority
-        slots = self._pool.reserve_many([priority(block.cache_salt) for _, block in todo])
-        commits = [(key, slot, block) for (key, block), slot in zip(todo, slots)]
+        slots = self._pool.reserve_many([priority(block.cache_salt) for _, (block, _) in todo])
+        commits = [(key, slot, block) for (key, (block, _)), slot in zip(todo, slots)]
         if len(slots) < len(todo):  # the rest wait for slots (their GPU blocks stay held)
-            self._deferred.extend((block, started) for _, block in todo[len(slots):])
+            self._deferred.extend(item for _, item in todo[len(slots):])
             self._drop_deferred(time.monotonic())
         if done:
             self._on_saved(done)
@@ -202,8 +204,7 @@ class BlockSaver:
         while self._deferred and (force or now - self._deferred[0][1] >= SAVE_WAIT_S):
             dropped.append(self._deferred.popleft()[0].block_id)
         if dropped:
-            self._metrics.add(self._drop_tier, dropped=len(dropped))
-            self._pool.count_dropped(len(dropped))
+            self._metrics.add(self._drop_tier, dropped=len(dropped))  # counted once, here
             self._drops.add(
                 len(dropped), "--kv-offloading-size" if self._config.has_cpu else "staging_bytes"
             )
