@@ -146,3 +146,47 @@ def test_a_load_from_the_pool_alone_is_one_restore(tmp_path, monkeypatch):
     assert pool.num_evictable() == pool.num_slots
     loader.close()
     store.close()
+
+
+def test_a_restore_whose_wait_fails_loads_nothing_and_holds_nothing(tmp_path, monkeypatch):
+    """A copy that fails when waited for (a device error): the load fails, and the slots of
+    the chunk it restored are let go with the rest."""
+    loader, pool, store, cache, source, wanted = make(tmp_path)
+    restore, copies = loader._mover.restore, []
+
+    class FailingCopy:
+        def __init__(self, copy):
+            self.copy, self.number = copy, len(copies)
+
+        def wait(self):
+            self.copy.wait()
+            if self.number == 0:
+                raise RuntimeError("device error")
+
+    def failing_restore(pairs, after=None):
+        copies.append(FailingCopy(restore(pairs, after)))
+        return copies[-1]
+
+    monkeypatch.setattr(loader._mover, "restore", failing_restore)
+    assert loader.run("r", wanted).loaded == 0
+    assert len(copies) >= 3  # the first copy was waited for while later chunks were held
+    assert pool.num_evictable() == pool.num_slots
+    loader.close()
+    store.close()
+
+
+def test_a_decode_that_fails_unexpectedly_gives_its_slot_back(tmp_path, monkeypatch):
+    loader, pool, store, cache, source, wanted = make(tmp_path)
+    decode, calls = loader._decode_into, []
+
+    def failing_decode(record, parent, out):
+        calls.append(record.key)
+        if len(calls) == 20:
+            raise MemoryError("no memory to decode")
+        decode(record, parent, out)
+
+    monkeypatch.setattr(loader, "_decode_into", failing_decode)
+    assert loader.run("r", wanted).loaded == 0
+    assert pool.num_evictable() == pool.num_slots
+    loader.close()
+    store.close()

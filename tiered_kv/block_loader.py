@@ -176,8 +176,9 @@ class BlockLoader:
                 if got.short:
                     break  # a block could not be served: the rest is recomputed
                 if len(in_flight) > 2:  # slots of two restoring chunks at most
-                    copy, keys = in_flight.pop(0)
-                    copy.wait()
+                    copy, keys = in_flight[0]
+                    copy.wait()  # if it raises, the keys are let go with the others below
+                    in_flight.pop(0)
                     self._pool.release_many(keys)
         finally:
             for future in reads:  # read past a failure, or past a short chunk
@@ -262,6 +263,9 @@ class BlockLoader:
             logger.warning("%s tier: not serving %s: %s", tier, want.key.short(), e)
             self._metrics.add(tier, corrupt=1)
             return None
+        except BaseException:  # not committed: the slot would be neither free nor in use
+            self._pool.unreserve(slot)
+            raise
         committed = self._pool.commit(
             want.key, slot, self._mover.slot_dtype, self._mover.slot_shape, record.parent_hash,
             record.token_ids, self._promote(tier), hold=True,
