@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
 from engine import AsyncLLM
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
+from tiered_kv.protocol import MAX_STOP_STRINGS
 from server_testing import BLOCK, GREEDY, MAX_MODEL_LEN, assert_error, post_json, run
 
 
@@ -121,3 +123,61 @@ def test_lone_surrogates_get_400_naming_the_field(llm):
         assert "lone surrogate" in response.json()["error"]["message"]
     assert_error(bad_key, 400, param="logit_bias")
     assert after.status_code == 200
+
+
+def test_more_generations_than_the_server_holds_are_refused_before_any_is_built(llm, monkeypatch):
+    """prompts × n (or best_of) past max_num_seqs + max_queue_len: a 400 naming n before the
+    prompt is tokenized (a huge n used to build every job first, on the event loop)."""
+    tokenized = []
+    encode = llm.tokenizer.encode
+    monkeypatch.setattr(llm.tokenizer, "encode", lambda *a, **k: tokenized.append(1) or encode(*a, **k))
+    huge = 10**6  # the old path built them all first (and then refused them)
+
+    async def test(c):
+        return [
+            await c.post("/v1/completions", json={"prompt": "x", "n": huge}),
+            await c.post("/v1/completions", json={"prompt": "x", "best_of": huge}),
+            await c.post("/v1/completions", json={"prompt": ["x", "y", "z"], "n": 2}),
+            await c.post("/v1/chat/completions",
+                         json={"messages": [{"role": "user", "content": "x"}], "n": huge}),
+        ]
+
+    responses = run(llm, test, max_num_seqs=2, max_queue_len=3)  # holds 5
+    for response in responses:
+        assert_error(response, 400, param="n")
+        assert "at most 5 at once" in response.json()["error"]["message"]
+    assert not tokenized
+
+
+def test_structured_output_requests_take_their_places_before_their_grammar_compiles(llm, monkeypatch):
+    """Six requests arrive while the first grammars compile: two places, so four get 429 (all
+    six used to pass the check while the compile was awaited)."""
+    grammars = llm.engine.grammars
+    compile_ = grammars.compile
+
+    def slow_compile(spec):
+        time.sleep(0.3)
+        return compile_(spec)
+
+    monkeypatch.setattr(grammars, "compile", slow_compile)
+    body = {"prompt": "x", "response_format": {"type": "json_object"}, **GREEDY}
+
+    async def test(c):
+        responses = await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(6)))
+        return responses, c.app.state.tiered_kv.inflight
+
+    responses, inflight = run(llm, test, max_num_seqs=1, max_queue_len=1)
+    codes = sorted(r.status_code for r in responses)
+    assert codes == [200, 200, 429, 429, 429, 429]
+    assert inflight == 0
+
+
+def test_more_stop_strings_than_allowed_are_a_400(llm):
+    async def test(c):
+        many = [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]
+        return (await c.post("/v1/completions", json={"prompt": "x", "stop": many, **GREEDY}),
+                await c.post("/v1/completions", json={"prompt": "x", "stop": many[:-1], **GREEDY}))
+
+    refused, allowed = run(llm, test)
+    assert_error(refused, 400, param="stop")
+    assert allowed.status_code == 200

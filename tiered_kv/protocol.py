@@ -21,6 +21,9 @@ from tiered_kv.generation_defaults import GenerationDefaults
 from tiered_kv.structured_output_fields import StructuredOutputError, structured_output_spec
 
 MAX_INT = 2**63 - 1  # larger integers are refused, as vLLM refuses seeds beyond int64
+# Every generated token is checked against each stop string on the engine thread, which
+# every request shares: a request may not make that work unbounded.
+MAX_STOP_STRINGS = 128
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
 
 
@@ -115,6 +118,10 @@ class _SamplingFields(_StrictRequest):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
         if not all(stop):
             raise RequestError("stop strings must not be empty", param="stop")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise RequestError(
+                f"{len(stop)} stop strings; at most {MAX_STOP_STRINGS} are allowed", param="stop"
+            )
         try:
             structured = structured_output_spec(self)
         except StructuredOutputError as e:

@@ -25,7 +25,7 @@ from engine.sampler import SamplingParams
 from tiered_kv import server_responses
 from tiered_kv.generation_defaults import GenerationDefaults
 from tiered_kv.protocol import ChatCompletionRequest, CompletionRequest, RequestError
-from tiered_kv.server_generation import Generations, Job
+from tiered_kv.server_generation import Generations, Job, check_generations
 from tiered_kv.server_state import ServerState
 
 _SEED_RANGE = 2**63
@@ -40,6 +40,7 @@ async def completions(
 ) -> Response:
     params = body.to_sampling_params(defaults)
     prompts = body.prompts()
+    check_generations(state, len(prompts) * body.num_generated)
     tokenizer, limit = state.llm.tokenizer, state.prompt_limit
     for prompt in prompts:
         if isinstance(prompt, str):
@@ -70,6 +71,7 @@ async def chat_completions(
 ) -> Response:
     """``chat`` renders the messages: the tokenizer, or it with ``--chat-template``'s template."""
     params = body.to_sampling_params(defaults)
+    check_generations(state, body.n)
     messages = body.messages_as_dicts()
     tokenizer, limit = state.llm.tokenizer, state.prompt_limit
 

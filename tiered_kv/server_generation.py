@@ -135,13 +135,8 @@ class Generations:
         """Admit the jobs (or refuse them all with 429) and wait for the first output of
         each, so that errors the engine finds are still a plain error response."""
         arrival = time.perf_counter()
-        limit = state.config.max_inflight
-        if len(jobs) > limit:
-            raise RequestError(
-                f"the request asks for {len(jobs)} generations (prompts × n or best_of); "
-                f"this server holds at most {limit} at once", param="n"
-            )
-        if state.inflight + len(jobs) > limit:
+        check_generations(state, len(jobs))
+        if state.inflight + len(jobs) > state.config.max_inflight:
             raise RequestError(
                 f"the server is at capacity ({state.inflight} requests); retry later",
                 status=429,
@@ -149,9 +144,15 @@ class Generations:
                 code="queue_full",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
-        specs = {job.params.structured_output for job in jobs} - {None}
-        for spec in specs:
-            await _compile_grammar(state, spec)
+        # The places are taken before anything is awaited, or requests arriving meanwhile
+        # would all pass the check above; each generation gives its place back when closed.
+        state.inflight += len(jobs)
+        try:
+            for spec in {job.params.structured_output for job in jobs} - {None}:
+                await _compile_grammar(state, spec)
+        except BaseException:
+            state.inflight -= len(jobs)
+            raise
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         generations = []
         for k, job in enumerate(jobs):
@@ -160,7 +161,6 @@ class Generations:
                 job.prompt_ids, job.params, request_id=engine_id, cache_salt=cache_salt, priority=priority
             )
             generations.append(Generation(state, engine_id, arrival, stream))
-        state.inflight += len(jobs)
         group = cls(request_id, generations)
         try:
             primed = asyncio.gather(*(g._prime() for g in generations), return_exceptions=True)
@@ -239,6 +239,17 @@ def _param_of(message: str) -> str | None:
 
 
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) | {"prompt"}
+
+
+def check_generations(state: ServerState, count: int) -> None:
+    """A 400 for a request that asks for more generations (prompts × ``n`` or ``best_of``)
+    than the server holds at once: checked before any job is built."""
+    limit = state.config.max_inflight
+    if count > limit:
+        raise RequestError(
+            f"the request asks for {count} generations (prompts × n or best_of); "
+            f"this server holds at most {limit} at once", param="n"
+        )
 
 
 async def _compile_grammar(state: ServerState, spec: StructuredOutputSpec) -> None:
