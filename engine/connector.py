@@ -100,9 +100,15 @@ class KVConnector(abc.ABC):
 
     @abc.abstractmethod
     def start_load(
-        self, request_id: str, block_hashes: Sequence[bytes], block_ids: Sequence[int]
+        self,
+        request_id: str,
+        block_hashes: Sequence[bytes],
+        block_ids: Sequence[int],
+        cache_salt: str | None = None,
     ) -> None:
         """Start writing the KV of ``block_hashes[i]`` into block ``block_ids[i]``, for every i.
+        ``cache_salt`` is the request's tenant (its hashes already cover it), for the tiers'
+        eviction order of what the load brings up.
 
         Returns at once; the blocks belong to the connector until :meth:`poll` reports
         ``request_id`` in ``loaded``. Blocks past the reported count may hold anything:

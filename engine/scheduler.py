@@ -350,6 +350,7 @@ class Scheduler:
                 seq.request_id,
                 seq.hashes_of_full_blocks()[first : first + num_external],
                 seq.block_table[first : first + num_external],
+                seq.cache_salt,
             )
         except Exception:
             logger.exception("KV connector failed to start a load for %s", seq.request_id)

@@ -108,7 +108,7 @@ class MemoryConnector(KVConnector):
         self.queries.append((request_id, len(block_hashes), num_computed_blocks))
         return count
 
-    def start_load(self, request_id, block_hashes, block_ids) -> None:
+    def start_load(self, request_id, block_hashes, block_ids, cache_salt=None) -> None:
         load = (request_id, list(block_hashes), list(block_ids))
         self.loads.append(load)
         for b in block_ids:

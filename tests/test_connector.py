@@ -248,7 +248,7 @@ def test_an_aborted_load_frees_its_blocks_once_reported(reference, saved_store):
 
 
 class RaisingConnector(MemoryConnector):
-    def start_load(self, request_id, block_hashes, block_ids) -> None:
+    def start_load(self, request_id, block_hashes, block_ids, cache_salt=None) -> None:
         raise RuntimeError("disk on fire")
 
 

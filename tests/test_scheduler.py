@@ -231,7 +231,7 @@ def test_loading_sequences_count_toward_max_num_seqs():
 
 def test_a_load_that_fails_to_start_is_computed_at_once():
     class Refusing(MemoryConnector):
-        def start_load(self, request_id, block_hashes, block_ids) -> None:
+        def start_load(self, request_id, block_hashes, block_ids, cache_salt=None) -> None:
             raise OSError("no")
 
     conn = Refusing()

@@ -250,6 +250,28 @@ def test_the_cpu_pool_evicts_the_lower_priority_tenant_first(reference):
     assert [gold.token_ids, batch.token_ids] == reference[:2]
 
 
+
+def test_blocks_a_load_brings_up_keep_their_tenants_priority(reference, disk):
+    """Gold's blocks, loaded from disk into a fresh CPU pool, rank there as gold's: an
+    unsalted newcomer that fills the pool does not evict them (it did when a promotion
+    entered the pool at the default priority)."""
+    tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=16 * _block_nbytes(), disk_bytes=64 << 20,
+                       tenant_priorities={"gold": -10})
+    with make_llm(tiers) as llm:  # gold's blocks reach the disk
+        llm.generate(PROMPTS[0], GREEDY, cache_salt="gold")
+    with make_llm(tiers) as llm:
+        manager = llm.engine.connector
+        promoted = llm.generate(PROMPTS[0], GREEDY, cache_salt="gold")[0]
+        assert promoted.num_cached_tokens == hit_tokens(PROMPTS[0])  # from the disk
+        llm.generate(FLUSH, GREEDY)  # unsalted: fills the engine and the pool
+        assert manager.flush(30)
+        before = manager.stats()["cpu"]["hit_blocks"]
+        again = llm.generate(PROMPTS[0], GREEDY, cache_salt="gold")[0]
+        from_pool = manager.stats()["cpu"]["hit_blocks"] - before
+    assert again.num_cached_tokens == hit_tokens(PROMPTS[0])
+    assert from_pool == hit_tokens(PROMPTS[0]) // BLOCK
+    assert promoted.token_ids == again.token_ids == reference[0]
+
 def test_another_block_size_never_hits(disk):
     tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=0, disk_bytes=64 << 20)
     with make_llm(tiers) as llm:

@@ -33,6 +33,7 @@ from engine.hashing import block_hash as chain_hash
 from storage.base import BlockKey, BlockStore
 from storage.codecs import CodecError, get_codec
 from storage.cpu_pool import CpuBlockPool
+from storage.priority_lru import DEFAULT_PRIORITY
 from storage.record import Record
 from tiered_kv.block_mover import BlockMover, Copy
 from tiered_kv.metrics import TierMetrics
@@ -64,6 +65,7 @@ class WantedBlock:
     block_id: int
     parent: bytes | None  # the request's previous block's hash; None for its first block
     tier: str  # where the lookup found it: cpu, disk or remote
+    priority: int = DEFAULT_PRIORITY  # its tenant's place in the pool's eviction order
 
 
 @dataclasses.dataclass
@@ -251,7 +253,7 @@ class BlockLoader:
     def _promote_record(self, want: WantedBlock, tier: str, record: Record) -> int | None:
         """Decode ``record`` into a new pool slot and commit it there, held; the slot, or
         ``None`` if the record is bad or the pool has no slot to spare."""
-        slot = self._pool.reserve()
+        slot = self._pool.reserve(want.priority)
         if slot is None:
             logger.warning("CPU pool has no free slot for a %s hit; recomputing", tier)
             return None
@@ -268,7 +270,7 @@ class BlockLoader:
             raise
         committed = self._pool.commit(
             want.key, slot, self._mover.slot_dtype, self._mover.slot_shape, record.parent_hash,
-            record.token_ids, self._promote(tier), hold=True,
+            record.token_ids, self._promote(tier), hold=True, priority=want.priority,
         )
         if not committed:  # another load promoted the same block meanwhile
             got = self._pool.acquire(want.key)

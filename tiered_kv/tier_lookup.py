@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 from storage.base import BlockKey
 from storage.cpu_pool import CpuBlockPool
+from storage.priority_lru import DEFAULT_PRIORITY
 from storage.lmdb_store import LmdbStore
 from storage.remote_store import RemoteStore
 from tiered_kv.block_loader import WantedBlock
@@ -37,7 +38,11 @@ class _Lookup:
     tiers: tuple[str, ...]  # tier of hashes[first + i], for the matched run
 
     def wanted(
-        self, namespace: bytes, block_hashes: Sequence[bytes], block_ids: Sequence[int]
+        self,
+        namespace: bytes,
+        block_hashes: Sequence[bytes],
+        block_ids: Sequence[int],
+        priority: int,
     ) -> list[WantedBlock] | None:
         """The blocks to load with their parents (``None`` for the chain's first block), or
         ``None`` if the run is not part of this lookup's matched chain."""
@@ -54,7 +59,7 @@ class _Lookup:
             return None
         parents = [self.hashes[start - 1] if start else None, *block_hashes[:-1]]
         return [
-            WantedBlock(BlockKey(namespace, h), b, p, self.tiers[offset + i])
+            WantedBlock(BlockKey(namespace, h), b, p, self.tiers[offset + i], priority)
             for i, (h, b, p) in enumerate(zip(block_hashes, block_ids, parents))
         ]
 
@@ -143,17 +148,22 @@ class TierLookup:
         return len(tiers)
 
     def wanted(
-        self, request_id: str, block_hashes: Sequence[bytes], block_ids: Sequence[int]
+        self,
+        request_id: str,
+        block_hashes: Sequence[bytes],
+        block_ids: Sequence[int],
+        priority: int = DEFAULT_PRIORITY,
     ) -> list[WantedBlock] | None:
-        """The blocks to load for ``start_load``, each with its parent and the tier its
-        request's last lookup found it in; ``None`` if the run is not what that lookup
-        matched (the records' chain cannot be checked: recompute instead)."""
+        """The blocks to load for ``start_load``, each with its parent, the tier its
+        request's last lookup found it in and the eviction ``priority`` of its tenant;
+        ``None`` if the run is not what that lookup matched (the records' chain cannot be
+        checked: recompute instead)."""
         if not block_hashes:
             return []
         lookup = self._lookups.get(request_id)
         if lookup is None:
             return None
-        return lookup.wanted(self._namespace, block_hashes, block_ids)
+        return lookup.wanted(self._namespace, block_hashes, block_ids, priority)
 
     def forget(self, request_id: str) -> None:
         """The request finished: drop what its lookups found."""

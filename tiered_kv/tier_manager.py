@@ -309,11 +309,16 @@ class TierManager(KVConnector):
         return self._lookup.num_matched(request_id, block_hashes, num_computed_blocks)
 
     def start_load(
-        self, request_id: str, block_hashes: Sequence[bytes], block_ids: Sequence[int]
+        self,
+        request_id: str,
+        block_hashes: Sequence[bytes],
+        block_ids: Sequence[int],
+        cache_salt: str | None = None,
     ) -> None:
         wanted = None
         if self._loader is not None and not self._closed and len(block_hashes) == len(block_ids):
-            wanted = self._lookup.wanted(request_id, block_hashes, block_ids)
+            priority = self.config.tenant_priority(cache_salt)
+            wanted = self._lookup.wanted(request_id, block_hashes, block_ids, priority)
         if not wanted:
             if wanted is None:  # cannot check the records' chain: recompute instead
                 self.metrics.add(self._first_lower_tier(), load_failures=1)
