@@ -178,6 +178,8 @@ class LLMEngine:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        if cache_salt == "":  # it would hash as no salt: shared with every unsalted request
+            raise ValueError("cache_salt must not be empty (leave it out for no salt)")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if isinstance(prompt, str):

@@ -82,6 +82,8 @@ def test_cache_salt_separates_tenants(llm):
     assert a1.token_ids == a2.token_ids == b.token_ids
     mixed = llm.generate([prompt, prompt], GREEDY, cache_salt=["tenant-a", "tenant-c"])
     assert mixed[0].num_cached_tokens > 0 and mixed[1].num_cached_tokens == 0
+    with pytest.raises(ValueError, match="must not be empty"):  # it would share the unsalted KV
+        llm.generate(prompt, GREEDY, cache_salt="")
 
 
 def test_chat_uses_the_template(llm):
