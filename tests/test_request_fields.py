@@ -192,6 +192,16 @@ def test_min_p_of_one_is_greedy_and_logit_bias_steers(llm):
     assert chat.json()["choices"][0]["message"]["content"] == "AAA"
 
 
+@pytest.mark.parametrize("bias", [{"5": float("nan")}, {"5": float("inf")}, {" 5 ": 1}, {"1_0": 1},
+                                  {"\u0663": 1}, {"-3": 1}, {"5.0": 1}])
+def test_logit_bias_takes_plain_token_ids_and_finite_values(llm, bias):
+    async def test(c):  # json.dumps writes NaN and Infinity, which the server's parser accepts
+        return await c.post("/v1/completions", content=json.dumps({"prompt": "x", "logit_bias": bias}),
+                            headers={"content-type": "application/json"})
+
+    assert_error(run(llm, test), 400, param="logit_bias")
+
+
 # ---------------------------------------------------------------- generation_config.json
 
 

@@ -11,6 +11,7 @@ integers must fit int64. Values left out come from the model's generation config
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Annotated, Any, Literal
 
@@ -161,14 +162,17 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     """vLLM's reading: keys are token ids written as integers, values clamped to [-100, 100]."""
     result = {}
     for key, value in (bias or {}).items():
-        try:
-            token_id = int(key)
-        except ValueError:
+        if key.startswith("-") and key[1:].isascii() and key[1:].isdigit():
+            raise RequestError(f"logit_bias has a negative token id {key!r}", param="logit_bias")
+        if not (key.isascii() and key.isdigit()):
             raise RequestError(
                 f"logit_bias keys must be token ids (integers as strings), got {key!r}", param="logit_bias"
-            ) from None
-        if not 0 <= token_id <= MAX_INT:
-            raise RequestError(f"logit_bias has a negative or too large token id {key!r}", param="logit_bias")
+            )
+        token_id = int(key)
+        if token_id > MAX_INT:
+            raise RequestError(f"logit_bias has a too large token id {key!r}", param="logit_bias")
+        if not math.isfinite(value):
+            raise RequestError(f"logit_bias for {key!r} is {value}, not a finite number", param="logit_bias")
         result[token_id] = min(100.0, max(-100.0, value))
     return result
 
