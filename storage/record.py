@@ -154,7 +154,10 @@ def decode_record(
     id and MAC), header fields, or (when ``expected_key`` is given) a key that is not the
     one asked for.
     """
-    view = memoryview(buf).cast("B")
+    try:
+        view = memoryview(buf).cast("B")
+    except TypeError:  # a remote server's reply that is not a string (an integer, a list)
+        raise RecordError("magic", f"not a record: a {type(buf).__name__}, not bytes") from None
     size = len(view)
     if size < _FIXED.size + SEAL_SIZE:
         raise RecordError("length", f"record of {size} bytes is shorter than any record")

@@ -100,6 +100,13 @@ def test_arbitrary_bytes_raise_only_record_error(prefix, rest):
         decode_record(prefix + rest, KEY)
 
 
+
+@pytest.mark.parametrize("reply", [42, [b"a", b"b"], "text", 1.5])
+def test_a_reply_that_is_not_bytes_raises_only_record_error(reply):
+    """What a misbehaving remote server may send instead of a string value."""
+    with pytest.raises(RecordError):
+        decode_record(reply, KEY)
+
 def _reseal(buf: bytearray, key: SealKey, key_id: bytes | None = None) -> bytearray:
     """Seal ``buf`` again under ``key``, claiming ``key_id`` (default: the key's own)."""
     sealed = len(buf) - SEAL_SIZE
