@@ -17,9 +17,27 @@ import torch
 
 from storage.pinned import PinnedSlab
 from bench_common import DTYPES, Shape
-from ttft_tiers import evict_cpu_caches
 
 REFERENCE_REPEATS = 5
+
+
+def evict_cpu_caches() -> None:
+    """Stream through more memory than any CPU cache holds, so that the next copy reads from
+    DRAM, as a restore does (its source was written long before, by another request)."""
+    torch.ones(64 << 20, dtype=torch.float32).sum()
+
+
+def write_plain_file(folder: Path, block_nbytes: int, blocks: int) -> Path:
+    """``folder/plain-read.bin``: ``blocks`` random blocks, written and synced (so they are
+    in the page cache), what the plain reads read."""
+    path = folder / "plain-read.bin"
+    piece = os.urandom(block_nbytes)
+    with open(path, "wb") as f:
+        for _ in range(blocks):
+            f.write(piece)
+        f.flush()
+        os.fsync(f.fileno())
+    return path
 
 
 def copy_bandwidth(shape: Shape, blocks: int, device: torch.device) -> float:
@@ -51,13 +69,7 @@ def copy_bandwidth(shape: Shape, blocks: int, device: torch.device) -> float:
 def pread_bandwidth(folder: Path, block_nbytes: int, blocks: int, pin: bool) -> float:
     """Bytes/s of ``preadv`` of a file just written (page cache warm), one call per block,
     into a preallocated host slab (pinned on CUDA), CPU caches cold."""
-    path = folder / "plain-read.bin"
-    piece = os.urandom(block_nbytes)
-    with open(path, "wb") as f:
-        for _ in range(blocks):
-            f.write(piece)
-        f.flush()
-        os.fsync(f.fileno())
+    path = write_plain_file(folder, block_nbytes, blocks)
     slab = PinnedSlab(blocks, block_nbytes, pin=pin)
     rows = slab.tensor.numpy()  # [N, block bytes]
     rows.fill(0)  # fault the pages in outside the timing

@@ -58,6 +58,7 @@ from engine.sampler import SamplingParams
 from tiered_kv.config import TierConfig
 from tiered_kv.tier_manager import build_llm
 from bench_common import machine, write_json, write_random_llama
+from reference_copies import evict_cpu_caches, write_plain_file
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = 0
@@ -143,12 +144,6 @@ def cpu_hit(model: Path, prompts: list[list[int]], prefix_tokens: int, cache: Pa
     }
 
 
-def evict_cpu_caches() -> None:
-    """Stream through more memory than any CPU cache holds, so that the next copy reads from
-    DRAM, as a restore does (its source was written long before, by another request)."""
-    torch.ones(64 << 20, dtype=torch.float32).sum()
-
-
 def memcpy_bandwidth(
     block_shape: torch.Size, dtype: torch.dtype, blocks: int, repeats: int = 5
 ) -> dict:
@@ -219,13 +214,7 @@ def pread_bandwidth(folder: Path, block_nbytes: int, blocks: int, repeats: int =
     record-sized blocks of a freshly written file (in the page cache): ``pread`` (a new
     buffer per block, as the store's reads) and ``preadv`` into one preallocated buffer
     per block (no allocation: the fastest plain read)."""
-    path = folder / "plain-read.bin"
-    data = os.urandom(block_nbytes)
-    with open(path, "wb") as f:
-        for _ in range(blocks):
-            f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    path = write_plain_file(folder, block_nbytes, blocks)
     into = [bytearray(block_nbytes) for _ in range(blocks)]
     for buf in into:
         buf[::4096] = bytes(len(buf[::4096]))  # fault the pages in once, outside the timing
