@@ -162,11 +162,10 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     """vLLM's reading: keys are token ids written as integers, values clamped to [-100, 100]."""
     result = {}
     for key, value in (bias or {}).items():
-        if key.startswith("-") and key[1:].isascii() and key[1:].isdigit():
-            raise RequestError(f"logit_bias has a negative token id {key!r}", param="logit_bias")
         if not (key.isascii() and key.isdigit()):
             raise RequestError(
-                f"logit_bias keys must be token ids (integers as strings), got {key!r}", param="logit_bias"
+                f"logit_bias keys must be token ids (non-negative integers as strings of digits), "
+                f"got {key!r}", param="logit_bias"
             )
         token_id = int(key)
         if token_id > MAX_INT:
