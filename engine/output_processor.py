@@ -110,6 +110,7 @@ class OutputProcessor:
             stop_reason=state.stop_reason,
             logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
             top_logprobs=list(seq.top_logprobs) if seq.top_logprobs is not None else None,
+            first_token_time=seq.first_token_time,
         )
 
     def failed(self, seq: Sequence) -> RequestOutput:
@@ -125,6 +126,7 @@ class OutputProcessor:
             delta_text="",
             num_cached_tokens=seq.num_cached_tokens or 0,
             finish_reason="error",
+            first_token_time=seq.first_token_time,
         )
 
     def _detokenizer(

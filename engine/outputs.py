@@ -38,6 +38,7 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id, if one ended it
     logprobs: list[float] | None = None  # of each chosen token, when asked for
     top_logprobs: list[dict[int, float]] | None = None  # when asked for logprobs=k > 0
+    first_token_time: float | None = None  # time.perf_counter() of the step that gave the first token
 
     @property
     def finished(self) -> bool:

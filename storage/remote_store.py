@@ -282,7 +282,8 @@ class RemoteStore(BlockStore[Record]):
 
     def keys(self, namespace: bytes | None = None) -> Iterator[BlockKey]:
         """Keys under this prefix by ``SCAN`` of the server, or of every primary of a
-        cluster, one page per call (stops where the server or a node is unreachable)."""
+        cluster, one page per call (stops where the server or a node is unreachable, at a
+        cursor the walk already passed, and once the store is closed)."""
         pattern = self._prefix + (namespace.hex().encode() + b":" if namespace else b"") + b"*"
         ok, nodes = self._call(lambda r: r.scan_nodes(), "scan")
         if not ok:
@@ -290,7 +291,9 @@ class RemoteStore(BlockStore[Record]):
         seen: set[bytes] = set()  # SCAN may return a key twice
         for node in nodes:
             cursor: int | None = 0
-            while cursor is not None:
+            visited: set[int] = set()  # a server whose cursors cycle ends the walk
+            while cursor is not None and cursor not in visited and not self._closed:
+                visited.add(cursor)
                 ok, reply = self._call(
                     lambda r, cur=cursor, node=node: r.scan(node, cur, pattern, _SCAN_COUNT), "scan"
                 )

@@ -82,6 +82,22 @@ def test_vllm_names_carry_model_name_and_engine_labels(llm):
     assert not [n for n in sample_names(text) if n.endswith("_created")]
 
 
+def test_time_to_first_token_of_a_request_not_streamed_is_not_its_whole_time(llm):
+    """A request that is not streamed gets only its final output from the engine; its first
+    token's time comes with it, so TTFT is not the end-to-end latency."""
+    before = metrics_after(llm, lambda c: asyncio.sleep(0))
+    after = metrics_after(llm, lambda c: complete(c, "Time me.", 48))
+
+    def grew(name):
+        return value(after, name) - value(before, name)
+
+    assert grew("vllm:time_to_first_token_seconds_count") == 1
+    assert grew("vllm:inter_token_latency_seconds_count") == 47
+    ttft, e2e = grew("vllm:time_to_first_token_seconds_sum"), grew("vllm:e2e_request_latency_seconds_sum")
+    assert 0 < ttft < e2e
+    assert grew("vllm:inter_token_latency_seconds_sum") > 0
+
+
 def test_latency_histograms_use_vllms_buckets(llm):
     text = metrics_after(llm, lambda c: complete(c, "Buckets.", 4))
     for name, buckets in VLLM_BUCKETS.items():

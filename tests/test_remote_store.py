@@ -285,3 +285,22 @@ def test_stats_never_scan_on_the_callers_thread(redis_server, monkeypatch):
     assert s.stats().entries == 5
     assert len(scans) == 1  # one refresh in the interval, however often stats() was read
     s.close()
+
+
+def test_a_scan_whose_cursor_cycles_ends(redis_server, monkeypatch):
+    """A server (or proxy) that keeps handing back a cursor already passed would keep the
+    stats thread walking forever: the walk ends there, with the keys seen so far."""
+    s = store(redis_server.url)
+    assert s.put(key(0), record(0))
+    pages = []
+
+    def cycling_scan(node, cursor, match, count):
+        pages.append(cursor)
+        if len(pages) > 50:  # the old walk: let it end, with the pages it took
+            return 0, []
+        return 7, [s._kb(key(0))] if cursor == 0 else []  # 7, then 7 again
+
+    monkeypatch.setattr(s._remote, "scan", cycling_scan)
+    assert list(s.keys()) == [key(0)]
+    assert pages == [0, 7]  # cursor 7 came back after it was walked: the walk stopped
+    s.close()

@@ -275,3 +275,15 @@ def test_max_tokens_past_the_context_and_unknown_fields_are_400(llm):
     assert_error(tool_choice, 400, param="tool_choice")
     assert_error(message_field, 400, param="messages")
 
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_only_a_streamed_request_asks_the_engine_for_every_output(stream):
+    from engine.outputs import RequestOutputKind
+    from tiered_kv.protocol import ChatCompletionRequest, CompletionRequest
+
+    kind = RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY
+    completion = CompletionRequest(model="m", prompt="Hi", stream=stream)
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Hi"}], stream=stream)
+    assert completion.to_sampling_params().output_kind is kind
+    assert chat.to_sampling_params().output_kind is kind

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.outputs import RequestOutputKind
 from engine.sampler import SamplingParams
 from tiered_kv.generation_defaults import GenerationDefaults
 from tiered_kv.structured_output_fields import StructuredOutputError, structured_output_spec
@@ -145,6 +146,8 @@ class _SamplingFields(_StrictRequest):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 structured_output=structured,
+                # a response that is not streamed needs only the last output
+                output_kind=RequestOutputKind.CUMULATIVE if self.stream else RequestOutputKind.FINAL_ONLY,
             )
         except ValueError as e:
             raise RequestError(str(e), param=str(e).split(" ")[0]) from None

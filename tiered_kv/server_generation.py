@@ -64,15 +64,19 @@ class Generation:
         return out
 
     def _observe(self, out: RequestOutput) -> None:
+        """Time to first token from the engine's step that gave it (a request not streamed
+        gets one output, its last); each later token's share of the time since the last."""
         metrics = self.state.metrics
         now = time.perf_counter()
         new = len(out.token_ids) - self._num_tokens
+        if new > 0 and self._num_tokens == 0:
+            first = out.first_token_time if out.first_token_time is not None else now
+            if metrics is not None:
+                metrics.ttft.observe(max(0.0, first - self.arrival))
+            self._num_tokens, self._last_time, new = 1, first, new - 1
         if metrics is not None and new > 0:
-            if self._num_tokens == 0:
-                metrics.ttft.observe(now - self.arrival)
-            else:
-                for _ in range(new):
-                    metrics.itl.observe((now - self._last_time) / new)
+            for _ in range(new):
+                metrics.itl.observe(max(0.0, now - self._last_time) / new)
         if new > 0:
             self._num_tokens, self._last_time = len(out.token_ids), now
         if out.finished:
