@@ -20,9 +20,11 @@ import lmdb
 from storage.base import KEY_SIZE, BlockKey, StoreError
 from storage.lmdb_committer import QUARANTINE_HEAD
 from storage.lmdb_file import Found, salvage
+from storage.lmdb_directory import (
+    copy_key_file, fsync_dir, lock_writer, make_file_private, move_aside, store_key,
+)
 from storage.lmdb_layout import (
     DATA_NAME, DB_META, DB_QUARANTINE, DB_RECORDS, DESCRIPTOR_NAME, KEYS_CHUNK, StoreDescriptor,
-    copy_key_file, fsync_dir, lock_writer, make_file_private, move_aside, store_key,
 )
 from storage.lmdb_meta import unpack_meta
 from storage.priority_lru import DEFAULT_PRIORITY

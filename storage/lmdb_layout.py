@@ -1,4 +1,4 @@
-"""The disk tier's directory: its layout, descriptor, writer lock, and opening it.
+"""The disk tier's directory: its layout, descriptor, and opening it.
 
 Layout (created 0700)::
 
@@ -10,18 +10,16 @@ Layout (created 0700)::
 
 :func:`open_for_writing` and :func:`open_for_reading` check the directory and, with
 :mod:`storage.lmdb_file`, ``data.mdb`` before LMDB maps it, then open the environment with
-every option set on purpose.
+every option set on purpose. The directory's other files (permissions, the writer lock,
+the key file) are handled by :mod:`storage.lmdb_directory`.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
-import fcntl
 import json
 import logging
 import os
-import stat
 import struct
 import time
 from collections.abc import Iterator
@@ -35,14 +33,16 @@ from storage.lmdb_file import DATA_NAME, DamagedStore, check_data_file, check_st
 from storage.lmdb_meta import pack_meta
 from storage.priority_lru import DEFAULT_PRIORITY
 from storage.record import FORMAT_VERSION as RECORD_FORMAT_VERSION
-from storage.seal import KEY_FILE_NAME, SealKey, create_key_file, load_key_file
+from storage.lmdb_directory import (
+    LOCK_NAME, fsync_dir, lock_writer, make_private, prepare_directory, store_key,
+)
+from storage.seal import KEY_FILE_NAME, SealKey
 
 logger = logging.getLogger(__name__)
 
 FORMAT_NAME = "tiered-kv-lmdb"
 STORE_VERSION = 2  # 2: meta values carry the priority (storage.lmdb_meta); 1 is read as is
 DESCRIPTOR_NAME = "tiered_kv.json"
-LOCK_NAME = "writer.lock"
 _DESCRIPTOR_TMP = ".tiered_kv.json.tmp"
 # What a directory may hold and still count as empty: leftovers of a creation cut short.
 _CREATION_LEFTOVERS = frozenset({LOCK_NAME, _DESCRIPTOR_TMP, KEY_FILE_NAME})
@@ -138,44 +138,6 @@ class StoreDescriptor:
         fsync_dir(path)
 
 
-def prepare_directory(path: Path) -> None:
-    """Create the store directory (0700) if it is missing; check that we can write it."""
-    if path.exists() and not path.is_dir():
-        raise StoreError(f"{path} exists and is not a directory")
-    if not path.exists():
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.mkdir(mode=0o700)
-        except FileExistsError:
-            pass
-        except OSError as e:
-            raise StoreError(f"cannot create the store directory {path}: {e}") from None
-        os.chmod(path, 0o700)
-    if not os.access(path, os.W_OK | os.X_OK) or os.statvfs(path).f_flag & os.ST_RDONLY:
-        raise StoreError(f"{path} is not writable; open it with readonly=True to read it")
-
-
-def make_private(path: Path) -> None:
-    """Tighten a store directory that others can read to 0700 (a cache holds other users'
-    prompts as KV), or warn if it is not ours to change."""
-    st = path.stat()
-    mode = stat.S_IMODE(st.st_mode)
-    if not mode & 0o077:
-        return
-    if st.st_uid != os.geteuid():
-        logger.warning(
-            "%s is accessible to other users (mode %o) and owned by uid %d, not us: "
-            "leaving its mode; make it 0700", path, mode, st.st_uid,
-        )
-        return
-    try:
-        os.chmod(path, 0o700)
-    except OSError as e:
-        logger.warning("%s is accessible to other users (mode %o): %s", path, mode, e.strerror)
-        return
-    logger.info("%s was accessible to other users (mode %o); made it 0700", path, mode)
-
-
 def check_is_store(path: Path) -> None:
     """:class:`StoreError` unless ``path`` holds a store of ours or nothing at all."""
     if (path / DESCRIPTOR_NAME).exists():
@@ -190,28 +152,6 @@ def check_is_store(path: Path) -> None:
             f"{path} is not empty and has no {DESCRIPTOR_NAME}: not a tiered-kv disk store; "
             "refusing to use it"
         )
-
-
-def lock_writer(path: Path) -> int:
-    """Take the store's writer lock; returns the descriptor whose closing releases it."""
-    try:
-        fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except OSError as e:
-        raise StoreError(f"cannot open {path / LOCK_NAME}: {e}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
-        os.close(fd)
-        if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
-            raise StoreError(
-                f"{path} is already open for writing (by pid {holder}); only one writer "
-                "may open a store; use readonly=True to read it meanwhile"
-            ) from None
-        raise StoreError(f"cannot lock {path / LOCK_NAME}: {e}") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
-    return fd
 
 
 def open_env(
@@ -243,36 +183,6 @@ def open_env(
         raise StoreError(f"{path}: cannot open the LMDB environment: {e}") from None
 
 
-def move_aside(path: Path) -> Path:
-    """Rename a (damaged) store directory to ``<dir>.damaged-<UTC time>``; returns the new
-    name. The directory is kept whole for ``tiered-kv storage repair``."""
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    aside = path.with_name(f"{path.name}.damaged-{stamp}")
-    suffix = 1
-    while aside.exists():
-        suffix += 1
-        aside = path.with_name(f"{path.name}.damaged-{stamp}-{suffix}")
-    try:
-        os.rename(path, aside)
-        fsync_dir(path.parent)
-    except OSError as e:
-        raise StoreError(f"cannot move {path} aside to {aside}: {e}") from None
-    return aside
-
-
-def make_file_private(path: Path) -> None:
-    """Owner-only access to a file that LMDB created with the umask's mode (its copies)."""
-    os.chmod(path, 0o600)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class Opened(NamedTuple):
     """An open store: its descriptor, environment and databases, the writer lock's
     descriptor (``None`` for a reader; closing it releases the lock), and the key that
@@ -283,49 +193,6 @@ class Opened(NamedTuple):
     dbs: dict[bytes, Any]
     lock_fd: int | None
     seal_key: SealKey
-
-
-def store_key(path: Path, *, create: bool) -> SealKey:
-    """The key of ``<path>/seal.key``. With ``create`` (a writer, under the writer lock) the
-    file is created if missing and a looser mode is tightened to 0600."""
-    where = path / KEY_FILE_NAME
-    if create:
-        try:
-            return create_key_file(where)
-        except FileExistsError:
-            make_key_private(where)
-        except OSError as e:
-            raise StoreError(f"cannot create the store's key file {where}: {e.strerror or e}") from None
-    elif not where.exists():
-        raise StoreError(
-            f"{path} has no key file ({KEY_FILE_NAME}): it was written before records were "
-            f"sealed, or the file was removed; `tiered-kv storage init {path}` creates one "
-            "(and drops the records it cannot verify)"
-        )
-    try:
-        return load_key_file(where)
-    except ValueError as e:
-        raise StoreError(str(e)) from None
-
-
-def make_key_private(where: Path) -> None:
-    """Tighten a key file that others can read to 0600 when it is ours to change."""
-    with contextlib.suppress(OSError):
-        st = where.stat()
-        if stat.S_IMODE(st.st_mode) & 0o077 and st.st_uid == os.geteuid():
-            os.chmod(where, 0o600)
-            logger.warning("%s was readable by other users; made it 0600", where)
-
-
-def copy_key_file(source: Path, dest: Path) -> None:
-    """Give the store ``dest`` the key of the store ``source`` (a copy of the same store)."""
-    data = (source / KEY_FILE_NAME).read_bytes()
-    fd = os.open(dest / KEY_FILE_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def open_for_writing(

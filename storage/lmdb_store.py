@@ -57,11 +57,12 @@ from storage.lmdb_admin import (
 )
 from storage.lmdb_committer import QUARANTINE_KEEP_BYTES, Committer, Op, short_key
 from storage.lmdb_file import DamagedStore, check_data_file, check_structure
+from storage.lmdb_directory import LOCK_NAME, move_aside
 from storage.lmdb_layout import (
     DB_INFO, DB_META, DB_RECORDS, DEFAULT_MAX_READERS, DESCRIPTOR_NAME, FORMAT_NAME,
-    INFO_BYTES_USED, KEYS_CHUNK, LOCK_NAME, STORE_VERSION, U64, MiB, StoreDescriptor,
+    INFO_BYTES_USED, KEYS_CHUNK, STORE_VERSION, U64, MiB, StoreDescriptor,
     default_map_size,
-    Opened, lmdb_errors, move_aside, open_for_reading, open_for_writing,
+    Opened, lmdb_errors, open_for_reading, open_for_writing,
 )
 from storage.lmdb_meta import check_priority, unpack_meta
 from storage.lmdb_recovery import Recovery

@@ -1,0 +1,156 @@
+"""The files of a disk store's directory besides LMDB's own: the directory's permissions,
+the writer lock, the seal key file, renames and directory fsyncs.
+
+:mod:`storage.lmdb_layout` opens a store with them; the admin operations
+(:mod:`storage.lmdb_admin`) copy, lock and move stores with them.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import stat
+import time
+from pathlib import Path
+
+from storage.base import StoreError
+from storage.seal import KEY_FILE_NAME, SealKey, create_key_file, load_key_file
+
+logger = logging.getLogger(__name__)
+
+LOCK_NAME = "writer.lock"
+
+
+def prepare_directory(path: Path) -> None:
+    """Create the store directory (0700) if it is missing; check that we can write it."""
+    if path.exists() and not path.is_dir():
+        raise StoreError(f"{path} exists and is not a directory")
+    if not path.exists():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise StoreError(f"cannot create the store directory {path}: {e}") from None
+        os.chmod(path, 0o700)
+    if not os.access(path, os.W_OK | os.X_OK) or os.statvfs(path).f_flag & os.ST_RDONLY:
+        raise StoreError(f"{path} is not writable; open it with readonly=True to read it")
+
+
+def make_private(path: Path) -> None:
+    """Tighten a store directory that others can read to 0700 (a cache holds other users'
+    prompts as KV), or warn if it is not ours to change."""
+    st = path.stat()
+    mode = stat.S_IMODE(st.st_mode)
+    if not mode & 0o077:
+        return
+    if st.st_uid != os.geteuid():
+        logger.warning(
+            "%s is accessible to other users (mode %o) and owned by uid %d, not us: "
+            "leaving its mode; make it 0700", path, mode, st.st_uid,
+        )
+        return
+    try:
+        os.chmod(path, 0o700)
+    except OSError as e:
+        logger.warning("%s is accessible to other users (mode %o): %s", path, mode, e.strerror)
+        return
+    logger.info("%s was accessible to other users (mode %o); made it 0700", path, mode)
+
+
+def lock_writer(path: Path) -> int:
+    """Take the store's writer lock; returns the descriptor whose closing releases it."""
+    try:
+        fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise StoreError(f"cannot open {path / LOCK_NAME}: {e}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        os.close(fd)
+        if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+            raise StoreError(
+                f"{path} is already open for writing (by pid {holder}); only one writer "
+                "may open a store; use readonly=True to read it meanwhile"
+            ) from None
+        raise StoreError(f"cannot lock {path / LOCK_NAME}: {e}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+    return fd
+
+
+def move_aside(path: Path) -> Path:
+    """Rename a (damaged) store directory to ``<dir>.damaged-<UTC time>``; returns the new
+    name. The directory is kept whole for ``tiered-kv storage repair``."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    aside = path.with_name(f"{path.name}.damaged-{stamp}")
+    suffix = 1
+    while aside.exists():
+        suffix += 1
+        aside = path.with_name(f"{path.name}.damaged-{stamp}-{suffix}")
+    try:
+        os.rename(path, aside)
+        fsync_dir(path.parent)
+    except OSError as e:
+        raise StoreError(f"cannot move {path} aside to {aside}: {e}") from None
+    return aside
+
+
+def make_file_private(path: Path) -> None:
+    """Owner-only access to a file that LMDB created with the umask's mode (its copies)."""
+    os.chmod(path, 0o600)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def store_key(path: Path, *, create: bool) -> SealKey:
+    """The key of ``<path>/seal.key``. With ``create`` (a writer, under the writer lock) the
+    file is created if missing and a looser mode is tightened to 0600."""
+    where = path / KEY_FILE_NAME
+    if create:
+        try:
+            return create_key_file(where)
+        except FileExistsError:
+            make_key_private(where)
+        except OSError as e:
+            raise StoreError(f"cannot create the store's key file {where}: {e.strerror or e}") from None
+    elif not where.exists():
+        raise StoreError(
+            f"{path} has no key file ({KEY_FILE_NAME}): it was written before records were "
+            f"sealed, or the file was removed; `tiered-kv storage init {path}` creates one "
+            "(and drops the records it cannot verify)"
+        )
+    try:
+        return load_key_file(where)
+    except ValueError as e:
+        raise StoreError(str(e)) from None
+
+
+def make_key_private(where: Path) -> None:
+    """Tighten a key file that others can read to 0600 when it is ours to change."""
+    with contextlib.suppress(OSError):
+        st = where.stat()
+        if stat.S_IMODE(st.st_mode) & 0o077 and st.st_uid == os.geteuid():
+            os.chmod(where, 0o600)
+            logger.warning("%s was readable by other users; made it 0600", where)
+
+
+def copy_key_file(source: Path, dest: Path) -> None:
+    """Give the store ``dest`` the key of the store ``source`` (a copy of the same store)."""
+    data = (source / KEY_FILE_NAME).read_bytes()
+    fd = os.open(dest / KEY_FILE_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
