@@ -61,7 +61,8 @@ class OutputProcessor:
     def stop(self, seq: Sequence, token: int, grammar_ended: bool) -> str | None:
         """Detokenize ``token``, just appended to ``seq``; the finish reason if the request
         ends with it (the caller finishes it): ``"stop"`` for a stop token, the end of its
-        grammar or a stop string (the text is cut before it), ``"length"`` for
+        grammar or a stop string (the text is cut before it; ``stop_reason`` is the string, or
+        a token of the request's ``stop_token_ids``), ``"length"`` for
         ``max_tokens`` or ``max_model_len``."""
         params, state = seq.params, self._texts[seq.request_id]
         reason = None
@@ -69,12 +70,15 @@ class OutputProcessor:
         may_stop = num_out >= params.min_tokens
         stop_ids = params.stop_token_ids + (() if params.ignore_eos else self.eos_token_ids)
         new_text = ""
+        # As vLLM: stop_reason names a stop token the request asked for; the model's own
+        # eos (or the end of a grammar) leaves it None, the mark of a natural end.
+        asked = token if token in params.stop_token_ids else None
         if may_stop and token in stop_ids:
-            reason, state.stop_reason = "stop", token
+            reason, state.stop_reason = "stop", asked
         else:
             new_text = state.detokenizer.add(token)
             if grammar_ended:
-                reason, state.stop_reason = "stop", token
+                reason, state.stop_reason = "stop", asked
             elif (params.max_tokens is not None and num_out >= params.max_tokens) or (
                 seq.num_tokens >= self.max_model_len
             ):

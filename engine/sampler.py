@@ -96,8 +96,8 @@ class SamplingParams:
             if not _is_int(token_id, minimum=0):
                 raise ValueError(f"logit_bias keys must be token ids, got {token_id!r}")
             _check_number("logit_bias", bias, -100.0, 100.0)
-        if self.seed is not None and not (_is_int(self.seed, minimum=0) and self.seed <= _MAX_SEED):
-            raise ValueError(f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
+        if self.seed is not None and not (_is_int(self.seed, minimum=-_MAX_SEED - 1) and self.seed <= _MAX_SEED):
+            raise ValueError(f"seed must be None or a 64-bit integer in [-2**63, 2**63), got {self.seed!r}")
         if self.max_tokens is not None and not _is_int(self.max_tokens, minimum=1):
             raise ValueError(f"max_tokens must be None or positive, got {self.max_tokens!r}")
         if not _is_int(self.min_tokens, minimum=0):

@@ -72,7 +72,7 @@ def test_unfinished_outputs_hold_back_what_could_begin_a_stop_string(proc):
 def test_eos_stops_unless_ignored_or_before_min_tokens(proc):
     seq = start(proc, SamplingParams(max_tokens=10))
     outputs, reason = feed(proc, seq, [*encode(proc, "ok"), EOS_ID])
-    assert reason == "stop" and outputs[-1].stop_reason == EOS_ID and outputs[-1].text == "ok"
+    assert reason == "stop" and outputs[-1].stop_reason is None and outputs[-1].text == "ok"  # vLLM's
 
     seq = start(proc, SamplingParams(max_tokens=10, min_tokens=3), rid="early")
     outputs, reason = feed(proc, seq, [*encode(proc, "o"), EOS_ID, *encode(proc, "k"), EOS_ID])

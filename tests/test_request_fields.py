@@ -287,3 +287,50 @@ def test_only_a_streamed_request_asks_the_engine_for_every_output(stream):
     chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Hi"}], stream=stream)
     assert completion.to_sampling_params().output_kind is kind
     assert chat.to_sampling_params().output_kind is kind
+
+
+def test_vllms_ranges_of_seed_and_temperature(llm):
+    """vLLM takes any int64 seed and a temperature above 2; n choices from a seed near the
+    bound wrap within int64."""
+
+    async def test(c):
+        post = c.post
+        return [
+            await post("/v1/completions", json={**SAMPLED, "seed": -1}),
+            await post("/v1/completions", json={**SAMPLED, "seed": -1}),
+            await post("/v1/completions", json={**SAMPLED, "seed": 2**63 - 1, "n": 2}),
+            await post("/v1/completions", json={**SAMPLED, "seed": -(2**63)}),
+            await post("/v1/completions", json={**SAMPLED, "temperature": 2.5}),
+            await post("/v1/completions", json={**SAMPLED, "seed": 2**63}),
+        ]
+
+    negative, again, wrapped, lowest, hot, beyond = run(llm, test, **NEUTRAL)
+    assert texts(negative) == texts(again)
+    assert len(texts(wrapped)) == 2 and texts(wrapped)[1] == texts(lowest)[0]  # 2**63 - 1 + 1 wraps
+    assert hot.status_code == 200
+    assert_error(beyond, 400, param="seed")
+
+
+def test_an_assistant_message_sent_back_as_received_is_read(llm):
+    """The `openai` client's `message.model_dump()` (and vLLM's responses) carry output-only
+    fields, null or empty; they are dropped. One with content is refused, naming it."""
+    returned = {
+        "role": "assistant", "content": "Hello.", "refusal": None, "annotations": None, "audio": None,
+        "function_call": None, "tool_calls": [], "reasoning_content": None,
+    }
+
+    async def test(c):
+        history = [{"role": "user", "content": "Hi"}, returned, {"role": "user", "content": "Again"}]
+        called = {**returned, "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f"}}]}
+        plain = [m if m is not returned else {"role": "assistant", "content": "Hello."} for m in history]
+        return [
+            await c.post("/v1/chat/completions", json={"messages": history, "max_tokens": 4, "temperature": 0}),
+            await c.post("/v1/chat/completions", json={"messages": plain, "max_tokens": 4, "temperature": 0}),
+            await c.post("/v1/chat/completions", json={"messages": [called], "max_tokens": 4}),
+        ]
+
+    sent_back, plain, called = run(llm, test, **NEUTRAL)
+    assert sent_back.status_code == 200, sent_back.text
+    assert sent_back.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+    assert_error(called, 400, param="messages")
+    assert "tool_calls" in called.json()["error"]["message"]

@@ -16,7 +16,7 @@ from tiered_kv.serve_option import human_readable_int
 
 def test_defaults_persist_kv_out_of_the_box():
     c = ServeConfig.load(environ={})
-    assert (c.model, c.port, c.model_name, c.api_key) == ("tiny", 8000, "tiny", None)
+    assert (c.model, c.port, c.model_name, c.api_key) == ("tiny", 8000, "tiny", ())
     tiers = c.tier_config()
     assert tiers.kv_cache_dir == "./kv_cache" and tiers.cpu_bytes == GiB and tiers.disk_bytes == 8 * GiB
     assert c.max_inflight == c.max_num_seqs + c.max_queue_len
@@ -31,7 +31,7 @@ def test_flags_beat_environment_beat_yaml(tmp_path):
     c = ServeConfig.load({"port": 7200, "seed": None}, config_file=path, environ=env)
     assert c.port == 7200  # flag
     assert c.max_model_len == 1024  # environment over YAML
-    assert c.served_model_name == "from-yaml" and c.model_name == "from-yaml"
+    assert c.served_model_name == ("from-yaml",) and c.model_name == "from-yaml"
     assert c.kv_offloading_size == 0.5 and c.tier_config().cpu_bytes == GiB // 2
     assert c.seed == 0  # a flag left as None is not given
 
@@ -46,7 +46,7 @@ def test_environment_values_are_typed():
     }
     c = ServeConfig.load(environ=env)
     assert c.enable_prefix_caching is False and c.num_gpu_blocks_override == 128
-    assert c.gpu_memory_utilization == 0.5 and c.api_key == "k" and c.max_num_batched_tokens is None
+    assert c.gpu_memory_utilization == 0.5 and c.api_key == ("k",) and c.max_num_batched_tokens is None
     with pytest.raises(ValueError, match="TIERED_KV_PORT"):
         ServeConfig.load(environ={"TIERED_KV_PORT": "eighty"})
     with pytest.raises(ValueError, match="TIERED_KV_ENABLE_PREFIX_CACHING"):
@@ -301,3 +301,33 @@ def test_a_hugging_face_id_missing_from_the_cache_is_one_line(tmp_path):
     })
     assert result.exit_code == 2 and result.output.count("\n") == 1
     assert f"acme/absent-model: no such model folder, and not in the Hugging Face cache {tmp_path}" in result.output
+
+
+def _served(monkeypatch, args: list[str], env: dict[str, str] | None = None) -> ServeConfig:
+    """The settings ``tiered-kv serve ARGS`` would run with (the server itself not started)."""
+    from tiered_kv import server
+
+    got = []
+    monkeypatch.setattr(server, "run", lambda settings, ignored_flags=(): got.append(settings))
+    result = CliRunner().invoke(app, ["serve", *args], env=env or {})
+    assert result.exit_code == 0, result.output
+    return got[0]
+
+
+def test_names_and_keys_take_several_values_as_vllms(monkeypatch):
+    """vLLM's `--served-model-name a b` and `--api-key k1 k2` (nargs="+"): every word up to
+    the next flag; a key may hold a comma."""
+    c = _served(monkeypatch, ["tiny", "--served-model-name", "alpha", "beta", "--api-key", "k,1", "k2", "--port", "9000"])
+    assert c.model == "tiny" and c.served_model_name == ("alpha", "beta") and c.model_name == "alpha"
+    assert c.model_names == ("alpha", "beta") and c.api_key == ("k,1", "k2") and c.port == 9000
+    one = _served(monkeypatch, ["--api-key=only", "--served-model-name", "solo"])
+    assert one.api_key == ("only",) and one.model_names == ("solo",)
+    assert _served(monkeypatch, []).model_names == ("tiny",)
+
+
+def test_vllm_api_key_sets_the_key_below_our_own_variable():
+    assert ServeConfig.load(environ={"VLLM_API_KEY": "a,b"}).api_key == ("a,b",)  # one key
+    both = {"VLLM_API_KEY": "v", "TIERED_KV_API_KEY": '["t1", "t2"]'}
+    assert ServeConfig.load(environ=both).api_key == ("t1", "t2")
+    assert ServeConfig.load({"api_key": "flag"}, environ=both).api_key == ("flag",)
+    assert ServeConfig(api_key="k").api_key == ("k",)  # the Python API takes one key too

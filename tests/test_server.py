@@ -11,7 +11,7 @@ from engine import AsyncLLM
 from engine.output_processor import OutputProcessor
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
 from storage.lmdb_store import LmdbStore
-from server_testing import ADMIN, BLOCK, GREEDY, MAX_MODEL_LEN, assert_error, run, sse_events
+from server_testing import ADMIN, BLOCK, GREEDY, MAX_MODEL_LEN, assert_error, post_json, run, sse_events
 from tiered_kv import TierConfig, TierManager
 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 3  # ~136 tokens: 8 full blocks
@@ -162,6 +162,22 @@ def test_logprobs(llm):
     assert all(t["logprob"] == pytest.approx(max(x["logprob"] for x in t["top_logprobs"])) for t in content)
 
 
+def test_a_completions_top_logprobs_hold_the_sampled_token(llm):
+    """As vLLM's: the k most likely tokens and the one sampled, which a sampled request
+    often draws from outside the top k."""
+    body = {"prompt": "Hi", "logprobs": 1, "max_tokens": 24, "temperature": 1.5, "seed": 3, "ignore_eos": True}
+
+    async def test(c):
+        return await c.post("/v1/completions", json=body)
+
+    lp = run(llm, test).json()["choices"][0]["logprobs"]
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert token in top and 1 <= len(top) <= 2
+        if len(top) == 2:  # (texts are keys: two byte tokens may both read as U+FFFD)
+            assert top[token] == pytest.approx(logprob)
+    assert any(len(top) == 2 for top in lp["top_logprobs"])  # one drawn outside the top 1
+
+
 def test_seed_stop_and_cache_salt(llm):
     async def test(c):
         body = {"prompt": LONG_PROMPT, "temperature": 1.0, "seed": 7, "max_tokens": 8, "ignore_eos": True}
@@ -177,6 +193,64 @@ def test_seed_stop_and_cache_salt(llm):
     assert salted.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     choice = stop.json()["choices"][0]
     assert choice["finish_reason"] == "stop" and len(choice["text"]) <= 2
+
+
+def test_several_served_names_and_keys(llm):
+    """vLLM's `--served-model-name a b` and `--api-key k1 k2`: a request may name either model
+    and carry either key; /v1/models lists both names; the first names the responses."""
+
+    async def test(c):
+        out = []
+        for model, key in (("alpha", "k1"), ("beta", "k2"), ("gamma", "k1"), ("alpha", "k3")):
+            out.append(await c.post(
+                "/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 2},
+                headers={"Authorization": f"Bearer {key}"},
+            ))
+        out.append(await c.get("/v1/models", headers={"Authorization": "Bearer k2"}))
+        return out
+
+    alpha, beta, gamma, wrong_key, models = run(
+        llm, test, served_model_name=("alpha", "beta"), api_key=("k1", "k2")
+    )
+    assert alpha.status_code == beta.status_code == 200
+    assert alpha.json()["model"] == beta.json()["model"] == "alpha"
+    assert_error(gamma, 404, param="model", code="model_not_found")
+    assert_error(wrong_key, 401, code="invalid_api_key")
+    assert [m["id"] for m in models.json()["data"]] == ["alpha", "beta"]
+
+
+def test_tokenize_detokenize_version_and_ping(llm):
+    """vLLM's utility routes, with its fields."""
+    tokenizer = llm.tokenizer
+    messages = [{"role": "user", "content": "Hi there"}]
+
+    async def test(c):
+        return [
+            await c.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True}),
+            await c.post("/tokenize", json={"prompt": "Hello world", "add_special_tokens": False}),
+            await c.post("/tokenize", json={"messages": messages}),
+            await c.post("/tokenize", json={"prompt": "x", "messages": messages}),
+            await c.post("/detokenize", json={"tokens": tokenizer.encode("Hello world", add_special_tokens=False)}),
+            await c.post("/detokenize", json={"tokens": [tokenizer.vocab_size]}),
+            await c.get("/version"),
+            await c.get("/ping"),
+            await c.post("/ping"),
+        ]
+
+    prompt, plain, chat, both, text, outside, version, ping, ping_post = run(llm, test)
+    ids = tokenizer.encode("Hello world")
+    assert prompt.json() == {
+        "count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids,
+        "token_strs": [tokenizer.decode([t], skip_special_tokens=False) for t in ids],
+    }
+    assert plain.json()["tokens"] == tokenizer.encode("Hello world", add_special_tokens=False)
+    rendered = tokenizer.apply_chat_template(messages)
+    assert chat.json()["tokens"] == tokenizer.encode(rendered, add_special_tokens=False)
+    assert_error(both, 400, param="prompt")
+    assert text.json() == {"prompt": "Hello world"}
+    assert_error(outside, 400, param="tokens")
+    assert version.status_code == 200 and version.json()["version"]
+    assert ping.status_code == ping_post.status_code == 200
 
 
 def test_models_health_and_metrics(llm):
@@ -247,10 +321,10 @@ def test_extreme_sampling_values_are_clamped_or_refused(llm):
     body = {"prompt": LONG_PROMPT, "max_tokens": 4, "ignore_eos": True}
     accepted = [
         {"temperature": 1e-300}, {"temperature": 1e-40}, {"top_p": 1e-300, "seed": 1},
-        {"top_k": 2**63 - 1}, {"top_k": -1}, {"top_k": 0},
+        {"top_k": 2**63 - 1}, {"top_k": -1}, {"top_k": 0}, {"temperature": 2.5}, {"seed": -1},
     ]
     refused = [
-        ("temperature", -0.5), ("temperature", 2.5), ("top_p", 0), ("top_p", 1.5), ("top_k", -2),
+        ("temperature", -0.5), ("temperature", float("inf")), ("top_p", 0), ("top_p", 1.5), ("top_k", -2),
         ("top_k", 2**63), ("max_tokens", 2**64), ("min_tokens", 5), ("seed", 2**63),
         ("stop_token_ids", [2**64]),
     ]
@@ -258,7 +332,7 @@ def test_extreme_sampling_values_are_clamped_or_refused(llm):
     async def test(c):
         greedy = await c.post("/v1/completions", json={**body, "temperature": 0})
         ok = [await c.post("/v1/completions", json={**body, **extra}) for extra in accepted]
-        bad = [await c.post("/v1/completions", json={**body, name: value}) for name, value in refused]
+        bad = [await post_json(c, "/v1/completions", {**body, name: value}) for name, value in refused]
         return greedy, ok, bad, await c.get("/health")
 
     greedy, ok, bad, health = run(llm, test)
@@ -391,7 +465,7 @@ def test_each_key_guards_its_own_routes_and_health_and_metrics_are_open(llm):
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics", "/health",
             "/admin/tiers", "/admin/flush", "/admin/evict", "/admin/clear"} <= paths
     for path, method, got in results:
-        if path in ("/health", "/metrics"):  # open, as vLLM's are
+        if path in ("/health", "/ping", "/version", "/metrics"):  # open, as vLLM's are
             assert {r.status_code for r in got.values()} == {200}, path
             continue
         own = "admin" if path.startswith("/admin/") else "api"

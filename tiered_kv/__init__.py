@@ -6,7 +6,14 @@
 """
 from __future__ import annotations
 
+from importlib import metadata
+
 from tiered_kv.config import TierConfig
 from tiered_kv.tier_manager import TierManager, build_llm
 
-__all__ = ["TierConfig", "TierManager", "build_llm"]
+try:
+    __version__ = metadata.version("tiered-kv")
+except metadata.PackageNotFoundError:  # run from a source tree that is not installed
+    __version__ = "0+unknown"
+
+__all__ = ["TierConfig", "TierManager", "__version__", "build_llm"]

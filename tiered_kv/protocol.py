@@ -15,7 +15,7 @@ import math
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.outputs import RequestOutputKind
 from engine.sampler import SamplingParams
@@ -69,24 +69,24 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class _StrictRequest(BaseModel):
+class StrictRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")  # an unknown field is a 400 naming it
 
 
-class StreamOptions(_StrictRequest):
+class StreamOptions(StrictRequest):
     include_usage: bool = False
 
 
-class _SamplingFields(_StrictRequest):
+class _SamplingFields(StrictRequest):
     """Fields shared by both routes."""
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT)
-    temperature: float | None = Field(default=None, ge=0, le=2)
+    temperature: float | None = Field(default=None, ge=0, allow_inf_nan=False)  # vLLM: no upper bound
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1, le=MAX_INT)  # -1 and 0: off
     min_p: float | None = Field(default=None, ge=0, le=1)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # any int64, as vLLM
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=MAX_INT)
     stream: bool = False
@@ -223,10 +223,34 @@ class ContentPart(_Request):
     text: str | None = None
 
 
-class ChatMessage(_StrictRequest):
+# Fields of an assistant message that clients send back with the history as they got it
+# (the `openai` client's `message.model_dump()`, vLLM's own responses): accepted when empty.
+_OUTPUT_ONLY_MESSAGE_FIELDS = (
+    "refusal", "annotations", "audio", "function_call", "tool_calls", "reasoning_content", "reasoning",
+)
+
+
+class ChatMessage(StrictRequest):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_empty_output_fields(cls, data: Any) -> Any:
+        """A response's message sent back in the history: its empty output-only fields are
+        dropped; one with content (a tool call, reasoning) is refused, naming it."""
+        if not isinstance(data, dict):
+            return data
+        present = [f for f in _OUTPUT_ONLY_MESSAGE_FIELDS if f in data]
+        if not present:
+            return data
+        data = dict(data)
+        for field in present:
+            if data[field] not in (None, [], {}, ""):
+                raise ValueError(f"a message's {field} is not supported (only its content is read)")
+            del data[field]
+        return data
 
     def text(self) -> str:
         if self.content is None:

@@ -9,6 +9,7 @@ that are accepted and ignored. A usage error (an unknown flag, a missing value) 
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
@@ -38,10 +39,39 @@ class ServeCommand(typer.core.TyperCommand):
 
     def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
         try:
-            return super().parse_args(ctx, args)
+            return super().parse_args(ctx, gather_values(args))
         except UsageError as e:
             typer.echo(f"error: {usage_message(e)}", err=True)
             raise typer.Exit(2) from None
+
+
+# Flags that take one or more values, as vLLM's nargs="+" (`--api-key k1 k2`).
+MULTI_VALUE_FLAGS = frozenset(
+    flag for s in SETTINGS if s.option.flag and s.option.parse == "values" for flag in (s.flag, *s.option.aliases)
+)
+
+
+def gather_values(args: list[str]) -> list[str]:
+    """``args`` with the values after each multi-value flag, up to the next argument that
+    starts with ``-``, joined into one JSON list (what the setting parses). Like vLLM's
+    parser, such a flag takes every word after it, a positional MODEL too."""
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        out.append(arg)
+        i += 1
+        if arg == "--":
+            out += args[i:]
+            break
+        if arg in MULTI_VALUE_FLAGS:
+            values = []
+            while i < len(args) and not args[i].startswith("-"):
+                values.append(args[i])
+                i += 1
+            if values:
+                out.append(json.dumps(values))
+    return out
 
 
 def usage_message(e: UsageError) -> str:

@@ -73,18 +73,22 @@ class ServeConfig:
         ),
         vllm_note="only read from, never downloaded into",
     )
-    served_model_name: str | None = option(
-        None, "The model's name in the API: the `model` field clients send, and what "
-        "/v1/models lists.", SERVER, default_text="the value of --model",
+    served_model_name: tuple[str, ...] = option(
+        (), "The model's names in the API, one or more (`--served-model-name a b`): a request's "
+        "`model` may be any of them, /v1/models lists them all, and the first names the model "
+        "in responses and metrics.", SERVER, default_text="the value of --model", parse="values",
+        metavar="NAME...",
     )
     host: str = option(
         "127.0.0.1", "Address to listen on; 0.0.0.0 for every interface (containers).", SERVER,
         vllm_note="vLLM listens on every interface by default; this server on loopback",
     )
     port: int = option(8000, "TCP port to listen on.", SERVER)
-    api_key: str | None = option(
-        None, "Require `Authorization: Bearer KEY` on the inference routes (/v1/*); /health and "
-        "/metrics stay open. Prefer the environment variable: flags show in `ps`.", SERVER,
+    api_key: tuple[str, ...] = option(
+        (), "Require `Authorization: Bearer KEY`, KEY one of these keys (`--api-key k1 k2`), on "
+        "every route but /health, /ping, /version, /metrics (open, as vLLM's) and /admin/* "
+        "(--admin-api-key). Prefer the environment variable: flags show in `ps`.", SERVER, default_text="none", parse="values",
+        metavar="KEY...", env=(EnvAlias("VLLM_API_KEY", lambda key: (key,), "one key"),),
     )
     admin_api_key: str | None = option(
         None, "The key of the /admin/* routes, which exist only with it (404 otherwise); the "
@@ -96,6 +100,9 @@ class ServeConfig:
     )
     max_request_body_mib: float = option(
         8.0, "Largest request body in MiB (a float); a larger one gets 413.", SERVER, vllm=False,
+    )
+    disable_uvicorn_access_log: bool = option(
+        False, "Leave out uvicorn's access log (a line per HTTP request).", SERVER,
     )
     log_level: str = option(
         "info", "The server's and uvicorn's log level.", SERVER, choices=LOG_LEVELS,
@@ -273,7 +280,15 @@ class ServeConfig:
         for setting in SETTINGS:
             setting.check_choice(getattr(self, setting.name))
         _str("model", self.model)
-        for name in ("served_model_name", "api_key", "admin_api_key", "revision", "chat_template"):
+        for name in ("served_model_name", "api_key"):  # one value or several
+            value = getattr(self, name)
+            values = (value,) if isinstance(value, str) else () if value is None else value
+            if not isinstance(values, (tuple, list)):
+                raise ValueError(f"{_flag(name)} must be one or more strings, got {value!r}")
+            object.__setattr__(self, name, tuple(values))
+            for v in values:
+                _str(name, v)
+        for name in ("admin_api_key", "revision", "chat_template"):
             if getattr(self, name) is not None:
                 _str(name, getattr(self, name))
         _str("host", self.host)
@@ -311,8 +326,14 @@ class ServeConfig:
 
     @property
     def model_name(self) -> str:
-        """The name clients use in ``model``: ``--served-model-name``, else ``--model``."""
-        return self.served_model_name or self.model
+        """The model's name in responses and metrics: the first ``--served-model-name``,
+        else ``--model``."""
+        return self.served_model_name[0] if self.served_model_name else self.model
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name a request's ``model`` may give."""
+        return self.served_model_name or (self.model,)
 
     @property
     def max_inflight(self) -> int:

@@ -53,7 +53,7 @@ class Option:
     refused_values: Mapping[str, str] = dataclasses.field(default_factory=dict)  # vLLM's value -> why not
     aliases: tuple[str, ...] = ()  # further flags: vLLM's short forms (-tp)
     env: tuple[EnvAlias, ...] = ()
-    parse: str = ""  # "human_int", "human_int_or_auto"; "": by the field's type
+    parse: str = ""  # "human_int", "human_int_or_auto", "values"; "": by the field's type
     metavar: str = ""  # the value's name in the CLI's help; "": from the type
     flag: bool = True  # False: environment only (secrets)
     vllm: bool = True  # vLLM has this flag with this meaning
@@ -113,6 +113,14 @@ def parse_bool(text: str) -> bool:
     raise ValueError("not a boolean (true/false, 1/0, yes/no, on/off)")
 
 
+def parse_values(text: str) -> tuple[str, ...]:
+    """One value, or a JSON list of them: a setting that takes one or more values on the
+    command line (vLLM's ``nargs="+"``: ``--api-key k1 k2``). Commas are part of a value."""
+    if text.strip().startswith("["):
+        return parse_list(text)
+    return (text,)
+
+
 def parse_list(text: str) -> tuple[str, ...]:
     """A JSON list (as vLLM takes ``--allowed-origins``) or comma-separated words."""
     text = text.strip()
@@ -166,6 +174,8 @@ class Setting:
             return human_readable_int(text)
         if meta.parse == "human_int_or_auto":
             return human_readable_int_or_auto(text)
+        if meta.parse == "values":
+            return parse_values(text)
         kind = self.kind
         if kind is bool:
             return parse_bool(text)

@@ -1,15 +1,17 @@
 """``tiered-kv serve``: the OpenAI-compatible HTTP server over :class:`engine.AsyncLLM`.
 
 Routes (docs/server.md): ``/v1/completions``, ``/v1/chat/completions`` (both with SSE
-streaming), ``/v1/models``, ``/health``, ``/metrics``, and the admin routes ``/admin/tiers``,
-``/admin/flush``, ``/admin/evict``, ``/admin/clear``. With an API key every route but
-``/health`` needs ``Authorization: Bearer KEY``.
+streaming), ``/v1/models``, ``/tokenize``, ``/detokenize``, ``/health`` (and ``/ping``),
+``/version``, ``/metrics``, and the admin routes ``/admin/tiers``, ``/admin/flush``,
+``/admin/evict``, ``/admin/clear``. With an API key every route but ``/health``, ``/ping``,
+``/version`` and ``/metrics`` needs ``Authorization: Bearer KEY``.
 
 This module builds the app and its routes; the rest of the server lives beside it:
 ``server_limits`` (what is refused up front), ``server_completions`` (the generation routes:
 prompts, choices, ``max_tokens``), ``server_generation`` (an admitted request),
 ``server_responses`` (response bodies and streams), ``server_admin``, ``server_errors``,
-``server_middleware`` (API key, response counts) and ``server_state``.
+``server_middleware`` (API key, response counts), ``server_tokens`` (``/tokenize``,
+``/detokenize``) and ``server_state``.
 
 Tokenizing (and rendering a chat template) runs on a worker thread, so a long prompt does
 not stall the event loop: other requests and ``/health`` are answered meanwhile.
@@ -33,7 +35,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from engine.async_engine import AsyncLLM
-from tiered_kv import server_admin, server_completions
+from tiered_kv import __version__, server_admin, server_completions, server_tokens
 from tiered_kv.protocol import (
     ChatCompletionRequest,
     ClearRequest,
@@ -54,6 +56,7 @@ from tiered_kv.server_metrics import ServerMetrics
 from tiered_kv.server_startup import AnnouncingServer, log_serving, startup_lines
 from tiered_kv.server_middleware import HttpMiddleware
 from tiered_kv.server_state import ServerState
+from tiered_kv.server_tokens import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from tiered_kv.tier_manager import TierManager
 from tiered_kv.vllm_compat import IGNORED_FLAGS
 
@@ -138,19 +141,35 @@ def create_app(config: ServeConfig, llm: AsyncLLM | None = None) -> FastAPI:
             return JSONResponse({"status": "degraded", "degraded": degraded}, 200)
         return Response(status_code=200)
 
+    @app.get("/ping")
+    @app.post("/ping", operation_id="ping_post")
+    async def ping() -> Response:  # vLLM's (SageMaker's) health check
+        return await health()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        card = ModelCard(
-            id=config.model_name,
-            created=state.started,
-            root=config.model,
-            max_model_len=llm.config.max_model_len,
-        )
-        return ModelList(data=[card])
+        return ModelList(data=[
+            ModelCard(id=name, created=state.started, root=config.model, max_model_len=llm.config.max_model_len)
+            for name in config.model_names
+        ])
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        _check_model(config, body.model)
+        return await server_tokens.tokenize(state, chat, body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        _check_model(config, body.model)
+        return await server_tokens.detokenize(state, body)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -192,7 +211,7 @@ def create_app(config: ServeConfig, llm: AsyncLLM | None = None) -> FastAPI:
     paths = frozenset(route.path for route in app.routes)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes)
     app.add_middleware(  # outermost
-        HttpMiddleware, state=state, api_key=config.api_key, admin_api_key=config.admin_api_key,
+        HttpMiddleware, state=state, api_keys=config.api_key, admin_api_key=config.admin_api_key,
         paths=paths,
     )
     if config.allowed_origins:  # outermost: preflights are answered before the API key is asked
@@ -238,6 +257,7 @@ def run(config: ServeConfig, ignored_flags: Sequence[str] = ()) -> None:
             host=config.host,
             port=config.port,
             log_level=config.log_level,
+            access_log=not config.disable_uvicorn_access_log,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         ), lambda: log_serving(config.model_name, config.host, listener.getsockname()[1])).run(
             sockets=[listener]
@@ -276,9 +296,10 @@ def _shutdown(state: ServerState) -> None:
 
 
 def _check_model(config: ServeConfig, model: str | None) -> None:
-    if model is not None and model != config.model_name:
+    if model is not None and model not in config.model_names:
+        served = " or ".join(repr(name) for name in config.model_names)
         raise RequestError(
-            f"The model {model!r} does not exist; this server serves {config.model_name!r}.",
+            f"The model {model!r} does not exist; this server serves {served}.",
             status=404,
             param="model",
             code="model_not_found",

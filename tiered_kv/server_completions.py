@@ -28,7 +28,6 @@ from tiered_kv.protocol import ChatCompletionRequest, CompletionRequest, Request
 from tiered_kv.server_generation import Generations, Job, check_generations
 from tiered_kv.server_state import ServerState
 
-_SEED_RANGE = 2**63
 
 
 class ChatTemplate(Protocol):
@@ -125,9 +124,14 @@ def _choices(
     jobs = []
     for k in range(count):
         seed = params.seed
-        child = params if seed is None or k == 0 else dataclasses.replace(params, seed=(seed + k) % _SEED_RANGE)
+        child = params if seed is None or k == 0 else dataclasses.replace(params, seed=_int64(seed + k))
         jobs.append(Job(prompt_ids, child))
     return jobs
+
+
+def _int64(value: int) -> int:
+    """``value`` wrapped into the seeds' range, [-2**63, 2**63)."""
+    return (value + 2**63) % 2**64 - 2**63
 
 
 def _prompt_text(state: ServerState, prompt: str | list[int]) -> str:

@@ -1,9 +1,9 @@
 """The middleware every request passes first: the key checks and the count of responses by
 route and status code.
 
-Keys: ``/v1/*`` (and the API docs) need ``--api-key`` when one is set; ``/admin/*`` needs
-``--admin-api-key``, and does not exist without one (404); ``/health`` and ``/metrics`` are
-open, as vLLM's are. Keys are compared in constant time."""
+Keys: with ``--api-key``, every route but ``/admin/*`` and the open ones (``/health``,
+``/ping``, ``/version``, ``/metrics``, as vLLM's) needs one of its keys; ``/admin/*`` needs
+``--admin-api-key``, and does not exist without one (404). Keys are compared in constant time."""
 from __future__ import annotations
 
 import hmac
@@ -14,20 +14,20 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tiered_kv.protocol import error_body
 from tiered_kv.server_state import ServerState
 
-OPEN_ROUTES = frozenset({"/health", "/metrics"})  # reachable without a key
+OPEN_ROUTES = frozenset({"/health", "/ping", "/version", "/metrics"})  # reachable without a key
 ADMIN_PREFIX = "/admin/"
 
 class HttpMiddleware:
     """Checks the keys (see the module docstring) and counts responses by route and status."""
 
     def __init__(
-        self, app: ASGIApp, *, state: ServerState, api_key: str | None,
+        self, app: ASGIApp, *, state: ServerState, api_keys: tuple[str, ...],
         admin_api_key: str | None, paths: frozenset[str],
     ) -> None:
         self.app = app
         self.state = state
-        self.expected = _bearer(api_key)
-        self.admin_expected = _bearer(admin_api_key)
+        self.expected = tuple(_bearer(key) for key in api_keys) or None
+        self.admin_expected = (_bearer(admin_api_key),) if admin_api_key is not None else None
         self.paths = paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -71,12 +71,14 @@ class HttpMiddleware:
 
 
 
-def _bearer(key: str | None) -> bytes | None:
-    return None if key is None else f"Bearer {key}".encode()
+def _bearer(key: str) -> bytes:
+    return f"Bearer {key}".encode()
 
 
-def _authorized(scope: Scope, expected: bytes) -> bool:
+def _authorized(scope: Scope, expected: tuple[bytes, ...]) -> bool:
+    """Whether the request's first Authorization header is one of ``expected``; every key is
+    compared, in constant time, whichever matches."""
     for name, value in scope["headers"]:
         if name == b"authorization":
-            return hmac.compare_digest(value, expected)
+            return sum(hmac.compare_digest(value, key) for key in expected) > 0
     return False

@@ -120,8 +120,9 @@ def completion_logprobs(llm: AsyncLLM, out: RequestOutput, start: int, offset: i
         result.text_offset.append(offset)
         offset += len(text)
         if out.top_logprobs is not None:
-            top = out.top_logprobs[i]
-            result.top_logprobs.append({_token_text(llm, t): lp for t, lp in top.items()})
+            top = {_token_text(llm, t): lp for t, lp in out.top_logprobs[i].items()}
+            top.setdefault(text, logprobs[i])  # the sampled token is always there (k + 1 at most)
+            result.top_logprobs.append(top)
         else:
             result.top_logprobs.append(None)
     return result

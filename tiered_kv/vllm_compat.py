@@ -18,6 +18,7 @@ class IgnoredFlag(NamedTuple):
 IGNORED_FLAGS: dict[str, IgnoredFlag] = {
     "--trust-remote-code": IgnoredFlag(False, "only built-in architectures run; no code from a checkpoint is executed"),
     "--disable-log-requests": IgnoredFlag(False, "requests are never logged"),
+    "--enable-log-requests": IgnoredFlag(False, "requests are never logged"),
     "--disable-log-stats": IgnoredFlag(False, "statistics are served on /metrics, never logged"),
     "--max-log-len": IgnoredFlag(True, "requests are never logged"),
     "--swap-space": IgnoredFlag(True, "there is no swap space: a preempted request is recomputed, mostly from the KV tiers"),
