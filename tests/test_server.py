@@ -142,6 +142,33 @@ def test_completion_stream_without_usage(llm):
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole.json()["choices"][0]["text"]
 
 
+def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(llm):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage of its
+    choice so far; the last usage-only chunk is the total as before."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+
+    async def test(c):
+        completion = await c.post("/v1/completions", json={
+            "prompt": "Hi", "stream": True, "stream_options": options, "n": 2, **GREEDY,
+        })
+        chat = await c.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "stream": True, "stream_options": options, **GREEDY,
+        })
+        return completion, chat
+
+    completion, chat = run(llm, test)
+    for response, n in ((completion, 2), (chat, 1)):
+        chunks = sse_events(response.text)
+        *choice_chunks, total = chunks
+        assert total["choices"] == [] and total["usage"]["completion_tokens"] == 8 * n
+        prompt = total["usage"]["prompt_tokens"]
+        for k in range(n):
+            seen = [c["usage"] for c in choice_chunks if c["choices"][0]["index"] == k]
+            counts = [u["completion_tokens"] for u in seen]
+            assert counts == sorted(counts) and counts[-1] == 8 and len(set(counts)) > 1
+            assert all(u["prompt_tokens"] == prompt and u["total_tokens"] == prompt + u["completion_tokens"] for u in seen)
+
+
 def test_logprobs(llm):
     async def test(c):
         completion = await c.post("/v1/completions", json={"prompt": "Hi", "logprobs": 2, **GREEDY})

@@ -75,6 +75,7 @@ class StrictRequest(BaseModel):
 
 class StreamOptions(StrictRequest):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: each chunk carries its choice's usage so far
 
 
 class _SamplingFields(StrictRequest):
@@ -155,6 +156,11 @@ class _SamplingFields(StrictRequest):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk (vLLM's ``continuous_usage_stats``, with ``include_usage``)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 def _first(*values: Any) -> Any:

@@ -91,6 +91,15 @@ def _best(outs: list[RequestOutput], n: int) -> list[RequestOutput]:
     return sorted(outs, key=lambda out: sum(out.logprobs or ()), reverse=True)[:n]
 
 
+def _prompt_usage(out: RequestOutput) -> Usage:
+    """The usage of a choice that has no token yet: its prompt's."""
+    prompt = len(out.prompt_token_ids)
+    return Usage(
+        prompt_tokens=prompt, completion_tokens=0, total_tokens=prompt,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens),
+    )
+
+
 def usage(by_prompt: list[list[RequestOutput]]) -> Usage:
     """Each prompt counted once (its cached tokens as its first choice found them), every
     choice's tokens counted."""
@@ -207,7 +216,10 @@ async def completion_chunks(
                     index=k, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
                     stop_reason=out.stop_reason,
                 )
-                chunk = CompletionResponse(id=group.id, created=created, model=config.model_name, choices=[choice])
+                chunk = CompletionResponse(
+                    id=group.id, created=created, model=config.model_name, choices=[choice],
+                    usage=usage([[out]]) if body.continuous_usage else None,
+                )
                 yield _chunk_dict(chunk, body.include_usage)
         if body.include_usage and all(last):
             usage_chunk = CompletionResponse(
@@ -227,7 +239,12 @@ async def chat_chunks(state: ServerState, group: Generations, body: ChatCompleti
 
     def chunk(k: int, delta: DeltaMessage, finish_reason: str | None = None, logprobs=None) -> dict:
         choice = ChatChunkChoice(index=k, delta=delta, finish_reason=finish_reason, logprobs=logprobs)
-        c = ChatCompletionChunk(id=group.id, created=created, model=config.model_name, choices=[choice])
+        running = None
+        if body.continuous_usage:  # before the first output (the role chunk): no tokens yet
+            running = usage([[last[k]]]) if last[k] is not None else _prompt_usage(group.generations[k].first)
+        c = ChatCompletionChunk(
+            id=group.id, created=created, model=config.model_name, choices=[choice], usage=running
+        )
         d = _chunk_dict(c, body.include_usage)
         d["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
         return d
