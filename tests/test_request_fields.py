@@ -334,3 +334,25 @@ def test_an_assistant_message_sent_back_as_received_is_read(llm):
     assert sent_back.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
     assert_error(called, 400, param="messages")
     assert "tool_calls" in called.json()["error"]["message"]
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt_and_generates_nothing(llm):
+    """vLLM's echo without generation, what scoring harnesses send: each choice is its prompt."""
+
+    async def test(c):
+        post = c.post
+        return [
+            await post("/v1/completions", json={"prompt": ["Once upon", "a time"], "max_tokens": 0, "echo": True, "n": 2}),
+            await post("/v1/completions", json={"prompt": "Once upon", "max_tokens": 0}),
+            await post("/v1/completions", json={"prompt": "Once upon", "max_tokens": 0, "echo": True, "stream": True}),
+            await post("/v1/completions", json={"prompt": "Once upon", "max_tokens": 0, "echo": True, "top_p": 0}),
+        ]
+
+    echoed, no_echo, streamed, bad = run(llm, test, **NEUTRAL)
+    assert texts(echoed) == ["Once upon", "Once upon", "a time", "a time"]
+    assert {c["finish_reason"] for c in echoed.json()["choices"]} == {"length"}
+    usage = echoed.json()["usage"]
+    assert usage["completion_tokens"] == 0 and usage["prompt_tokens"] == usage["total_tokens"] > 0
+    assert_error(no_echo, 400, param="max_tokens")
+    assert_error(streamed, 400, param="stream")
+    assert_error(bad, 400, param="top_p")

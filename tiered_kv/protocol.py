@@ -187,7 +187,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1, le=MAX_INT)
+    max_tokens: int | None = Field(default=16, ge=0, le=MAX_INT)  # 0: only with echo
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1, le=MAX_INT)

@@ -37,6 +37,8 @@ class ChatTemplate(Protocol):
 async def completions(
     state: ServerState, defaults: GenerationDefaults, body: CompletionRequest, request: Request
 ) -> Response:
+    if body.max_tokens == 0:
+        return await _echo_only(state, defaults, body)
     params = body.to_sampling_params(defaults)
     prompts = body.prompts()
     check_generations(state, len(prompts) * body.num_generated)
@@ -59,6 +61,34 @@ async def completions(
         return server_responses.sse(server_responses.completion_chunks(state, group, body, texts))
     outs = await group.final(request)
     return JSONResponse(server_responses.completion_response(state, group, outs, body, texts))
+
+
+async def _echo_only(state: ServerState, defaults: GenerationDefaults, body: CompletionRequest) -> Response:
+    """``max_tokens: 0`` with ``echo``, as vLLM takes it (scoring a prompt): each choice is its
+    prompt, and nothing is generated."""
+    if not body.echo:
+        raise RequestError(
+            "max_tokens must be at least 1 (0 only with echo: the prompt back, nothing generated)",
+            param="max_tokens",
+        )
+    if body.stream:
+        raise RequestError("max_tokens 0 with echo is not streamed; leave out stream", param="stream")
+    body.model_copy(update={"max_tokens": 1}).to_sampling_params(defaults)  # every other field's checks
+    prompts = body.prompts()
+    tokenizer, limit = state.llm.tokenizer, state.prompt_limit
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            limit.check_chars(prompt, "prompt")
+
+    def encode() -> list[list[int]]:
+        return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+
+    prompt_ids = await asyncio.to_thread(encode)
+    for ids in prompt_ids:
+        limit.check_tokens(len(ids), "prompt")
+    texts = [_prompt_text(state, p) for p in prompts]
+    response = server_responses.echo_response(state, texts, [len(ids) for ids in prompt_ids], body.n)
+    return JSONResponse(response)
 
 
 async def chat_completions(

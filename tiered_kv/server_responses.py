@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -60,6 +61,23 @@ def completion_response(
             ))
     response = CompletionResponse(
         id=group.id, model=state.config.model_name, choices=choices, usage=usage(by_prompt)
+    )
+    return response.model_dump()
+
+
+def echo_response(state: ServerState, prompt_texts: list[str], prompt_lengths: list[int], n: int) -> dict:
+    """``n`` choices per prompt, each the prompt's text, and no token generated."""
+    choices = [
+        CompletionChoice(index=p * n + k, text=text, logprobs=None, finish_reason="length")
+        for p, text in enumerate(prompt_texts) for k in range(n)
+    ]
+    prompt = sum(prompt_lengths)
+    response = CompletionResponse(
+        id=f"cmpl-{uuid.uuid4().hex}", model=state.config.model_name, choices=choices,
+        usage=Usage(
+            prompt_tokens=prompt, completion_tokens=0, total_tokens=prompt,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=0),
+        ),
     )
     return response.model_dump()
 
