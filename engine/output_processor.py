@@ -90,8 +90,10 @@ class OutputProcessor:
         if params.stop and may_stop:
             cut = _find_stop(state.text, params.stop, searched_from)
             if cut is not None:
-                state.text = state.text[: cut[0]]
-                reason, state.stop_reason = "stop", cut[1]
+                start, stop = cut
+                end = start + len(stop) if params.include_stop_str_in_output else start
+                state.text = state.text[:end]
+                reason, state.stop_reason = "stop", stop
         return reason
 
     def output(self, seq: Sequence) -> RequestOutput:

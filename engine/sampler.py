@@ -47,6 +47,8 @@ class SamplingParams:
     - ``structured_output``: a grammar the output must match (:mod:`engine.structured_output`);
       tokens it forbids are masked before sampling, and the request stops when it ends. It
       cannot be combined with ``min_tokens`` (the grammar decides where the output ends).
+    - ``include_stop_str_in_output``: keep the stop string that ended the request at the end
+      of its text (vLLM's); by default the text is cut before it.
     - ``output_kind``: every step's cumulative output, or only the final one
       (:class:`engine.outputs.RequestOutputKind`).
     """
@@ -67,6 +69,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool | int | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     structured_output: StructuredOutputSpec | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
@@ -112,10 +115,9 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be token ids, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-        if not isinstance(self.skip_special_tokens, bool):
-            raise ValueError(
-                f"skip_special_tokens must be True or False, got {self.skip_special_tokens!r}"
-            )
+        for name in ("skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         lp = self.logprobs
         if not (lp is None or isinstance(lp, bool) or _is_int(lp, minimum=0)):
             raise ValueError(f"logprobs must be None, a bool or a non-negative integer, got {lp!r}")

@@ -143,8 +143,15 @@ class Tokenizer:
         other._compiled = compiled
         return other
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` (``{"role": ..., "content": ...}``) with the model's template."""
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, template_kwargs: dict | None = None
+    ) -> str:
+        """Render ``messages`` (``{"role": ..., "content": ...}``) with the model's template.
+        ``template_kwargs``: further variables the template reads (``enable_thinking``...);
+        as in vLLM they may set ``add_generation_prompt`` and the special tokens too, not
+        ``messages``."""
+        if template_kwargs and "messages" in template_kwargs:
+            raise ValueError("the chat template's variables may not set messages")
         if self.chat_template is None:
             raise ValueError(
                 "this model has no chat template (tokenizer_config.json has no 'chat_template' "
@@ -153,11 +160,8 @@ class Tokenizer:
         if self._compiled is None:
             self._compiled = _environment().from_string(self.chat_template)
         try:
-            return self._compiled.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                **self._special_tokens,
-            )
+            variables = {"add_generation_prompt": add_generation_prompt, **self._special_tokens}
+            return self._compiled.render(messages=messages, **{**variables, **(template_kwargs or {})})
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template: {e}") from None
 

@@ -356,3 +356,61 @@ def test_echo_with_max_tokens_0_returns_the_prompt_and_generates_nothing(llm):
     assert_error(no_echo, 400, param="max_tokens")
     assert_error(streamed, 400, param="stream")
     assert_error(bad, 400, param="top_p")
+
+
+def test_include_stop_str_in_output_and_skip_special_tokens(llm):
+    """vLLM's fields: the stop string kept at the end of the text; special tokens (the tiny
+    model's eos) shown in the text when skip_special_tokens is false."""
+    greedy = {"prompt": "Once upon", "temperature": 0, "max_tokens": 24, "ignore_eos": True}
+
+    async def test(c):
+        full = await c.post("/v1/completions", json=greedy)
+        stop = full.json()["choices"][0]["text"][6:9]
+        cut = await c.post("/v1/completions", json={**greedy, "stop": [stop]})
+        kept = await c.post("/v1/completions", json={**greedy, "stop": [stop], "include_stop_str_in_output": True})
+        forced = {**greedy, "max_tokens": 2, "logit_bias": {str(EOS): 100}}  # eos twice, ignored
+        hidden = await c.post("/v1/completions", json=forced)
+        shown = await c.post("/v1/completions", json={**forced, "skip_special_tokens": False})
+        return stop, full, cut, kept, hidden, shown
+
+    EOS = llm.tokenizer.eos_token_ids[0]
+    stop, full, cut, kept, hidden, shown = run(llm, test, **NEUTRAL)
+    text = texts(full)[0]
+    start = text.index(stop)
+    assert texts(cut) == [text[:start]] and texts(kept) == [text[: start + len(stop)]]
+    eos_text = llm.tokenizer.decode([EOS], skip_special_tokens=False)
+    assert eos_text and texts(hidden) == [""] and texts(shown) == [eos_text * 2]
+
+
+def test_chat_template_variables_and_the_generation_prompt(llm):
+    """vLLM's chat fields: add_generation_prompt and chat_template_kwargs reach the template
+    (as Qwen3's enable_thinking does); they may not set the messages."""
+    template = (
+        "{% for m in messages %}[{{ m.content }}]{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}(no think){% endif %}"
+        "{% if add_generation_prompt %}>{% endif %}"
+    )
+    messages = [{"role": "user", "content": "Hi"}]
+
+    async def test(c):
+        async def tokens(**extra):
+            response = await c.post("/tokenize", json={"messages": messages, **extra})
+            return response.json()["tokens"]
+
+        chat = await c.post("/v1/chat/completions", json={
+            "messages": messages, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False},
+            "add_generation_prompt": False, "tool_choice": "none",
+        })
+        bad = await c.post("/v1/chat/completions", json={
+            "messages": messages, "chat_template_kwargs": {"messages": []},
+        })
+        return (await tokens(), await tokens(add_generation_prompt=False),
+                await tokens(chat_template_kwargs={"enable_thinking": False}), chat, bad)
+
+    plain, no_prompt, no_think, chat, bad = run(llm, test, chat_template=template, **NEUTRAL)
+    encode = llm.tokenizer.encode
+    assert plain == encode("[Hi]>", add_special_tokens=False)
+    assert no_prompt == encode("[Hi]", add_special_tokens=False)
+    assert no_think == encode("[Hi](no think)>", add_special_tokens=False)
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(encode("[Hi](no think)", add_special_tokens=False))
+    assert_error(bad, 400, param="messages")

@@ -110,6 +110,8 @@ class _SamplingFields(StrictRequest):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     priority: int = Field(default=0, ge=-MAX_INT - 1, le=MAX_INT)  # lower is served first
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def _sampling_params(
         self, max_tokens: int | None, logprobs: int | bool | None, defaults: GenerationDefaults | None
@@ -147,6 +149,8 @@ class _SamplingFields(StrictRequest):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 structured_output=structured,
+                skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
                 # a response that is not streamed needs only the last output
                 output_kind=RequestOutputKind.CUMULATIVE if self.stream else RequestOutputKind.FINAL_ONLY,
             )
@@ -280,10 +284,16 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # only "none" (no tools)
+    # the chat template's (vLLM's fields)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def to_sampling_params(self, defaults: GenerationDefaults | None = None) -> SamplingParams:
         if self.tools:
             raise RequestError("tools are not supported", param="tools")
+        if self.tool_choice not in (None, "none"):
+            raise RequestError("tool_choice other than \"none\" needs tools, which are not supported", param="tool_choice")
         if self.top_logprobs and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
         max_tokens = self.max_completion_tokens or self.max_tokens

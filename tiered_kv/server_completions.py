@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Protocol
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -31,7 +31,10 @@ from tiered_kv.server_state import ServerState
 
 
 class ChatTemplate(Protocol):
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str: ...
 
 
 async def completions(
@@ -106,7 +109,7 @@ async def chat_completions(
 
     def render_and_encode() -> list[int]:
         try:
-            text = chat.apply_chat_template(messages)
+            text = chat.apply_chat_template(messages, body.add_generation_prompt, body.chat_template_kwargs)
         except ValueError as e:
             raise RequestError(str(e), param="messages") from None
         limit.check_chars(text, "messages")

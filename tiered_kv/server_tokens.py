@@ -7,6 +7,7 @@ limits to a prompt's length.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from pydantic import BaseModel, Field
 
@@ -23,6 +24,7 @@ class TokenizeRequest(StrictRequest):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 
@@ -52,7 +54,7 @@ async def tokenize(state: ServerState, chat: Tokenizer, body: TokenizeRequest) -
         if body.messages is not None:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             try:
-                text = chat.apply_chat_template(messages, body.add_generation_prompt)
+                text = chat.apply_chat_template(messages, body.add_generation_prompt, body.chat_template_kwargs)
             except ValueError as e:
                 raise RequestError(str(e), param="messages") from None
             limit.check_chars(text, "messages")

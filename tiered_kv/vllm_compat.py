@@ -72,6 +72,7 @@ REFUSED_REQUEST_FIELDS: dict[str, dict[str, RefusedField]] = {
     },
     "chat": {
         "tools": RefusedField("tool calling is not supported", [{"type": "function", "function": {"name": "f"}}]),
+        "tool_choice": RefusedField("tool calling is not supported: only `\"none\"` is taken", "auto"),
     },
 }
 
