@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence as Seq
 
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, RequestTimes
 from engine.sampler import SamplingParams
 from engine.sequence import Sequence
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -116,7 +116,7 @@ class OutputProcessor:
             stop_reason=state.stop_reason,
             logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
             top_logprobs=list(seq.top_logprobs) if seq.top_logprobs is not None else None,
-            first_token_time=seq.first_token_time,
+            times=_times(seq),
         )
 
     def failed(self, seq: Sequence) -> RequestOutput:
@@ -132,7 +132,7 @@ class OutputProcessor:
             delta_text="",
             num_cached_tokens=seq.num_cached_tokens or 0,
             finish_reason="error",
-            first_token_time=seq.first_token_time,
+            times=_times(seq),
         )
 
     def _detokenizer(
@@ -145,6 +145,10 @@ class OutputProcessor:
         if not pieces[-1]:  # the prompt ends inside a character: start clean instead
             detokenizer.finish()
         return detokenizer
+
+
+def _times(seq: Sequence) -> RequestTimes:
+    return RequestTimes(seq.arrival_time, seq.scheduled_time, seq.first_token_time, seq.last_token_time)
 
 
 def _find_stop(text: str, stops: Seq[str], searched_from: int) -> tuple[int, str] | None:

@@ -17,6 +17,16 @@ class RequestOutputKind(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
+class RequestTimes:
+    """``time.perf_counter()`` stamps of a request in the engine (None: not yet)."""
+
+    arrival: float  # added to the engine
+    scheduled: float | None  # first left the waiting queue (to run, or to load its KV)
+    first_token: float | None
+    last_token: float | None
+
+
+@dataclasses.dataclass(frozen=True)
 class RequestOutput:
     """The state of one request after a step; the last one has ``finished`` set.
 
@@ -38,7 +48,7 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id, if one ended it
     logprobs: list[float] | None = None  # of each chosen token, when asked for
     top_logprobs: list[dict[int, float]] | None = None  # when asked for logprobs=k > 0
-    first_token_time: float | None = None  # time.perf_counter() of the step that gave the first token
+    times: RequestTimes | None = None  # when it was added, scheduled, got its first and last token
 
     @property
     def finished(self) -> bool:

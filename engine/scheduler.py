@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
@@ -329,6 +330,7 @@ class Scheduler:
         if not self.block_manager.allocate(seq, num_hit_tokens + num_new, prefix=gpu_hit):
             return None
         seq.status = SequenceStatus.RUNNING
+        _left_queue(seq)
         seq.num_computed_tokens = num_hit_tokens
         self.stats.prefix_cache_queries += seq.num_tokens
         self.stats.prefix_cache_hits += num_hit_tokens
@@ -358,6 +360,7 @@ class Scheduler:
             self.block_manager.free(seq)
             return True
         seq.status = SequenceStatus.LOADING
+        _left_queue(seq)
         seq.num_computed_tokens = first * self.block_size
         self.stats.prefix_cache_queries += seq.num_tokens
         self.stats.prefix_cache_hits += seq.num_computed_tokens
@@ -419,3 +422,9 @@ class Scheduler:
             is_prompt=(index + 1) * self.block_size <= seq.num_prompt_tokens,
             cache_salt=seq.cache_salt,
         )
+
+
+def _left_queue(seq: Sequence) -> None:
+    """Stamp the first time ``seq`` leaves the waiting queue (a preempted one keeps it)."""
+    if seq.scheduled_time is None:
+        seq.scheduled_time = time.perf_counter()

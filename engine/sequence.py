@@ -82,7 +82,9 @@ class Sequence:
         # device: take len(), never truth-test them (that would sync, and reads a value)
         self.spec_token_ids: list[int] | torch.Tensor = []
         self.spec_draft_probs: torch.Tensor | None = None  # [k, vocab] their q; None: one-hot
+        # time.perf_counter() stamps: added, first left the queue, first and last token
         self.arrival_time = time.perf_counter()
+        self.scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
 

@@ -98,6 +98,24 @@ def test_time_to_first_token_of_a_request_not_streamed_is_not_its_whole_time(llm
     assert grew("vllm:inter_token_latency_seconds_sum") > 0
 
 
+def test_a_requests_phases_and_sizes_are_vllms_histograms(llm):
+    """Queue, prefill, decode and inference time from the engine's stamps, and the token and
+    parameter histograms, one observation per finished generation (per prompt for params)."""
+    before = metrics_after(llm, lambda c: asyncio.sleep(0))
+    after = metrics_after(llm, lambda c: complete(c, "Phases.", 12))
+
+    def grew(name):
+        return value(after, name) - value(before, name)
+
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert grew(f"vllm:request_{phase}_time_seconds_count") == 1, phase
+    decode, inference = grew("vllm:request_decode_time_seconds_sum"), grew("vllm:request_inference_time_seconds_sum")
+    assert 0 < decode < inference <= grew("vllm:e2e_request_latency_seconds_sum")
+    assert grew("vllm:request_generation_tokens_sum") == 12
+    assert grew("vllm:request_prompt_tokens_sum") == grew("vllm:prompt_tokens_total") > 0
+    assert grew("vllm:request_params_n_sum") == 1 and grew("vllm:request_params_max_tokens_sum") == 12
+
+
 def test_latency_histograms_use_vllms_buckets(llm):
     text = metrics_after(llm, lambda c: complete(c, "Buckets.", 4))
     for name, buckets in VLLM_BUCKETS.items():

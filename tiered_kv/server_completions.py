@@ -59,6 +59,7 @@ async def completions(
         limit.check_tokens(len(ids), "prompt")
         jobs += _choices(state, defaults, ids, params, body.max_tokens, "max_tokens", body.num_generated)
     group = await Generations.start(state, request, "cmpl", jobs, body.cache_salt, body.priority)
+    _observe_params(state, jobs, body.num_generated)
     texts = [_prompt_text(state, p) for p in prompts] if body.echo else []
     if body.stream:
         return server_responses.sse(server_responses.completion_chunks(state, group, body, texts))
@@ -123,10 +124,20 @@ async def chat_completions(
         requested, name = body.max_tokens, "max_tokens"
     jobs = _choices(state, defaults, ids, params, requested, name, body.n)
     group = await Generations.start(state, request, "chatcmpl", jobs, body.cache_salt, body.priority)
+    _observe_params(state, jobs, body.n)
     if body.stream:
         return server_responses.sse(server_responses.chat_chunks(state, group, body))
     outs = await group.final(request)
     return JSONResponse(server_responses.chat_response(state, group, outs, body))
+
+
+def _observe_params(state: ServerState, jobs: list[Job], per_prompt: int) -> None:
+    """vLLM's request parameter histograms, once per admitted prompt."""
+    if state.metrics is None:
+        return
+    for job in jobs[::per_prompt]:
+        state.metrics.params_n.observe(per_prompt)
+        state.metrics.params_max_tokens.observe(job.params.max_tokens)
 
 
 def _choices(

@@ -70,7 +70,8 @@ class Generation:
         now = time.perf_counter()
         new = len(out.token_ids) - self._num_tokens
         if new > 0 and self._num_tokens == 0:
-            first = out.first_token_time if out.first_token_time is not None else now
+            stamped = out.times.first_token if out.times is not None else None
+            first = stamped if stamped is not None else now
             if metrics is not None:
                 metrics.ttft.observe(max(0.0, first - self.arrival))
             self._num_tokens, self._last_time, new = 1, first, new - 1
@@ -83,6 +84,7 @@ class Generation:
             self._finish(out.finish_reason)
             if metrics is not None:
                 metrics.cached_prompt_tokens.inc(out.num_cached_tokens)
+                metrics.observe_finished(out)
 
     def _finish(self, reason: str) -> None:
         self._finished = True

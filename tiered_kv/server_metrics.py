@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from engine.outputs import RequestOutput
 from engine.stats import EngineStats
 from tiered_kv.engine_metrics import EngineCollector
 from tiered_kv.metrics import TierMetrics
@@ -32,6 +33,21 @@ E2E_BUCKETS = (
 )
 
 
+REQUEST_LATENCY_BUCKETS = E2E_BUCKETS  # vLLM's, for the phases of a request
+PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def one_two_five(limit: int) -> tuple[int, ...]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50... up to ``limit``."""
+    buckets, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(buckets)
+            buckets.append(m * scale)
+        scale *= 10
+
+
 class ServerMetrics:
     """The histograms and counters the request handlers update, and the export of everything
     (these, the engine's, the tiers') into ``registry`` under ``model_name``.
@@ -46,9 +62,37 @@ class ServerMetrics:
         engine_stats: Callable[[], EngineStats],
         inflight: Callable[[], int],
         tiers: TierMetrics | None = None,
+        max_model_len: int = 4096,
     ) -> None:
         self.registry = registry
         own = CollectorRegistry()
+        # a request's phases in the engine, as vLLM splits them
+        self.phases = {
+            phase: Histogram(
+                f"vllm:request_{phase}_time_seconds", f"Histogram of time spent in {text} in seconds.",
+                buckets=REQUEST_LATENCY_BUCKETS, registry=own,
+            )
+            for phase, text in (
+                ("queue", "the waiting queue"), ("prefill", "prefill (its KV loaded or computed)"),
+                ("decode", "decode"), ("inference", "prefill and decode"),
+            )
+        }
+        tokens = one_two_five(max_model_len)
+        self.prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", buckets=tokens, registry=own,
+        )
+        self.generation_tokens = Histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", buckets=tokens,
+            registry=own,
+        )
+        self.params_n = Histogram(
+            "vllm:request_params_n", "Histogram of the n request parameter.", buckets=PARAMS_N_BUCKETS,
+            registry=own,
+        )
+        self.params_max_tokens = Histogram(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+            buckets=tokens, registry=own,
+        )
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds (from receiving the request).",
@@ -102,6 +146,18 @@ class ServerMetrics:
             self.registry.unregister(self._export)
         except KeyError:
             pass
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        """A finished generation's phases (from the engine's stamps) and token counts."""
+        times = out.times
+        if times is not None and times.scheduled is not None:
+            self.phases["queue"].observe(times.scheduled - times.arrival)
+            if times.first_token is not None and times.last_token is not None:
+                self.phases["prefill"].observe(times.first_token - times.scheduled)
+                self.phases["decode"].observe(times.last_token - times.first_token)
+                self.phases["inference"].observe(times.last_token - times.scheduled)
+        self.prompt_tokens.observe(len(out.prompt_token_ids))
+        self.generation_tokens.observe(len(out.token_ids))
 
 
 class _Both:
