@@ -169,6 +169,22 @@ def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(llm):
             assert all(u["prompt_tokens"] == prompt and u["total_tokens"] == prompt + u["completion_tokens"] for u in seen)
 
 
+def test_a_streamed_chat_names_its_stop_reason_on_the_last_chunk(llm):
+    messages = [{"role": "user", "content": "Hi"}]
+
+    async def test(c):
+        whole = await c.post("/v1/chat/completions", json={"messages": messages, **GREEDY})
+        stop = whole.json()["choices"][0]["message"]["content"][3:5]
+        streamed = await c.post(
+            "/v1/chat/completions", json={"messages": messages, "stream": True, "stop": [stop], **GREEDY}
+        )
+        return stop, streamed
+
+    stop, streamed = run(llm, test)
+    last = sse_events(streamed.text)[-1]["choices"][0]
+    assert last["finish_reason"] == "stop" and last["stop_reason"] == stop
+
+
 def test_logprobs(llm):
     async def test(c):
         completion = await c.post("/v1/completions", json={"prompt": "Hi", "logprobs": 2, **GREEDY})

@@ -388,6 +388,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's, on the chunk that has the finish_reason
 
 
 class ChatCompletionChunk(BaseModel):

@@ -255,8 +255,12 @@ async def chat_chunks(state: ServerState, group: Generations, body: ChatCompleti
     count = len(group.generations)
     sent_logprobs, last = [0] * count, [None] * count
 
-    def chunk(k: int, delta: DeltaMessage, finish_reason: str | None = None, logprobs=None) -> dict:
-        choice = ChatChunkChoice(index=k, delta=delta, finish_reason=finish_reason, logprobs=logprobs)
+    def chunk(
+        k: int, delta: DeltaMessage, finish_reason: str | None = None, logprobs=None, stop_reason=None
+    ) -> dict:
+        choice = ChatChunkChoice(
+            index=k, delta=delta, finish_reason=finish_reason, logprobs=logprobs, stop_reason=stop_reason
+        )
         running = None
         if body.continuous_usage:  # before the first output (the role chunk): no tokens yet
             running = usage([[last[k]]]) if last[k] is not None else _prompt_usage(group.generations[k].first)
@@ -280,7 +284,7 @@ async def chat_chunks(state: ServerState, group: Generations, body: ChatCompleti
                 if out.delta_text or (logprobs and logprobs.content):
                     yield chunk(k, DeltaMessage(content=out.delta_text), logprobs=logprobs)
                 if out.finished:
-                    yield chunk(k, DeltaMessage(), finish_reason=out.finish_reason)
+                    yield chunk(k, DeltaMessage(), finish_reason=out.finish_reason, stop_reason=out.stop_reason)
         if body.include_usage and all(last):
             usage_chunk = ChatCompletionChunk(
                 id=group.id, created=created, model=config.model_name, choices=[], usage=usage([last])
