@@ -239,6 +239,20 @@ def test_generation_config_gives_the_defaults_and_a_request_overrides_them(llm, 
     assert neutral[2].json()["usage"]["completion_tokens"] == MAX_MODEL_LEN - neutral[2].json()["usage"]["prompt_tokens"]
     # a folder: its file instead (max_new_tokens caps even a request's max_tokens, as in vLLM)
     assert [r.json()["usage"]["completion_tokens"] for r in own] == [3, 3, 3]
+    # --override-generation-config: keys on top of the file's (auto), or of nothing (vllm)
+    merged = run(llm, test, override_generation_config='{"max_new_tokens": 2}', kv_offloading_size=0, kv_disk_size=0)
+    assert texts(merged[0]) == [texts(greedy5)[0][: len(texts(merged[0])[0])]]  # still greedy, from the file
+    assert [r.json()["usage"]["completion_tokens"] for r in merged] == [2, 2, 2]
+    alone = run(llm, test, override_generation_config='{"max_new_tokens": 4}', **NEUTRAL)
+    assert [r.json()["usage"]["completion_tokens"] for r in alone] == [4, 4, 4]
+
+
+@pytest.mark.parametrize("text", ["[1]", "{nope", '{"temperature": -1}', '{"max_new_tokens": "x"}'])
+def test_a_bad_generation_config_override_is_refused_naming_the_flag(text):
+    from tiered_kv.serve_config import ServeConfig
+
+    with pytest.raises(ValueError, match="--override-generation-config"):
+        ServeConfig(override_generation_config=text)
 
 
 def test_a_generation_config_folder_without_the_file_is_refused(llm, tmp_path):
@@ -414,3 +428,21 @@ def test_chat_template_variables_and_the_generation_prompt(llm):
     assert no_think == encode("[Hi](no think)>", add_special_tokens=False)
     assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(encode("[Hi](no think)", add_special_tokens=False))
     assert_error(bad, 400, param="messages")
+
+
+def test_max_logprobs_bounds_what_a_request_may_ask(llm):
+    async def test(c):
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": True}
+        return [
+            await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "logprobs": 3}),
+            await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "logprobs": 4}),
+            await c.post("/v1/chat/completions", json={**chat, "top_logprobs": 4}),
+        ]
+
+    three, four, chat_four = run(llm, test, max_logprobs=3, **NEUTRAL)
+    assert three.status_code == 200 and all(len(t) <= 4 for t in three.json()["choices"][0]["logprobs"]["top_logprobs"])
+    assert_error(four, 400, param="logprobs")
+    assert_error(chat_four, 400, param="top_logprobs")
+    (thirty,) = run(llm, lambda c: _gather(c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "logprobs": 30})),
+                    max_logprobs=-1, **NEUTRAL)
+    assert thirty.status_code == 200  # past the default 20: -1 allows the whole vocabulary

@@ -1,7 +1,8 @@
 """The request defaults a model's ``generation_config.json`` gives, as vLLM reads them.
 
 ``--generation-config``: ``auto`` (the default) reads the model folder's file, ``vllm``
-ignores it (vLLM's neutral defaults), any other value is a folder to read it from. Only
+ignores it (vLLM's neutral defaults), any other value is a folder to read it from;
+``--override-generation-config`` (a JSON object) sets keys on top of what that gives. Only
 ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty`` and
 ``max_new_tokens`` (as the default ``max_tokens``) are taken; a request's own value wins.
 """
@@ -31,16 +32,20 @@ class GenerationDefaults:
     max_tokens: int | None = None  # generation_config's max_new_tokens
 
     @classmethod
-    def load(cls, setting: str, model_folder: str | os.PathLike[str]) -> GenerationDefaults:
-        """The defaults for ``--generation-config setting`` and the model in ``model_folder``.
-        Raises ``ValueError`` naming the flag for a folder without the file, or a file that is
-        not a JSON object of sensible values."""
+    def load(
+        cls, setting: str, model_folder: str | os.PathLike[str], override: str | None = None
+    ) -> GenerationDefaults:
+        """The defaults for ``--generation-config setting`` and the model in ``model_folder``,
+        with ``--override-generation-config``'s JSON object (``override``) on top, as vLLM
+        merges them. Raises ``ValueError`` naming the flag for a folder without the file, or
+        a file or override that is not a JSON object of sensible values."""
+        extra = parse_override(override)
         if setting == "vllm":
-            return cls()
+            return cls.from_dict(extra, "--override-generation-config") if extra else cls()
         if setting == "auto":
             path = Path(model_folder) / FILE_NAME
             if not path.is_file():
-                return cls()
+                return cls.from_dict(extra, "--override-generation-config") if extra else cls()
         else:
             path = Path(setting).expanduser() / FILE_NAME
             if not path.is_file():
@@ -51,7 +56,8 @@ class GenerationDefaults:
             raise ValueError(f"--generation-config: cannot read {path}: {e}") from None
         if not isinstance(data, dict):
             raise ValueError(f"--generation-config: {path} is not a JSON object")
-        return cls.from_dict(data, str(path))
+        source = f"{path} with --override-generation-config" if extra else str(path)
+        return cls.from_dict({**data, **extra}, source)
 
     @classmethod
     def from_dict(cls, data: dict, source: str) -> GenerationDefaults:
@@ -76,3 +82,16 @@ class GenerationDefaults:
         except ValueError as e:
             raise ValueError(f"--generation-config: {source}: {e}") from None
         return cls(**values)
+
+
+def parse_override(text: str | None) -> dict:
+    """``--override-generation-config``: a JSON object of generation_config.json's keys."""
+    if text is None:
+        return {}
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--override-generation-config is not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError("--override-generation-config must be a JSON object, e.g. '{\"temperature\": 0.5}'")
+    return data

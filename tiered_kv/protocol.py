@@ -192,7 +192,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=0, le=MAX_INT)  # 0: only with echo
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_INT)  # at most --max-logprobs
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1, le=MAX_INT)
     suffix: str | None = None
@@ -282,7 +282,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_INT)  # at most --max-logprobs
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # only "none" (no tools)
     # the chat template's (vLLM's fields)

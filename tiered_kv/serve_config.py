@@ -25,6 +25,7 @@ from engine.spec_decode import SpeculativeConfig
 from tiered_kv.config import (
     GiB, MiB, OFFLOAD_MODES, REMOTE_WRITE_POLICIES, WRITE_POLICIES, TierConfig, load_tenant_priorities,
 )
+from tiered_kv.generation_defaults import GenerationDefaults, parse_override
 from tiered_kv.serve_option import ENGINE, SERVER, TIERS, EnvAlias, Setting, option, settings_of
 from tiered_kv.serve_option import flag_name as _flag
 from tiered_kv.serve_sources import merge
@@ -130,6 +131,15 @@ class ServeConfig:
     generation_config: str = option(
         "auto", "Default sampling parameters: `auto` (the model's generation_config.json), "
         "`vllm` (vLLM's defaults) or a folder holding a generation_config.json.", SERVER,
+    )
+    max_logprobs: int = option(
+        20, "The most logprobs a request may ask for (completions' `logprobs`, chat's "
+        "`top_logprobs`); -1: the vocabulary's size.", SERVER,
+    )
+    override_generation_config: str | None = option(
+        None, "A JSON object of generation_config.json keys (`temperature`, `top_p`, `top_k`, "
+        "`min_p`, `repetition_penalty`, `max_new_tokens`) set on top of --generation-config's "
+        "defaults, e.g. '{\"temperature\": 0.5}'.", SERVER, metavar="JSON",
     )
     # the engine (vLLM's names)
     dtype: str = option(
@@ -291,10 +301,15 @@ class ServeConfig:
         for name in ("admin_api_key", "revision", "chat_template"):
             if getattr(self, name) is not None:
                 _str(name, getattr(self, name))
+        if self.override_generation_config is not None:  # refused now, not after the model loaded
+            overrides = parse_override(self.override_generation_config)
+            GenerationDefaults.from_dict(overrides, "--override-generation-config")
         _str("host", self.host)
         _str("generation_config", self.generation_config)
         if _bad_int(self.port, 1) or self.port > 65535:
             raise ValueError(f"--port must be an integer in [1, 65535], got {self.port!r}")
+        if _bad_int(self.max_logprobs, -1):
+            raise ValueError(f"--max-logprobs must be an integer >= -1, got {self.max_logprobs!r}")
         if _bad_int(self.max_queue_len, 0):
             raise ValueError(f"--max-queue-len must be an integer >= 0, got {self.max_queue_len!r}")
         if not _positive_number(self.max_request_body_mib):

@@ -99,7 +99,9 @@ def create_app(config: ServeConfig, llm: AsyncLLM | None = None) -> FastAPI:
                 llm.engine.connector.close()
         raise ValueError(f"--chat-template: {e}") from None
     try:
-        generation_defaults = GenerationDefaults.load(config.generation_config, llm.engine.model_path)
+        generation_defaults = GenerationDefaults.load(
+            config.generation_config, llm.engine.model_path, config.override_generation_config
+        )
     except ValueError:
         if owns_llm:
             llm.shutdown()

@@ -40,6 +40,7 @@ class ChatTemplate(Protocol):
 async def completions(
     state: ServerState, defaults: GenerationDefaults, body: CompletionRequest, request: Request
 ) -> Response:
+    _check_logprobs(state, body.logprobs, "logprobs")
     if body.max_tokens == 0:
         return await _echo_only(state, defaults, body)
     params = body.to_sampling_params(defaults)
@@ -103,6 +104,7 @@ async def chat_completions(
     request: Request,
 ) -> Response:
     """``chat`` renders the messages: the tokenizer, or it with ``--chat-template``'s template."""
+    _check_logprobs(state, body.top_logprobs, "top_logprobs")
     params = body.to_sampling_params(defaults)
     check_generations(state, body.n)
     messages = body.messages_as_dicts()
@@ -129,6 +131,15 @@ async def chat_completions(
         return server_responses.sse(server_responses.chat_chunks(state, group, body))
     outs = await group.final(request)
     return JSONResponse(server_responses.chat_response(state, group, outs, body))
+
+
+def _check_logprobs(state: ServerState, asked: int | None, param: str) -> None:
+    """At most ``--max-logprobs`` (-1: the vocabulary's size, which also bounds any limit),
+    as vLLM refuses more."""
+    vocab, limit = state.llm.tokenizer.vocab_size, state.config.max_logprobs
+    limit = vocab if limit < 0 else min(limit, vocab)
+    if asked is not None and asked > limit:
+        raise RequestError(f"{param} ({asked}) is more than this server's --max-logprobs ({limit})", param=param)
 
 
 def _observe_params(state: ServerState, jobs: list[Job], per_prompt: int) -> None:
