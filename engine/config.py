@@ -40,6 +40,7 @@ class EngineConfig:
     """
 
     model: str = "tiny"
+    tokenizer: str | None = None  # a folder to read the tokenizer from; None: the model's
     dtype: str | torch.dtype = "auto"
     device: str = "auto"
     block_size: int = 16

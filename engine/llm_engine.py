@@ -70,7 +70,9 @@ class LLMEngine:
         _use_device(config.torch_device)
         model = loaded_model
         if model is None:
-            model = load_model(config.model, dtype=config.dtype, device=config.torch_device)
+            model = load_model(
+                config.model, dtype=config.dtype, device=config.torch_device, tokenizer=config.tokenizer
+            )
         model_device = next(model.model.parameters()).device
         if model_device.type != config.torch_device.type:
             raise ValueError(f"the model is on {model_device}, the config says {config.device!r}")

@@ -56,6 +56,27 @@ def test_tiny_checkpoint_loads(ckpt):
     assert loaded.path == ckpt and len(loaded.fingerprint) == 32
 
 
+def test_the_tokenizer_may_come_from_another_folder(ckpt, tmp_path):
+    """vLLM's --tokenizer: the tokenizer (and its chat template) from another folder; a
+    missing one, or one with more tokens than the model, is refused."""
+    other = tmp_path / "tok"
+    other.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (other / name).write_bytes((ckpt / name).read_bytes())
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}<{{ m.content }}>{% endfor %}"
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    loaded = load_model(str(ckpt), tokenizer=str(other))
+    assert loaded.tokenizer.apply_chat_template([{"role": "user", "content": "x"}]) == "<x>"
+    assert load_model(str(ckpt), tokenizer="tiny").tokenizer.vocab_size == loaded.tokenizer.vocab_size
+    with pytest.raises(FileNotFoundError, match="no such tokenizer folder"):
+        load_model(str(ckpt), tokenizer=str(tmp_path / "absent"))
+    edit_config(ckpt, vocab_size=loaded.tokenizer.vocab_size - 1)
+    edit_weights(ckpt, lambda w: w.update({k: v[:-1] for k, v in w.items() if v.shape[0] == loaded.tokenizer.vocab_size}))
+    with pytest.raises(ValueError, match="more than the model's vocabulary"):
+        load_model(str(ckpt), tokenizer=str(other))
+
+
 def test_missing_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such model folder"):
         load_model(str(tmp_path / "nope"))

@@ -28,7 +28,8 @@ def test_a_vllm_command_line_serves(tmp_path):
         sys.executable, "-c", "from tiered_kv.cli import main; main()", "serve", model,
         "--gpu-memory-utilization", "0.9", "--max-model-len", "4096", "--max-num-seqs", "64",
         "--block-size", "16", "--enable-prefix-caching",
-        "--trust-remote-code", "--disable-log-requests",
+        "--trust-remote-code", "--disable-log-requests", "--tokenizer", model,
+        "--served-model-name", model, "alias", "--disable-uvicorn-access-log",
         "--port", str(port), "--kv-cache-dir", str(tmp_path / "kv"), "--kv-offloading-size", "0.01",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "0"}
@@ -44,10 +45,10 @@ def test_a_vllm_command_line_serves(tmp_path):
                         break
                 except httpx.TransportError:
                     time.sleep(0.2)
-            card = http.get("/v1/models").json()["data"][0]
-            assert (card["id"], card["max_model_len"]) == (model, 4096)
+            card, alias = http.get("/v1/models").json()["data"]
+            assert (card["id"], card["max_model_len"], alias["id"]) == (model, 4096, "alias")
             reply = http.post("/v1/completions", json={
-                "model": model, "prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                "model": "alias", "prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
             })
             assert reply.status_code == 200, reply.text
             assert reply.json()["usage"]["completion_tokens"] == 4
@@ -57,6 +58,7 @@ def test_a_vllm_command_line_serves(tmp_path):
     text = log.read_text()
     ignored = [line for line in text.splitlines() if "ignored vLLM flags" in line]
     assert len(ignored) == 1 and "--trust-remote-code" in ignored[0] and "--disable-log-requests" in ignored[0]
+    assert "POST /v1/completions" not in text  # no access log
 
 
 @pytest.fixture(scope="module")

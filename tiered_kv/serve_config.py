@@ -56,6 +56,11 @@ class ServeConfig:
         "`vllm serve MODEL`.", ENGINE,
         vllm_note="never downloads: an id must already be in the Hugging Face cache",
     )
+    tokenizer: str | None = option(
+        None, "Where to read the tokenizer from instead of the model: a folder with "
+        "tokenizer.json (and tokenizer_config.json), or a Hugging Face id in the local cache.",
+        ENGINE, default_text="the model's",
+    )
     revision: str | None = option(
         None, "The snapshot of a Hugging Face id to use: a branch or tag the cache has a ref for, "
         "or a commit hash.", ENGINE, default_text="main",
@@ -298,7 +303,7 @@ class ServeConfig:
             object.__setattr__(self, name, tuple(values))
             for v in values:
                 _str(name, v)
-        for name in ("admin_api_key", "revision", "chat_template"):
+        for name in ("admin_api_key", "revision", "chat_template", "tokenizer"):
             if getattr(self, name) is not None:
                 _str(name, getattr(self, name))
         if self.override_generation_config is not None:  # refused now, not after the model loaded

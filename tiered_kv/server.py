@@ -75,7 +75,10 @@ def build_async_llm(config: ServeConfig) -> AsyncLLM:
     manager = TierManager(tier_config) if tier_config is not None else None
     try:
         model = resolve_model(config.model, download_dir=config.download_dir, revision=config.revision)
-        return AsyncLLM(model, kv_connector=manager, **config.engine_kwargs())
+        tokenizer = None
+        if config.tokenizer is not None:  # another repository's: its main revision
+            tokenizer = resolve_model(config.tokenizer, download_dir=config.download_dir)
+        return AsyncLLM(model, kv_connector=manager, tokenizer=tokenizer, **config.engine_kwargs())
     except BaseException:
         if manager is not None:
             manager.close()

@@ -34,7 +34,6 @@ IGNORED_FLAGS: dict[str, IgnoredFlag] = {
 REFUSED_FLAGS: dict[str, str] = {
     "--quantization": "quantized checkpoints are not supported (float32, float16, bfloat16 weights)",
     "-q": "quantized checkpoints are not supported (float32, float16, bfloat16 weights)",
-    "--tokenizer": "the tokenizer is read from the model folder",
     "--enable-lora": "LoRA adapters are not supported",
     "--lora-modules": "LoRA adapters are not supported",
     "--enable-auto-tool-choice": "tool calling is not supported (requests with tools get 400)",

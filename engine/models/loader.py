@@ -56,9 +56,11 @@ class SafetensorsFile:
 
 
 def load_model(
-    model: str, *, dtype: torch.dtype | str = "auto", device: torch.device | str = "cpu"
+    model: str, *, dtype: torch.dtype | str = "auto", device: torch.device | str = "cpu",
+    tokenizer: str | None = None,
 ) -> LoadedModel:
-    """Load a checkpoint folder, or the built-in tiny model when ``model == "tiny"``.
+    """Load a checkpoint folder, or the built-in tiny model when ``model == "tiny"``; the
+    tokenizer from the folder ``tokenizer`` when given (vLLM's ``--tokenizer``).
 
     ``dtype="auto"``: float32 on the CPU; on other devices the config's ``torch_dtype``
     (the weights' own dtype if the config does not say).
@@ -70,8 +72,16 @@ def load_model(
     generation_config = _read_json(path / "generation_config.json", required=False)
     config = ModelConfig.from_hf(hf_config, generation_config)
     files = [read_safetensors_header(p) for p in weight_files(path)]
-    tokenizer = Tokenizer.from_folder(path, eos_token_ids=config.eos_token_ids)
-    config = dataclasses.replace(config, eos_token_ids=tokenizer.eos_token_ids)
+    tokenizer_path = path if tokenizer is None else tiny_model_path() if tokenizer == "tiny" else Path(tokenizer).expanduser()
+    if not tokenizer_path.is_dir():
+        raise FileNotFoundError(f"{tokenizer_path}: no such tokenizer folder")
+    tok = Tokenizer.from_folder(tokenizer_path, eos_token_ids=config.eos_token_ids)
+    if tok.vocab_size > config.vocab_size:
+        raise ValueError(
+            f"the tokenizer in {tokenizer_path} has {tok.vocab_size} tokens, more than the "
+            f"model's vocabulary ({config.vocab_size})"
+        )
+    config = dataclasses.replace(config, eos_token_ids=tok.eos_token_ids)
 
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, config, device, files)
@@ -83,7 +93,7 @@ def load_model(
     return LoadedModel(
         model=net,
         config=config,
-        tokenizer=tokenizer,
+        tokenizer=tok,
         fingerprint=fingerprint(hf_config, files),
         path=path,
         dtype=torch_dtype,
