@@ -32,6 +32,7 @@ from storage.record import MAGIC, Record, RecordError, decode_record
 from storage.seal import KEY_FILE_NAME, SealKey
 
 _REPAIR_BATCH = 256  # records per put_many: one writer transaction each
+RECORDS_CHUNK_BYTES = 64 << 20  # records read per read transaction (short: pages stay reusable)
 
 
 class QuarantineEntry(NamedTuple):
@@ -205,15 +206,33 @@ class Admin:
             yield BlockKey.from_bytes(kb), data
 
     def _committed_records(self, namespace: bytes | None) -> Iterator[tuple[bytes, bytes]]:
-        for chunk in self._committed_key_chunks(namespace):
-            for kb in chunk:
-                with self._lmdb_errors(), self._env.begin(
-                    db=self._dbs[DB_RECORDS], buffers=True
-                ) as txn:
-                    buf = txn.get(kb)
-                    data = bytes(buf) if buf is not None else None
-                if data is not None:  # else removed since the chunk was listed
-                    yield kb, data
+        """Committed records in key order, each value read from the cursor at its key (a
+        key whose bytes were damaged is still read, and fails its record's key check), in
+        short read transactions of at most ``RECORDS_CHUNK_BYTES``."""
+        prefix = namespace or b""
+        resume: bytes | None = None  # the greatest key read so far
+        while True:
+            chunk: list[tuple[bytes, bytes]] = []
+            size = 0
+            with self._lmdb_errors(), self._env.begin(db=self._dbs[DB_RECORDS], buffers=True) as txn:
+                cursor = txn.cursor()
+                more = cursor.set_range(resume if resume is not None else prefix)
+                while more and resume is not None and bytes(cursor.key()) <= resume:
+                    more = cursor.next()  # read in the chunk before
+                while more and size < RECORDS_CHUNK_BYTES:
+                    kb = bytes(cursor.key())
+                    if not kb.startswith(prefix):
+                        more = False
+                        break
+                    if len(kb) == KEY_SIZE:
+                        data = bytes(cursor.value())
+                        chunk.append((kb, data))
+                        size += len(data)
+                    resume = kb if resume is None or kb > resume else resume
+                    more = cursor.next()
+            yield from chunk
+            if not more:
+                return
 
     def copy_compacted(self, dest: str | os.PathLike[str]) -> None:
         """Write a compacted copy of the store (descriptor and data) into the new directory
@@ -348,8 +367,15 @@ class Admin:
                         copied = _copy_verified(
                             found.entries(), source_key, priorities, fresh, progress
                         )
-                        fresh.flush()
-                        evicted = fresh.stats().evictions + copied.refused
+                        flushed = fresh.flush()  # False: commits failed, records were lost
+                        stats = fresh.stats()
+                        if not flushed:  # a full or failing disk
+                            lost = stats.dropped - copied.refused
+                            raise StoreError(
+                                f"{target}: {lost} salvaged records could not be written (a full "
+                                "or failing disk?); nothing was changed: the source is as it was"
+                            )
+                        evicted = stats.evictions + copied.refused
             except BaseException:
                 shutil.rmtree(target, ignore_errors=True)  # what this call created
                 raise

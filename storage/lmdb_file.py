@@ -206,16 +206,28 @@ def check_structure(path: str | os.PathLike[str]) -> list[str] | None:
     :class:`DamagedStore` if the meta pages are bad.
     """
     path = Path(path)
+    damage: DamagedStore | None = None
     with DataFile.open(path) as file:
         for _ in range(3):
             file.size = os.fstat(file.fd).st_size
             try:
                 meta = file.committed()
-                problems = _walk_all(file, meta)
+            except DamagedStore as e:
+                damage = e
+                time.sleep(0.01)  # a writer in another process may be midway through a meta page
+                continue
+            damage = None
+            problems = _walk_all(file, meta)
+            # A writer may have committed (and grown the file) during the walk: read the
+            # meta pages again against the file as it is now.
+            file.size = os.fstat(file.fd).st_size
+            try:
                 if file.committed().txnid == meta.txnid:
                     return problems
-            except DamagedStore as e:
-                raise DamagedStore(f"{path / DATA_NAME} is damaged: {e}") from None
+            except DamagedStore:
+                pass  # midway through the next commit: walk again
+    if damage is not None:
+        raise DamagedStore(f"{path / DATA_NAME} is damaged: {damage}")
     return None
 
 
@@ -231,9 +243,15 @@ def _walk_all(file: DataFile, meta: Meta) -> list[str]:
         elif any(not 2 <= page < walk.next_page for page in pages[1:]):
             walk.problem(f"free db: the page list of txn {node.key.hex()} names a bad page")
     for name, db in walk.named_dbs(meta.main).items():
+        previous: bytes | None = None
         for node in walk.leaves(name, db):
             if isinstance(node.data, _Overflow):
                 walk.in_file(name, node.data)
+            # LMDB finds a key by binary search in memcmp order: one out of order (a flipped
+            # byte) hides itself and its neighbours from every lookup
+            if previous is not None and node.key <= previous:
+                walk.problem(f"{name} db: key {node.key[:8].hex()}... is out of order")
+            previous = node.key
     return walk.problems
 
 

@@ -1047,3 +1047,76 @@ def test_a_store_directory_of_another_user_is_left_alone_with_one_warning(
     assert stat.S_IMODE(path.stat().st_mode) == 0o750
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "0700" in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_repair_onto_a_failing_disk_fails_and_changes_nothing(path: Path, tmp_path: Path, monkeypatch, in_place) -> None:
+    """Salvaged records the fresh store cannot commit make the repair fail: it never reports
+    them salvaged, nor swaps a short store in for the source."""
+    with LmdbStore(path, 16 << 20) as store:
+        for i in range(20):
+            put(store, i, size=200)
+    target = path.with_name(f"{path.name}.repairing") if in_place else tmp_path / "fixed"
+    init = LmdbStore.__init__
+
+    def on_a_failing_disk(self, where, *args, **kwargs):
+        init(self, where, *args, **kwargs)
+        if Path(where) == target:
+            FailingDisk(self, monkeypatch, disk_error(errno.EIO), room=None)
+
+    monkeypatch.setattr(LmdbStore, "__init__", on_a_failing_disk)
+    with pytest.raises(StoreError, match="20 salvaged records could not be written"):
+        LmdbStore.repair(path, None if in_place else target)
+    monkeypatch.undo()
+    assert not target.exists() and not list(path.parent.glob(f"{path.name}.damaged-*"))
+    with LmdbStore(path, 16 << 20) as store:
+        assert sorted(store.keys()) == sorted(key(i) for i in range(20))
+
+
+def test_verify_reads_a_record_whose_key_bytes_were_damaged(path: Path) -> None:
+    """A flipped byte in a stored key puts it out of LMDB's order: lookups no longer find it
+    (nor, maybe, its neighbours), but verify reads every record where the cursor stands,
+    so the damaged one fails its key check, and the structure check names the order."""
+    from storage.lmdb_file import check_structure
+
+    with LmdbStore(path, 16 << 20) as store:
+        for i in range(8):
+            put(store, i, size=200)
+    victim = sorted(key(i).to_bytes() for i in range(8))[3]
+    data = bytearray((path / "data.mdb").read_bytes())
+    at = data.find(victim)
+    assert at >= 0
+    while at >= 0:  # in the records db and the meta db
+        data[at + 32] ^= 0xFF  # the block hash's first byte: the key sorts elsewhere
+        at = data.find(victim, at + 1)
+    (path / "data.mdb").write_bytes(bytes(data))
+    assert any("out of order" in p for p in check_structure(path))
+    with LmdbStore(path, readonly=True) as store:
+        result = store.verify()
+    assert result.checked == 8 and result.corrupt == 1 and result.ok == 7
+
+
+def test_the_structure_check_is_not_fooled_by_a_writer_growing_the_file(path: Path, monkeypatch) -> None:
+    """A writer that commits and grows data.mdb during the walk is a reason to walk again,
+    never "damaged: truncated" (the meta pages read against the file's old size)."""
+    from storage import lmdb_file
+
+    walk, walks = lmdb_file._walk_all, []
+    with LmdbStore(path, 64 << 20) as store:
+        put(store, 0)
+        assert store.flush()
+        size = (path / "data.mdb").stat().st_size
+
+        def walk_while_a_writer_commits(file, meta):
+            problems = walk(file, meta)
+            walks.append(meta.txnid)
+            if len(walks) == 1:
+                for i in range(1, 40):
+                    put(store, i, size=100_000)
+                assert store.flush()
+                assert (path / "data.mdb").stat().st_size > size
+            return problems
+
+        monkeypatch.setattr(lmdb_file, "_walk_all", walk_while_a_writer_commits)
+        assert lmdb_file.check_structure(path) == []
+    assert len(walks) == 2 and walks[1] > walks[0]
