@@ -326,6 +326,32 @@ def test_import_errors(tmp_path: Path, store_dir: Path):
     assert not_store.exit_code == 2 and "not a tiered-kv disk store" in not_store.output
 
 
+def test_an_archive_under_another_key_is_refused_before_its_body_is_read(tmp_path: Path, store_dir: Path, monkeypatch):
+    """The header's key id is checked first: a crafted body (here one record whose own header
+    claims 200 MiB of zstd-compressed zeros) is never expanded for a key not at hand."""
+    import struct
+
+    import zstandard
+
+    from storage.record import FORMAT_VERSION, MAGIC
+    from tiered_kv import archive as tkv_archive
+
+    forged = tmp_path / "forged.tkv"
+    head = struct.pack("<4sHHIQ", MAGIC, FORMAT_VERSION, 0, 0, (200 << 20) - SEAL_SIZE)
+    body = struct.pack("<I", 200 << 20) + bytes(64) + head + bytes((200 << 20) - len(head))
+    forged.write_bytes(
+        struct.pack("<8sHH", tkv_archive.MAGIC, tkv_archive.VERSION, tkv_archive.FLAG_ZSTD)
+        + bytes(8) + zstandard.ZstdCompressor().compress(body)
+    )
+    from tiered_kv import storage_transfer
+
+    read = []
+    monkeypatch.setattr(storage_transfer, "check_archive", lambda *a, **k: read.append(a))
+    result = run("import", forged, store_dir)
+    assert result.exit_code == 2 and "is sealed under key 0000000000000000" in result.output
+    assert read == []  # the body was never read
+
+
 # ---------------------------------------------------------------------------- clear
 
 

@@ -17,7 +17,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from storage.lmdb_store import DESCRIPTOR_NAME
 from storage.record import RecordError, decode_record
 from storage.seal import KEY_FILE_NAME, SealKey, load_key_file
-from tiered_kv.archive import ArchiveError, check_archive, read_archive, write_archive
+from tiered_kv.archive import ArchiveError, check_archive, read_archive, read_key_id, write_archive
 from tiered_kv.storage_cli import (
     PUT_BATCH, AsJson, Dir, Namespace, _fail, _open, _open_writer, _print_fields, _progress,
     _resolve_namespace, app, err,
@@ -111,14 +111,14 @@ def import_(
         capacity = parse_size(size)
     except ValueError as e:
         raise _fail(str(e)) from None
-    try:
+    new = not (path / DESCRIPTOR_NAME).exists()
+    try:  # the key first: an archive no key at hand verifies is refused before it is read
+        archive_key = _archive_key(archive, read_key_id(archive), path, new, key_file)
         with _byte_progress("checking archive") as bar:
             task = bar.add_task("", total=archive.stat().st_size)
             summary = check_archive(archive, lambda n: bar.advance(task, n))
     except ArchiveError as e:
         raise _fail(f"{archive}: {e}; nothing imported") from None
-    new = not (path / DESCRIPTOR_NAME).exists()
-    archive_key = _archive_key(archive, summary.key_id, path, new, key_file)
     imported = refused = 0
     skipped: collections.Counter[str] = collections.Counter()
     with _open_writer(path, "import", capacity if new else None) as store:
