@@ -105,15 +105,15 @@ class StoreDescriptor:
         if not isinstance(fields, dict) or fields.get("format") != FORMAT_NAME:
             raise StoreError(f"{path} is not a tiered-kv disk store ({where} names another format)")
         version = fields.get("version")
-        if not isinstance(version, int):
-            raise StoreError(f"{where}: the store version is missing")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise StoreError(f"{where}: the store version is missing or not a version")
         if version > STORE_VERSION:
             raise StoreError(
                 f"{path} was written by a newer tiered-kv (store version {version}; this build "
                 f"reads up to {STORE_VERSION}); upgrade tiered-kv or use another directory"
             )
         try:
-            return cls(
+            descriptor = cls(
                 format=FORMAT_NAME,
                 version=version,
                 created_ns=int(fields["created_ns"]),
@@ -124,6 +124,12 @@ class StoreDescriptor:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise StoreError(f"{where}: malformed store descriptor ({e})") from None
+        if descriptor.capacity_bytes <= 0 or descriptor.map_size <= 0:
+            raise StoreError(
+                f"{where}: malformed store descriptor (capacity_bytes {descriptor.capacity_bytes}, "
+                f"map_size {descriptor.map_size}: both must be positive)"
+            )
+        return descriptor
 
     def save(self, path: Path) -> None:
         """Replace the descriptor atomically (write, fsync, rename, fsync the directory)."""

@@ -119,6 +119,18 @@ def test_refuses_a_directory_that_is_not_a_store(path: Path) -> None:
         LmdbStore(path, readonly=True)
 
 
+@pytest.mark.parametrize("edit", [
+    {"capacity_bytes": -1}, {"capacity_bytes": 0}, {"map_size": 0}, {"version": True}, {"version": 0},
+])
+def test_a_hand_edited_descriptor_with_impossible_values_is_refused(path: Path, edit) -> None:
+    LmdbStore(path, 1 << 20).close()
+    fields = json.loads((path / DESCRIPTOR_NAME).read_text())
+    (path / DESCRIPTOR_NAME).write_text(json.dumps({**fields, **edit}))
+    for open_it in (lambda: LmdbStore(path), lambda: LmdbStore(path, readonly=True)):
+        with pytest.raises(StoreError, match="descriptor"):
+            open_it()
+
+
 def test_refuses_another_format(path: Path) -> None:
     path.mkdir()
     (path / DESCRIPTOR_NAME).write_text(json.dumps({"format": "something-else", "version": 1}))
