@@ -179,15 +179,25 @@ def clear(
     ) as store:
         victims = list(store.metadata(ns))
         nbytes = sum(m.nbytes for m in victims)
-        if not yes and not typer.confirm(
-            f"Delete {len(victims):,} blocks ({format_size(nbytes)}) of namespace {ns.hex()[:16]}?",
-            err=True,
+        if not yes and not _confirmed(
+            f"Delete {len(victims):,} blocks ({format_size(nbytes)}) of namespace {ns.hex()[:16]}?"
         ):
             err.print("Nothing deleted.")
+            if as_json:  # still one JSON document
+                fields = {"namespace": ns.hex(), "deleted_blocks": 0, "deleted_bytes": 0, "declined": True}
+                _print_fields(f"clear {path}", fields, as_json)
             raise typer.Exit(EXIT_FOUND_CORRUPT)
         removed = _delete(store, [m.key for m in victims], "deleting")
     fields = {"namespace": ns.hex(), "deleted_blocks": removed, "deleted_bytes": nbytes}
     _print_fields(f"clear {path}", fields, as_json)
+
+
+def _confirmed(question: str) -> bool:
+    """The operator's answer on the terminal; no answer (stdin closed) is a no."""
+    try:
+        return typer.confirm(question, err=True)
+    except typer.Abort:
+        return False
 
 
 # ---------------------------------------------------------------------------- repair
