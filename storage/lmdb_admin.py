@@ -21,7 +21,7 @@ from storage.base import KEY_SIZE, BlockKey, StoreError
 from storage.lmdb_committer import QUARANTINE_HEAD
 from storage.lmdb_file import Found, salvage
 from storage.lmdb_directory import (
-    copy_key_file, fsync_dir, lock_writer, make_file_private, move_aside, store_key,
+    copy_key_file, fsync_dir, lock_writer, make_file_private, replace_aside, store_key,
 )
 from storage.lmdb_layout import (
     DATA_NAME, DB_META, DB_QUARANTINE, DB_RECORDS, DESCRIPTOR_NAME, KEYS_CHUNK, StoreDescriptor,
@@ -381,12 +381,7 @@ class Admin:
                 raise
             moved = None
             if dest is None:
-                moved = move_aside(source)
-                try:
-                    os.rename(target, source)
-                    fsync_dir(source.parent)
-                except OSError as e:
-                    raise StoreError(f"cannot move {target} to {source}: {e}") from None
+                moved = replace_aside(source, target)
                 target = source
         finally:
             os.close(lock_fd)

@@ -1,5 +1,5 @@
 """The files of a disk store's directory besides LMDB's own: the directory's permissions,
-the writer lock, the seal key file, renames and directory fsyncs.
+the writer lock, the seal key file, moving a store aside or replacing it, directory fsyncs.
 
 :mod:`storage.lmdb_layout` opens a store with them; the admin operations
 (:mod:`storage.lmdb_admin`) copy, lock and move stores with them.
@@ -7,6 +7,7 @@ the writer lock, the seal key file, renames and directory fsyncs.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import logging
@@ -86,18 +87,67 @@ def lock_writer(path: Path) -> int:
 def move_aside(path: Path) -> Path:
     """Rename a (damaged) store directory to ``<dir>.damaged-<UTC time>``; returns the new
     name. The directory is kept whole for ``tiered-kv storage repair``."""
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    aside = path.with_name(f"{path.name}.damaged-{stamp}")
-    suffix = 1
-    while aside.exists():
-        suffix += 1
-        aside = path.with_name(f"{path.name}.damaged-{stamp}-{suffix}")
+    aside = _aside_name(path)
     try:
         os.rename(path, aside)
         fsync_dir(path.parent)
     except OSError as e:
         raise StoreError(f"cannot move {path} aside to {aside}: {e}") from None
     return aside
+
+
+def replace_aside(path: Path, fresh: Path) -> Path:
+    """Put the store directory ``fresh`` in the place of ``path``, and ``path`` aside (as
+    :func:`move_aside`); returns where ``path`` went. Where the filesystem can swap two
+    names at once (Linux's ``renameat2`` with ``RENAME_EXCHANGE``) there is never a moment
+    without a store at ``path``, so a process killed midway leaves one there, never none."""
+    aside = _aside_name(path)
+    if _exchange(fresh, path):  # path holds the fresh store now, fresh the old one
+        try:
+            os.rename(fresh, aside)
+            fsync_dir(path.parent)
+        except OSError as e:
+            raise StoreError(f"cannot move the replaced store {fresh} to {aside}: {e}") from None
+        return aside
+    moved = move_aside(path)
+    try:
+        os.rename(fresh, path)
+        fsync_dir(path.parent)
+    except OSError as e:
+        raise StoreError(f"cannot move {fresh} to {path}: {e}") from None
+    return moved
+
+
+def _aside_name(path: Path) -> Path:
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    aside = path.with_name(f"{path.name}.damaged-{stamp}")
+    suffix = 1
+    while aside.exists():
+        suffix += 1
+        aside = path.with_name(f"{path.name}.damaged-{stamp}-{suffix}")
+    return aside
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the names ``a`` and ``b`` in one step; False where the system or filesystem
+    cannot (the caller then renames twice)."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # not Linux, or a libc without it
+        return False
+    renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        fsync_dir(a.parent)
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise StoreError(f"cannot swap {a} and {b}: {os.strerror(code)}")
 
 
 def make_file_private(path: Path) -> None:

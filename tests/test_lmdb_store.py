@@ -1132,3 +1132,20 @@ def test_the_structure_check_is_not_fooled_by_a_writer_growing_the_file(path: Pa
         monkeypatch.setattr(lmdb_file, "_walk_all", walk_while_a_writer_commits)
         assert lmdb_file.check_structure(path) == []
     assert len(walks) == 2 and walks[1] > walks[0]
+
+
+@pytest.mark.parametrize("swap", [True, False])
+def test_replacing_a_store_puts_the_old_one_aside(tmp_path: Path, monkeypatch, swap) -> None:
+    """In place, a repair swaps the fresh store in (in one step where the filesystem can,
+    else in two renames); the old one is kept whole beside it."""
+    from storage import lmdb_directory
+
+    old, fresh = tmp_path / "kv", tmp_path / "kv.repairing"
+    for where, text in ((old, "old"), (fresh, "fresh")):
+        where.mkdir()
+        (where / "mark").write_text(text)
+    if not swap:
+        monkeypatch.setattr(lmdb_directory, "_exchange", lambda a, b: False)
+    aside = lmdb_directory.replace_aside(old, fresh)
+    assert (old / "mark").read_text() == "fresh" and (aside / "mark").read_text() == "old"
+    assert aside.name.startswith("kv.damaged-") and not fresh.exists()
