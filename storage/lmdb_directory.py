@@ -88,11 +88,7 @@ def move_aside(path: Path) -> Path:
     """Rename a (damaged) store directory to ``<dir>.damaged-<UTC time>``; returns the new
     name. The directory is kept whole for ``tiered-kv storage repair``."""
     aside = _aside_name(path)
-    try:
-        os.rename(path, aside)
-        fsync_dir(path.parent)
-    except OSError as e:
-        raise StoreError(f"cannot move {path} aside to {aside}: {e}") from None
+    _rename(path, aside, f"cannot move {path} aside to {aside}")
     return aside
 
 
@@ -101,21 +97,22 @@ def replace_aside(path: Path, fresh: Path) -> Path:
     :func:`move_aside`); returns where ``path`` went. Where the filesystem can swap two
     names at once (Linux's ``renameat2`` with ``RENAME_EXCHANGE``) there is never a moment
     without a store at ``path``, so a process killed midway leaves one there, never none."""
-    aside = _aside_name(path)
     if _exchange(fresh, path):  # path holds the fresh store now, fresh the old one
-        try:
-            os.rename(fresh, aside)
-            fsync_dir(path.parent)
-        except OSError as e:
-            raise StoreError(f"cannot move the replaced store {fresh} to {aside}: {e}") from None
+        aside = _aside_name(path)
+        _rename(fresh, aside, f"cannot move the replaced store {fresh} to {aside}")
         return aside
     moved = move_aside(path)
-    try:
-        os.rename(fresh, path)
-        fsync_dir(path.parent)
-    except OSError as e:
-        raise StoreError(f"cannot move {fresh} to {path}: {e}") from None
+    _rename(fresh, path, f"cannot move {fresh} to {path}")
     return moved
+
+
+def _rename(source: Path, dest: Path, failure: str) -> None:
+    """Rename, durably (the directory is fsynced); :class:`StoreError` saying ``failure``."""
+    try:
+        os.rename(source, dest)
+        fsync_dir(dest.parent)
+    except OSError as e:
+        raise StoreError(f"{failure}: {e}") from None
 
 
 def _aside_name(path: Path) -> Path:

@@ -46,6 +46,20 @@ async def completions(
     params = body.to_sampling_params(defaults)
     prompts = body.prompts()
     check_generations(state, len(prompts) * body.num_generated)
+    jobs = []
+    for ids in await _encode_prompts(state, prompts):
+        jobs += _choices(state, defaults, ids, params, body.max_tokens, "max_tokens", body.num_generated)
+    group = await Generations.start(state, request, "cmpl", jobs, body.cache_salt, body.priority)
+    _observe_params(state, jobs, body.num_generated)
+    texts = [_prompt_text(state, p) for p in prompts] if body.echo else []
+    if body.stream:
+        return server_responses.sse(server_responses.completion_chunks(state, group, body, texts))
+    outs = await group.final(request)
+    return JSONResponse(server_responses.completion_response(state, group, outs, body, texts))
+
+
+async def _encode_prompts(state: ServerState, prompts: list[str | list[int]]) -> list[list[int]]:
+    """Each prompt's token ids (text is tokenized on a worker thread), within the limits."""
     tokenizer, limit = state.llm.tokenizer, state.prompt_limit
     for prompt in prompts:
         if isinstance(prompt, str):
@@ -55,17 +69,9 @@ async def completions(
         return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
 
     prompt_ids = await asyncio.to_thread(encode)
-    jobs = []
     for ids in prompt_ids:
         limit.check_tokens(len(ids), "prompt")
-        jobs += _choices(state, defaults, ids, params, body.max_tokens, "max_tokens", body.num_generated)
-    group = await Generations.start(state, request, "cmpl", jobs, body.cache_salt, body.priority)
-    _observe_params(state, jobs, body.num_generated)
-    texts = [_prompt_text(state, p) for p in prompts] if body.echo else []
-    if body.stream:
-        return server_responses.sse(server_responses.completion_chunks(state, group, body, texts))
-    outs = await group.final(request)
-    return JSONResponse(server_responses.completion_response(state, group, outs, body, texts))
+    return prompt_ids
 
 
 async def _echo_only(state: ServerState, defaults: GenerationDefaults, body: CompletionRequest) -> Response:
@@ -80,17 +86,7 @@ async def _echo_only(state: ServerState, defaults: GenerationDefaults, body: Com
         raise RequestError("max_tokens 0 with echo is not streamed; leave out stream", param="stream")
     body.model_copy(update={"max_tokens": 1}).to_sampling_params(defaults)  # every other field's checks
     prompts = body.prompts()
-    tokenizer, limit = state.llm.tokenizer, state.prompt_limit
-    for prompt in prompts:
-        if isinstance(prompt, str):
-            limit.check_chars(prompt, "prompt")
-
-    def encode() -> list[list[int]]:
-        return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-
-    prompt_ids = await asyncio.to_thread(encode)
-    for ids in prompt_ids:
-        limit.check_tokens(len(ids), "prompt")
+    prompt_ids = await _encode_prompts(state, prompts)
     texts = [_prompt_text(state, p) for p in prompts]
     response = server_responses.echo_response(state, texts, [len(ids) for ids in prompt_ids], body.n)
     return JSONResponse(response)
