@@ -116,6 +116,14 @@ def test_a_requests_phases_and_sizes_are_vllms_histograms(llm):
     assert grew("vllm:request_params_n_sum") == 1 and grew("vllm:request_params_max_tokens_sum") == 12
 
 
+def test_the_cache_configuration_is_vllms_info_gauge(llm):
+    (labels, one), = samples(metrics_after(llm, lambda c: asyncio.sleep(0)), "vllm:cache_config_info")
+    assert one == 1 and labels["model_name"] == MODEL and labels["engine"] == "0"
+    assert labels["block_size"] == str(llm.config.block_size)
+    assert labels["num_gpu_blocks"] == str(llm.stats().num_blocks)
+    assert labels["cache_dtype"] == "auto" and labels["enable_prefix_caching"] == "True"
+
+
 def test_latency_histograms_use_vllms_buckets(llm):
     text = metrics_after(llm, lambda c: complete(c, "Buckets.", 4))
     for name, buckets in VLLM_BUCKETS.items():

@@ -119,7 +119,7 @@ def create_app(config: ServeConfig, llm: AsyncLLM | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.metrics = ServerMetrics(
             registry, config.model_name, llm.stats, lambda: state.inflight,
-            manager.metrics if manager is not None else None, llm.config.max_model_len,
+            manager.metrics if manager is not None else None, llm.config,
         )
         try:
             yield

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from engine.outputs import RequestOutput
 from engine.stats import EngineStats
 from tiered_kv.engine_metrics import EngineCollector
@@ -62,10 +63,21 @@ class ServerMetrics:
         engine_stats: Callable[[], EngineStats],
         inflight: Callable[[], int],
         tiers: TierMetrics | None = None,
-        max_model_len: int = 4096,
+        engine_config: EngineConfig | None = None,
     ) -> None:
         self.registry = registry
         own = CollectorRegistry()
+        engine_config = engine_config or EngineConfig()
+        if engine_config.max_model_len is not None:  # resolved: the engine's
+            max_model_len = engine_config.max_model_len
+        else:
+            max_model_len = DEFAULT_MAX_MODEL_LEN
+        labels = _cache_info(engine_config, engine_stats())
+        info = Gauge(
+            "vllm:cache_config_info", "Information of the KV cache's configuration (vLLM's).",
+            list(labels), registry=own,
+        )
+        info.labels(**labels).set(1)
         # a request's phases in the engine, as vLLM splits them
         self.phases = {
             phase: Histogram(
@@ -158,6 +170,18 @@ class ServerMetrics:
                 self.phases["inference"].observe(times.last_token - times.scheduled)
         self.prompt_tokens.observe(len(out.prompt_token_ids))
         self.generation_tokens.observe(len(out.token_ids))
+
+
+def _cache_info(config: EngineConfig, stats: EngineStats) -> dict[str, str]:
+    """The labels of ``vllm:cache_config_info``: vLLM's names for the cache's settings."""
+    return {
+        "block_size": str(config.block_size),
+        "cache_dtype": str(config.kv_cache_dtype),
+        "enable_prefix_caching": str(config.enable_prefix_caching),
+        "gpu_memory_utilization": str(config.gpu_memory_utilization),
+        "num_gpu_blocks": str(stats.num_blocks),
+        "num_gpu_blocks_override": str(config.num_gpu_blocks_override),
+    }
 
 
 class _Both:
