@@ -279,6 +279,7 @@ class LLMEngine:
                 raise RuntimeError("the scheduler could not schedule any of the queued requests")
             return []
         results = self._run(plan)
+        self._stats.observe_iteration(plan.num_batched_tokens)
         now = time.perf_counter()
         num_rejected = [0] * len(plan.scheduled)
         done: list[tuple[Sequence, str | None, Exception | None]] = []  # (seq, reason, error)
@@ -358,6 +359,7 @@ class LLMEngine:
             num_loading=len(self.scheduler.loading),
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
+            connector_queries=s.connector_queries,
             connector_hits=s.connector_hits,
             connector_load_failures=s.connector_load_failures,
             num_preemptions=s.num_preemptions,
@@ -371,6 +373,8 @@ class LLMEngine:
             spec_num_draft_tokens=s.spec_num_draft_tokens,
             spec_num_accepted_tokens=s.spec_num_accepted_tokens,
             spec_accepted_per_pos=tuple(s.spec_accepted_per_pos),
+            iteration_tokens=tuple(s.iteration_tokens),
+            iteration_tokens_sum=s.iteration_tokens_sum,
         )
 
     def close(self) -> None:

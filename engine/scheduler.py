@@ -332,8 +332,7 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         _left_queue(seq)
         seq.num_computed_tokens = num_hit_tokens
-        self.stats.prefix_cache_queries += seq.num_tokens
-        self.stats.prefix_cache_hits += num_hit_tokens
+        self._count_queries(seq, num_hit_tokens)
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = min(num_hit_tokens, seq.num_prompt_tokens)
         return num_new
@@ -362,10 +361,16 @@ class Scheduler:
         seq.status = SequenceStatus.LOADING
         _left_queue(seq)
         seq.num_computed_tokens = first * self.block_size
-        self.stats.prefix_cache_queries += seq.num_tokens
-        self.stats.prefix_cache_hits += seq.num_computed_tokens
+        self._count_queries(seq, seq.num_computed_tokens)
         self.loading[seq.request_id] = _Load(seq, first, num_external)
         return True
+
+    def _count_queries(self, seq: Sequence, num_hit_tokens: int) -> None:
+        """``seq`` left the queue with ``num_hit_tokens`` found in the GPU prefix cache."""
+        self.stats.prefix_cache_queries += seq.num_tokens
+        self.stats.prefix_cache_hits += num_hit_tokens
+        if self.connector is not None:
+            self.stats.connector_queries += seq.num_tokens
 
     def _end_load(self, load: _Load, num_loaded: int, aborted: bool) -> None:
         """The first ``num_loaded`` blocks of ``load`` are in place: cache them, and run the

@@ -1,6 +1,7 @@
 """Engine counters and latency samples, and a snapshot type to read them."""
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import time
 from collections import deque
@@ -9,6 +10,9 @@ from typing import NamedTuple
 import torch
 
 DEFAULT_MAX_SAMPLES = 1000
+# Upper bounds of vLLM's ``vllm:iteration_tokens_total`` buckets (tokens per engine step);
+# a last, unbounded bucket follows.
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class GpuMemory(NamedTuple):
@@ -28,6 +32,7 @@ class EngineStats:
     num_loading: int  # waiting for the connector to load part of their prefix
     prefix_cache_queries: int  # tokens looked up in the GPU prefix cache
     prefix_cache_hits: int  # of those, tokens found there
+    connector_queries: int  # prompt tokens of the requests admitted with a connector
     connector_hits: int  # prompt tokens loaded through the connector
     connector_load_failures: int  # loads that brought fewer blocks than asked (rest recomputed)
     num_preemptions: int
@@ -42,6 +47,10 @@ class EngineStats:
     spec_num_draft_tokens: int = 0  # draft tokens verified
     spec_num_accepted_tokens: int = 0  # of those, accepted
     spec_accepted_per_pos: tuple[int, ...] = ()  # [i]: verifications that accepted draft i
+    # steps by tokens computed, per ITERATION_TOKEN_BUCKETS (not cumulative; the last is
+    # past the largest bound), and the tokens of all steps
+    iteration_tokens: tuple[int, ...] = (0,) * (len(ITERATION_TOKEN_BUCKETS) + 1)
+    iteration_tokens_sum: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -66,6 +75,7 @@ class StatsCollector:
     def __init__(self, max_samples: int = DEFAULT_MAX_SAMPLES) -> None:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.connector_queries = 0
         self.connector_hits = 0
         self.connector_load_failures = 0
         self.num_preemptions = 0
@@ -78,6 +88,13 @@ class StatsCollector:
         self.spec_accepted_per_pos: list[int] = []  # num_speculative_tokens long when on
         self.ttft_s: deque[float] = deque(maxlen=max_samples)
         self.itl_s: deque[float] = deque(maxlen=max_samples)
+        self.iteration_tokens = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        self.iteration_tokens_sum = 0
+
+    def observe_iteration(self, num_tokens: int) -> None:
+        """A step computed ``num_tokens`` tokens (prompt and generated, drafts included)."""
+        self.iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)] += 1
+        self.iteration_tokens_sum += num_tokens
 
 
 MEMORY_TTL_S = 0.5

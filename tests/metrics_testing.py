@@ -23,6 +23,9 @@ VLLM_BUCKETS = {
         240.0, 480.0, 960.0, 1920.0, 7680.0,
     ),
 }
+VLLM_BUCKETS["vllm:iteration_tokens_total"] = (
+    1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
+)
 VLLM_BUCKETS["vllm:time_per_output_token_seconds"] = VLLM_BUCKETS["vllm:inter_token_latency_seconds"]
 
 

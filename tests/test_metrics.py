@@ -116,6 +116,21 @@ def test_a_requests_phases_and_sizes_are_vllms_histograms(llm):
     assert grew("vllm:request_params_n_sum") == 1 and grew("vllm:request_params_max_tokens_sum") == 12
 
 
+def test_each_engine_step_is_one_observation_of_the_tokens_it_computed(llm):
+    """A short prompt alone: one prefill step, then one step per further token; every
+    admission asks the tiers, so the connector's queries are the prefix cache's."""
+    before = metrics_after(llm, lambda c: asyncio.sleep(0))
+    after = metrics_after(llm, lambda c: complete(c, "Steps, counted.", 6))
+
+    def grew(name):
+        return value(after, name) - value(before, name)
+
+    assert grew("vllm:iteration_tokens_total_count") == 6
+    assert grew("vllm:iteration_tokens_total_sum") == grew("vllm:prompt_tokens_total") + 5
+    queries = grew("vllm:external_prefix_cache_queries_total")
+    assert queries == grew("vllm:prefix_cache_queries_total") > 0
+
+
 def test_the_cache_configuration_is_vllms_info_gauge(llm):
     (labels, one), = samples(metrics_after(llm, lambda c: asyncio.sleep(0)), "vllm:cache_config_info")
     assert one == 1 and labels["model_name"] == MODEL and labels["engine"] == "0"

@@ -171,6 +171,7 @@ def test_prefix_caching_off_never_hits():
     s.add(make_seq(range(9), "b", block_size=BS))
     assert ("b", 9) in plan(step(s))
     assert s.stats.prefix_cache_hits == 0
+    assert s.stats.prefix_cache_queries == 18 and s.stats.connector_queries == 0  # no tiers
 
 
 def test_a_loading_sequence_takes_no_budget_and_does_not_stall_the_others():
@@ -190,6 +191,7 @@ def test_a_loading_sequence_takes_no_budget_and_does_not_stall_the_others():
     assert plan(step(s)) == [("a", 1), ("c", 1), ("b", 4)]  # reported: b computes the rest
     assert b.status is SequenceStatus.RUNNING and b.num_cached_tokens == 8
     assert (s.stats.connector_hits, s.stats.connector_load_failures) == (8, 0)
+    assert s.stats.connector_queries == 10 + b.num_prompt_tokens + 3  # each one asked the tiers
     # The loaded blocks are in the prefix cache but not offered back to the connector.
     assert s.block_manager.find_cached_prefix(make_seq(STORED, "x"), 2) == b.block_table[:2]
     assert not {blk.block_hash for blk in conn.saved} & set(b.block_hashes[:2])

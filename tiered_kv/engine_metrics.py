@@ -8,11 +8,14 @@ The ``model_name`` and ``engine`` labels are added on export (:mod:`tiered_kv.me
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric,
+)
 
-from engine.stats import EngineStats
+from engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats
 from tiered_kv.metrics import TierMetrics
 
 # (name, documentation, value): gauges, then counters (exported with the suffix _total)
@@ -46,6 +49,10 @@ _COUNTERS: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
     ("vllm:gpu_prefix_cache_hits",
      "GPU prefix cache hits, in tokens (vLLM's older name of vllm:prefix_cache_hits).",
      lambda s: s.prefix_cache_hits),
+    ("vllm:external_prefix_cache_queries",
+     "Prompt tokens of the requests that asked the KV tiers (CPU, disk, remote) through the "
+     "KV connector, in tokens.",
+     lambda s: s.connector_queries),
     ("vllm:external_prefix_cache_hits",
      "Prompt tokens loaded from the KV tiers (CPU, disk, remote) through the KV connector.",
      lambda s: s.connector_hits),
@@ -69,8 +76,8 @@ _PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 class EngineCollector:
     """The families above, ``vllm:spec_decode_num_accepted_tokens_per_pos`` (by ``position``;
-    no samples without speculative decoding), ``tiered_kv_num_requests_inflight`` (the
-    server's count) and,
+    no samples without speculative decoding), ``vllm:iteration_tokens_total``,
+    ``tiered_kv_num_requests_inflight`` (the server's count) and,
     with a CPU tier, ``vllm:cpu_prefix_cache_hit_rate`` and ``vllm:cpu_cache_usage_perc``."""
 
     def __init__(
@@ -101,6 +108,7 @@ class EngineCollector:
         for position, count in enumerate(s.spec_accepted_per_pos if s is not None else ()):
             per_pos.add_metric([str(position)], count)
         families.append(per_pos)
+        families.append(_iteration_tokens(s))
         families.append(GaugeMetricFamily(
             "tiered_kv_num_requests_inflight", "Requests the server holds (running or queued).",
             value=None if s is None else self._inflight(),
@@ -119,6 +127,18 @@ class EngineCollector:
                 value=None if cpu is None else _ratio(cpu.get("bytes_used", 0), cpu.get("capacity_bytes", 0)),
             ))
         return families
+
+
+def _iteration_tokens(s: EngineStats | None) -> HistogramMetricFamily:
+    """vLLM's histogram of the tokens each engine step computed, from the engine's counts."""
+    name, doc = "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step."
+    if s is None:
+        return HistogramMetricFamily(name, doc)
+    bounds = [str(float(b)) for b in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
+    cumulative = list(itertools.accumulate(s.iteration_tokens))
+    return HistogramMetricFamily(
+        name, doc, buckets=list(zip(bounds, cumulative)), sum_value=s.iteration_tokens_sum
+    )
 
 
 def _ratio(part: float, whole: float) -> float:
