@@ -1,10 +1,12 @@
-"""Frozen config dataclasses read from vLLM-style JSON flags (``--kv-events-config``,
-``--speculative-config``): an object whose keys are the dataclass's fields."""
+"""JSON objects read for configuration: a model folder's files, and frozen config dataclasses
+read from vLLM-style JSON flags (``--kv-events-config``, ``--speculative-config``): an object
+whose keys are the dataclass's fields."""
 from __future__ import annotations
 
 import dataclasses
 import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -28,3 +30,14 @@ def from_json(cls: type[T], text: str, what: str) -> T:
     except json.JSONDecodeError as e:
         raise ValueError(f"{what} is not valid JSON: {e}") from None
     return from_mapping(cls, data, what)
+
+
+def read_object(path: Path) -> dict[str, Any]:
+    """The JSON object in the file ``path``; ``ValueError`` naming it if it is not one."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data

@@ -18,6 +18,8 @@ import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 
+from engine.json_config import read_object
+
 REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -71,7 +73,7 @@ class Tokenizer:
         config: dict[str, Any] = {}
         config_path = folder / "tokenizer_config.json"
         if config_path.is_file():
-            config = _read_json(config_path)
+            config = read_object(config_path)
         special = {
             key: token
             for key in ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -253,12 +255,3 @@ def _token_text(value: Any) -> str | None:
         value = value.get("content")
     return value if isinstance(value, str) else None
 
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    return data

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from engine.json_config import read_object
 from engine.models.config import ModelConfig
 from engine.models.llama import CausalLM
 from engine.models.tiny import tiny_model_path
@@ -255,10 +256,4 @@ def _read_json(path: Path, *, required: bool) -> dict[str, Any]:
         if required:
             raise FileNotFoundError(f"{path}: missing from the model folder")
         return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    return data
+    return read_object(path)
