@@ -132,7 +132,7 @@ class Admin:
         ``progress(n)`` is called after every ``n`` records read.
         """
         checked = ok = nbytes = 0
-        bad: list[tuple[bytes, RecordError]] = []
+        bad: list[tuple[bytes, RecordError, bytes]] = []
         for kb, data in self._committed_records(None):
             checked += 1
             nbytes += len(data)
@@ -140,11 +140,11 @@ class Admin:
                 decode_record(data, self.seal_key, BlockKey.from_bytes(kb))
                 ok += 1
             except RecordError as e:
-                bad.append((kb, e))
+                bad.append((kb, e, data))
             if progress is not None:
                 progress(1)
         with self._lock:
-            gone = [kb for kb, error in bad if self._corrupt_locked(kb, error)]
+            gone = [kb for kb, error, data in bad if self._corrupt_locked(kb, error, data)]
         self._notify_gone(gone)
         if gone:
             self.flush()

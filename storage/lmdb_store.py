@@ -303,14 +303,14 @@ class LmdbStore(Admin, Recovery, Committer, BlockStore[Record]):
     ) -> list[Record | None]:
         """Decode and check what was read, count hits and misses, quarantine the corrupt."""
         results: list[Record | None] = [None] * len(kbs)
-        bad: list[tuple[bytes, RecordError]] = []
+        bad: list[tuple[bytes, RecordError, bytes | memoryview]] = []
         for i, data in enumerate(found):
             if data is None:
                 continue
             try:
                 results[i] = decode_record(data, self.seal_key, keys[i])
             except RecordError as e:
-                bad.append((kbs[i], e))
+                bad.append((kbs[i], e, data))
         now = time.time_ns()
         with self._lock:
             for i, record in enumerate(results):
@@ -322,20 +322,33 @@ class LmdbStore(Admin, Recovery, Committer, BlockStore[Record]):
                 if kbs[i] in self._index:
                     self._index.move_to_end(kbs[i])
                     self._touched[kbs[i]] = now
-            gone = [kb for kb, error in bad if self._corrupt_locked(kb, error)]
+            gone = [kb for kb, error, data in bad if self._corrupt_locked(kb, error, data)]
         self._notify_gone(gone)
         return results
 
-    def _corrupt_locked(self, kb: bytes, error: RecordError) -> bool:
-        """Count a record that failed verification; True if the writer will quarantine it."""
+    def _corrupt_locked(self, kb: bytes, error: RecordError, data: bytes | memoryview) -> bool:
+        """Count a record that failed verification (``data``, as it was read); True if the
+        writer will quarantine it."""
         self._stats.corrupt += 1
         logger.warning("%s: corrupt record %s: %s", self.path, short_key(kb), error)
         if self.readonly or kb in self._pending or kb not in self._index:
             return False  # read-only, or already replaced or removed since it was read
+        if not self._still_stored_locked(kb, data):
+            return False  # a put replaced it and committed since it was read
         self._used -= self._index.pop(kb)
         self._touched.pop(kb, None)
         self._enqueue_locked(kb, Op.QUARANTINE, None, reason=f"{error.reason}: {error}")
         return True
+
+    def _still_stored_locked(self, kb: bytes, data: bytes | memoryview) -> bool:
+        """Whether ``kb`` holds ``data`` now. With the lock held and no change of ``kb``
+        pending, no commit can change it meanwhile."""
+        try:
+            with self._env.begin(db=self._dbs[DB_RECORDS], buffers=True) as txn:
+                return txn.get(kb) == data
+        except lmdb.Error as e:
+            logger.error("%s: read failed: %s", self.path, e)
+            return False
 
     def keys(self, namespace: bytes | None = None) -> Iterator[BlockKey]:
         """Present keys, read in chunks of short transactions; pending puts come first."""

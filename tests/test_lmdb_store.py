@@ -28,7 +28,7 @@ from storage.lmdb_store import (
     LmdbStore,
     default_map_size,
 )
-from storage.record import SEAL_SIZE, Record, encode_record
+from storage.record import SEAL_SIZE, Record, RecordError, decode_record, encode_record
 from storage.seal import KEY_FILE_NAME, SealKey, load_key_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -589,6 +589,42 @@ def test_corrupt_record_is_a_miss_and_quarantined(path: Path, change, reason: st
         assert [e.key for e in store.quarantined()] == [key(2)]
         assert store.stats().bytes_used == 4 * record(0).nbytes
         assert store.clear_quarantine() == 1 and not list(store.quarantined())
+
+
+@pytest.mark.parametrize("via", ["get", "verify"])
+def test_a_corrupt_record_replaced_while_it_was_checked_is_not_quarantined(
+    path: Path, monkeypatch, via: str
+) -> None:
+    """A put of the same key commits between the read of the bad bytes and their
+    quarantine: the good record it wrote stays."""
+    with LmdbStore(path, 16 << 20) as store:
+        put(store, 1)
+        put(store, 2)
+    corrupt_stored(path, key(2), flip)
+    module = "storage.lmdb_admin" if via == "verify" else "storage.lmdb_store"
+    check = decode_record
+
+    with LmdbStore(path, 16 << 20) as store:
+        def decode_then_replace(data, seal_key, k):
+            try:
+                return check(data, seal_key, k)
+            except RecordError:
+                if k == key(2):
+                    assert put(store, 2) and store.flush()  # the rewrite commits meanwhile
+                raise
+
+        monkeypatch.setattr(f"{module}.decode_record", decode_then_replace)
+        if via == "get":
+            assert store.get(key(2)) is None  # the bad bytes it read: a miss
+        else:
+            assert store.verify().corrupt == 1
+        monkeypatch.undo()
+        assert store.stats().corrupt == 1
+        store.flush()
+        assert not list(store.quarantined())
+        assert same(store.get(key(2)), record(2)) and store.stats().entries == 2
+    with LmdbStore(path, 16 << 20) as store:
+        assert same(store.get(key(2)), record(2))
 
 
 def test_verify_checks_every_record(path: Path) -> None:
