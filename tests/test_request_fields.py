@@ -430,6 +430,40 @@ def test_chat_template_variables_and_the_generation_prompt(llm):
     assert_error(bad, 400, param="messages")
 
 
+def test_truncate_prompt_tokens_and_add_special_tokens(llm):
+    """vLLM's fields: a prompt cut to its last k tokens generates what those tokens alone
+    do; the tokenizer's special tokens (the tiny model's bos) added or not, per route."""
+    prompt = "Once upon a time there"
+    greedy = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
+    chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 1}
+    ids = llm.tokenizer.encode(prompt)
+
+    async def test(c):
+        post = c.post
+        return [
+            await post("/v1/completions", json={"prompt": prompt, "truncate_prompt_tokens": 5, **greedy}),
+            await post("/v1/completions", json={"prompt": ids[-5:], **greedy}),
+            await post("/v1/completions", json={"prompt": prompt, "truncate_prompt_tokens": 5, "max_tokens": 0, "echo": True}),
+            await post("/v1/completions", json={"prompt": prompt, "truncate_prompt_tokens": -1, **greedy}),
+            await post("/v1/completions", json={"prompt": prompt, "add_special_tokens": False, **greedy}),
+            await post("/v1/chat/completions", json={**chat, "truncate_prompt_tokens": 7}),
+            await post("/v1/chat/completions", json=chat),
+            await post("/v1/chat/completions", json={**chat, "add_special_tokens": True, "parallel_tool_calls": False}),
+            await post("/v1/completions", json={"prompt": prompt, "truncate_prompt_tokens": 0}),
+            await post("/v1/chat/completions", json={**chat, "truncate_prompt_tokens": MAX_MODEL_LEN + 1}),
+        ]
+
+    cut, alone, echoed, whole, plain, chat_cut, chat_plain, chat_special, zero, too_long = run(llm, test, **NEUTRAL)
+    assert texts(cut) == texts(alone) and cut.json()["usage"]["prompt_tokens"] == 5
+    assert texts(echoed) == [llm.tokenizer.decode(ids[-5:])] == ["there"]
+    assert whole.json()["usage"]["prompt_tokens"] == len(ids)  # -1: max_model_len, more than it has
+    assert plain.json()["usage"]["prompt_tokens"] == len(ids) - 1  # no bos
+    assert chat_cut.json()["usage"]["prompt_tokens"] == 7
+    assert chat_special.json()["usage"]["prompt_tokens"] == chat_plain.json()["usage"]["prompt_tokens"] + 1
+    assert_error(zero, 400, param="truncate_prompt_tokens")
+    assert_error(too_long, 400, param="truncate_prompt_tokens")
+
+
 def test_max_logprobs_bounds_what_a_request_may_ask(llm):
     async def test(c):
         chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": True}

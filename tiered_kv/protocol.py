@@ -112,6 +112,8 @@ class _SamplingFields(StrictRequest):
     priority: int = Field(default=0, ge=-MAX_INT - 1, le=MAX_INT)  # lower is served first
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # keep only the prompt's last k tokens (-1: max_model_len), as vLLM
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=MAX_INT)
 
     def _sampling_params(
         self, max_tokens: int | None, logprobs: int | bool | None, defaults: GenerationDefaults | None
@@ -196,6 +198,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1, le=MAX_INT)
     suffix: str | None = None
+    add_special_tokens: bool = True  # the tokenizer's own (a BOS), as vLLM
 
     def to_sampling_params(self, defaults: GenerationDefaults | None = None) -> SamplingParams:
         """The parameters of every choice; ``best_of`` choices are generated per prompt (with
@@ -288,6 +291,9 @@ class ChatCompletionRequest(_SamplingFields):
     # the chat template's (vLLM's fields)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # The template holds the special tokens the model expects; True adds the tokenizer's too.
+    add_special_tokens: bool = False
+    parallel_tool_calls: bool | None = None  # accepted: without tools there are no calls
 
     def to_sampling_params(self, defaults: GenerationDefaults | None = None) -> SamplingParams:
         if self.tools:

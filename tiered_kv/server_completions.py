@@ -47,31 +47,67 @@ async def completions(
     prompts = body.prompts()
     check_generations(state, len(prompts) * body.num_generated)
     jobs = []
-    for ids in await _encode_prompts(state, prompts):
+    prompt_ids = await _encode_prompts(state, body)
+    for ids in prompt_ids:
         jobs += _choices(state, defaults, ids, params, body.max_tokens, "max_tokens", body.num_generated)
     group = await Generations.start(state, request, "cmpl", jobs, body.cache_salt, body.priority)
     _observe_params(state, jobs, body.num_generated)
-    texts = [_prompt_text(state, p) for p in prompts] if body.echo else []
+    texts = _echo_texts(state, body, prompts, prompt_ids) if body.echo else []
     if body.stream:
         return server_responses.sse(server_responses.completion_chunks(state, group, body, texts))
     outs = await group.final(request)
     return JSONResponse(server_responses.completion_response(state, group, outs, body, texts))
 
 
-async def _encode_prompts(state: ServerState, prompts: list[str | list[int]]) -> list[list[int]]:
-    """Each prompt's token ids (text is tokenized on a worker thread), within the limits."""
+async def _encode_prompts(state: ServerState, body: CompletionRequest) -> list[list[int]]:
+    """Each prompt's token ids (text is tokenized on a worker thread), truncated as asked,
+    within the limits."""
     tokenizer, limit = state.llm.tokenizer, state.prompt_limit
+    keep = _truncation(state, body.truncate_prompt_tokens)
+    prompts = body.prompts()
     for prompt in prompts:
-        if isinstance(prompt, str):
+        if isinstance(prompt, str) and keep is None:  # a truncated text may be long
             limit.check_chars(prompt, "prompt")
 
     def encode() -> list[list[int]]:
-        return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        return [
+            tokenizer.encode(p, add_special_tokens=body.add_special_tokens) if isinstance(p, str) else list(p)
+            for p in prompts
+        ]
 
-    prompt_ids = await asyncio.to_thread(encode)
+    prompt_ids = [_truncated(ids, keep) for ids in await asyncio.to_thread(encode)]
     for ids in prompt_ids:
         limit.check_tokens(len(ids), "prompt")
     return prompt_ids
+
+
+def _truncation(state: ServerState, asked: int | None) -> int | None:
+    """How many of a prompt's last tokens ``truncate_prompt_tokens`` keeps (None: all), with
+    vLLM's rules: -1 is ``max_model_len``, more than that is refused."""
+    if asked is None:
+        return None
+    max_model_len = state.llm.config.max_model_len
+    if asked == 0:
+        raise RequestError("truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens")
+    if asked > max_model_len:
+        raise RequestError(
+            f"truncate_prompt_tokens ({asked}) is more than max_model_len ({max_model_len}); "
+            f"ask for fewer, or -1 for max_model_len", param="truncate_prompt_tokens",
+        )
+    return max_model_len if asked == -1 else asked
+
+
+def _truncated(ids: list[int], keep: int | None) -> list[int]:
+    return ids if keep is None or len(ids) <= keep else ids[-keep:]
+
+
+def _echo_texts(
+    state: ServerState, body: CompletionRequest, prompts: list[str | list[int]], prompt_ids: list[list[int]]
+) -> list[str]:
+    """What ``echo`` puts first: each prompt as sent, or the text of the tokens kept of it."""
+    if body.truncate_prompt_tokens is None:
+        return [_prompt_text(state, p) for p in prompts]
+    return [state.llm.tokenizer.decode(ids) for ids in prompt_ids]
 
 
 async def _echo_only(state: ServerState, defaults: GenerationDefaults, body: CompletionRequest) -> Response:
@@ -86,8 +122,8 @@ async def _echo_only(state: ServerState, defaults: GenerationDefaults, body: Com
         raise RequestError("max_tokens 0 with echo is not streamed; leave out stream", param="stream")
     body.model_copy(update={"max_tokens": 1}).to_sampling_params(defaults)  # every other field's checks
     prompts = body.prompts()
-    prompt_ids = await _encode_prompts(state, prompts)
-    texts = [_prompt_text(state, p) for p in prompts]
+    prompt_ids = await _encode_prompts(state, body)
+    texts = _echo_texts(state, body, prompts, prompt_ids)
     response = server_responses.echo_response(state, texts, [len(ids) for ids in prompt_ids], body.n)
     return JSONResponse(response)
 
@@ -105,15 +141,16 @@ async def chat_completions(
     check_generations(state, body.n)
     messages = body.messages_as_dicts()
     tokenizer, limit = state.llm.tokenizer, state.prompt_limit
+    keep = _truncation(state, body.truncate_prompt_tokens)
 
     def render_and_encode() -> list[int]:
         try:
             text = chat.apply_chat_template(messages, body.add_generation_prompt, body.chat_template_kwargs)
         except ValueError as e:
             raise RequestError(str(e), param="messages") from None
-        limit.check_chars(text, "messages")
-        # The template already holds the special tokens (bos) the model expects.
-        return tokenizer.encode(text, add_special_tokens=False)
+        if keep is None:
+            limit.check_chars(text, "messages")
+        return _truncated(tokenizer.encode(text, add_special_tokens=body.add_special_tokens), keep)
 
     ids = await asyncio.to_thread(render_and_encode)
     limit.check_tokens(len(ids), "messages")

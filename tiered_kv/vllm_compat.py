@@ -86,6 +86,7 @@ UPSTREAM_REQUEST_FIELDS: dict[str, tuple[str, ...]] = {
         "logit_bias", "user", "min_tokens", "ignore_eos", "skip_special_tokens",
         "include_stop_str_in_output", "prompt_logprobs", "priority", "cache_salt",
         "guided_json", "guided_regex", "guided_choice", "structured_outputs",
+        "add_special_tokens", "truncate_prompt_tokens",
     ),
     "chat": (
         "messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p",
@@ -95,6 +96,6 @@ UPSTREAM_REQUEST_FIELDS: dict[str, tuple[str, ...]] = {
         "tool_choice", "parallel_tool_calls", "response_format", "reasoning_effort",
         "chat_template", "chat_template_kwargs", "add_generation_prompt",
         "continue_final_message", "skip_special_tokens", "priority", "cache_salt",
-        "guided_json", "structured_outputs",
+        "guided_json", "structured_outputs", "add_special_tokens", "truncate_prompt_tokens",
     ),
 }
