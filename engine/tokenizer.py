@@ -146,14 +146,24 @@ class Tokenizer:
         return other
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, template_kwargs: dict | None = None
+        self, messages: list[dict], add_generation_prompt: bool = True, template_kwargs: dict | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """Render ``messages`` (``{"role": ..., "content": ...}``) with the model's template.
         ``template_kwargs``: further variables the template reads (``enable_thinking``...);
         as in vLLM they may set ``add_generation_prompt`` and the special tokens too, not
-        ``messages``."""
+        ``messages``. ``continue_final_message``: the text ends with the last message's
+        content, left open for the model to go on (what the template puts after it, an
+        end-of-turn token, is cut), as in Hugging Face's ``apply_chat_template``."""
         if template_kwargs and "messages" in template_kwargs:
             raise ValueError("the chat template's variables may not set messages")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        if continue_final_message:
+            return _open_final_message(self._render(messages, False, template_kwargs), messages)
+        return self._render(messages, add_generation_prompt, template_kwargs)
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict | None) -> str:
         if self.chat_template is None:
             raise ValueError(
                 "this model has no chat template (tokenizer_config.json has no 'chat_template' "
@@ -166,6 +176,21 @@ class Tokenizer:
             return self._compiled.render(messages=messages, **{**variables, **(template_kwargs or {})})
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template: {e}") from None
+
+
+def _open_final_message(rendered: str, messages: list[dict]) -> str:
+    """``rendered`` cut just after the last message's content (stripped of surrounding
+    space if the template strips it)."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise ValueError("continue_final_message needs a last message with text to continue")
+    for text in (final, final.strip()):
+        end = rendered.rfind(text)
+        if end >= 0:
+            return rendered[: end + len(text)]
+    raise ValueError(
+        "continue_final_message: the chat template does not show the last message's text as sent"
+    )
 
 
 class IncrementalDetokenizer:

@@ -464,6 +464,32 @@ def test_truncate_prompt_tokens_and_add_special_tokens(llm):
     assert_error(too_long, 400, param="truncate_prompt_tokens")
 
 
+def test_continue_final_message_goes_on_from_the_assistants_text(llm):
+    """vLLM's continue_final_message: the prompt ends inside the assistant's message, as
+    the same text sent as a completion prompt; it needs add_generation_prompt false."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Once upon"}]
+    greedy = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
+    opened = llm.tokenizer.apply_chat_template(messages, False, continue_final_message=True)
+
+    async def test(c):
+        post = c.post
+        chat = {"messages": messages, "continue_final_message": True, "add_generation_prompt": False}
+        return [
+            await post("/v1/chat/completions", json={**chat, **greedy}),
+            await post("/v1/completions", json={"prompt": opened, "add_special_tokens": False, **greedy}),
+            await post("/tokenize", json=chat),
+            await post("/v1/chat/completions", json={"messages": messages, "continue_final_message": True}),
+            await post("/tokenize", json={"messages": messages, "continue_final_message": True}),
+        ]
+
+    chat, completion, tokens, both, both_tokens = run(llm, test, **NEUTRAL)
+    assert opened.endswith("<|assistant|>\nOnce upon")
+    assert chat.json()["choices"][0]["message"]["content"] == texts(completion)[0]
+    assert tokens.json()["tokens"] == llm.tokenizer.encode(opened, add_special_tokens=False)
+    assert_error(both, 400, param="continue_final_message")
+    assert_error(both_tokens, 400, param="continue_final_message")
+
+
 def test_max_logprobs_bounds_what_a_request_may_ask(llm):
     async def test(c):
         chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": True}

@@ -136,6 +136,29 @@ def test_chat_template(tok):
     assert tok.encode(prompt, add_special_tokens=False).count(BOS_ID) == 1
 
 
+def test_continue_final_message_leaves_the_last_message_open(tok):
+    """As Hugging Face's apply_chat_template: the text ends with the last message's content
+    (the end-of-turn after it cut); a template that strips the content still matches."""
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is "}]
+    opened = tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert opened == "<|bos|><|user|>\nName a colour.<|end|>\n<|assistant|>\nThe colour is "
+    stripping = tok.with_chat_template(
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] | trim }}</s>{% endfor %}"
+    )
+    assert stripping.apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True
+    ) == "<user>Name a colour.</s><assistant>The colour is"
+    with pytest.raises(ValueError, match="cannot both be true"):
+        tok.apply_chat_template(messages, continue_final_message=True)
+    with pytest.raises(ValueError, match="last message with text"):
+        tok.apply_chat_template(
+            [*messages[:1], {"role": "assistant", "content": " "}], False, continue_final_message=True
+        )
+    hiding = tok.with_chat_template("{% for m in messages %}[{{ m['role'] }}]{% endfor %}")
+    with pytest.raises(ValueError, match="does not show"):
+        hiding.apply_chat_template(messages, False, continue_final_message=True)
+
+
 def test_chat_template_raise_exception(tok):
     with pytest.raises(ValueError, match="chat template: unknown role: robot"):
         tok.apply_chat_template([{"role": "robot", "content": "x"}])

@@ -290,6 +290,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None  # only "none" (no tools)
     # the chat template's (vLLM's fields)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last message left open, for the model to go on
     chat_template_kwargs: dict[str, Any] | None = None
     # The template holds the special tokens the model expects; True adds the tokenizer's too.
     add_special_tokens: bool = False
@@ -298,6 +299,7 @@ class ChatCompletionRequest(_SamplingFields):
     def to_sampling_params(self, defaults: GenerationDefaults | None = None) -> SamplingParams:
         if self.tools:
             raise RequestError("tools are not supported", param="tools")
+        check_continue_final_message(self.continue_final_message, self.add_generation_prompt)
         if self.tool_choice not in (None, "none"):
             raise RequestError("tool_choice other than \"none\" needs tools, which are not supported", param="tool_choice")
         if self.top_logprobs and not self.logprobs:
@@ -308,6 +310,15 @@ class ChatCompletionRequest(_SamplingFields):
 
     def messages_as_dicts(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+def check_continue_final_message(continue_final_message: bool, add_generation_prompt: bool) -> None:
+    """vLLM's rule: a last message left open takes no generation prompt after it."""
+    if continue_final_message and add_generation_prompt:
+        raise RequestError(
+            "continue_final_message and add_generation_prompt cannot both be true "
+            "(add_generation_prompt is true unless set to false)", param="continue_final_message",
+        )
 
 
 # ---------------------------------------------------------------- responses

@@ -33,7 +33,7 @@ from tiered_kv.server_state import ServerState
 class ChatTemplate(Protocol):
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-        template_kwargs: dict[str, Any] | None = None,
+        template_kwargs: dict[str, Any] | None = None, continue_final_message: bool = False,
     ) -> str: ...
 
 
@@ -145,7 +145,9 @@ async def chat_completions(
 
     def render_and_encode() -> list[int]:
         try:
-            text = chat.apply_chat_template(messages, body.add_generation_prompt, body.chat_template_kwargs)
+            text = chat.apply_chat_template(
+                messages, body.add_generation_prompt, body.chat_template_kwargs, body.continue_final_message
+            )
         except ValueError as e:
             raise RequestError(str(e), param="messages") from None
         if keep is None:

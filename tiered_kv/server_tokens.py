@@ -12,7 +12,9 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from engine.tokenizer import Tokenizer
-from tiered_kv.protocol import ChatMessage, RequestError, TokenId, StrictRequest
+from tiered_kv.protocol import (
+    ChatMessage, RequestError, StrictRequest, TokenId, check_continue_final_message,
+)
 from tiered_kv.server_state import ServerState
 
 
@@ -24,6 +26,7 @@ class TokenizeRequest(StrictRequest):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
@@ -48,13 +51,17 @@ async def tokenize(state: ServerState, chat: Tokenizer, body: TokenizeRequest) -
     """``chat`` renders messages: the tokenizer, or it with ``--chat-template``'s template."""
     if (body.prompt is None) == (body.messages is None):
         raise RequestError("give either prompt or messages", param="prompt")
+    if body.messages is not None:
+        check_continue_final_message(body.continue_final_message, body.add_generation_prompt)
     tokenizer, limit = state.llm.tokenizer, state.prompt_limit
 
     def encode() -> tuple[list[int], list[str] | None]:
         if body.messages is not None:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             try:
-                text = chat.apply_chat_template(messages, body.add_generation_prompt, body.chat_template_kwargs)
+                text = chat.apply_chat_template(
+                    messages, body.add_generation_prompt, body.chat_template_kwargs, body.continue_final_message
+                )
             except ValueError as e:
                 raise RequestError(str(e), param="messages") from None
             limit.check_chars(text, "messages")
