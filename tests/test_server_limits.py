@@ -52,9 +52,9 @@ def test_a_prompt_that_cannot_fit_is_refused_naming_max_model_len(llm, monkeypat
     tokenized = []
     encode = llm.tokenizer.encode
 
-    def counting_encode(text, *args):
+    def counting_encode(text, *args, **kwargs):
         tokenized.append(len(text))
-        return encode(text, *args)
+        return encode(text, *args, **kwargs)
 
     monkeypatch.setattr(llm.tokenizer, "encode", counting_encode)
 
@@ -78,18 +78,19 @@ def test_health_answers_while_a_prompt_is_tokenized(llm, monkeypatch):
     tokenizing, release, tokenized = threading.Event(), threading.Event(), threading.Event()
     encode = llm.tokenizer.encode
 
-    def slow_encode(text, *args):
+    def slow_encode(text, *args, **kwargs):
         if text.startswith("slow"):
             tokenizing.set()
             release.wait(2)  # on the event loop this would stall /health for 2 s
             tokenized.set()
-        return encode(text, *args)
+        return encode(text, *args, **kwargs)
 
     monkeypatch.setattr(llm.tokenizer, "encode", slow_encode)
 
     async def test(c):
         slow = asyncio.create_task(c.post("/v1/completions", json={"prompt": "slow prompt", **GREEDY}))
         while not tokenizing.is_set():
+            assert not slow.done(), slow.result()  # it failed before tokenizing
             await asyncio.sleep(0.005)
         health = await c.get("/health")
         during = not tokenized.is_set()
