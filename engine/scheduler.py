@@ -252,7 +252,7 @@ class Scheduler:
             start = seq.num_computed_tokens
             rejected = num_rejected[k] if num_rejected else 0
             seq.num_computed_tokens = min(start + num_new - rejected, seq.num_tokens)
-            if start < seq.num_prompt_tokens:
+            if start < seq.num_prompt_tokens and not seq.num_preemptions:  # once a request
                 done = min(seq.num_computed_tokens, seq.num_prompt_tokens)
                 self.stats.num_prompt_tokens += done - start
             first, end = start // self.block_size, seq.num_computed_tokens // self.block_size
@@ -366,7 +366,10 @@ class Scheduler:
         return True
 
     def _count_queries(self, seq: Sequence, num_hit_tokens: int) -> None:
-        """``seq`` left the queue with ``num_hit_tokens`` found in the GPU prefix cache."""
+        """``seq`` left the queue with ``num_hit_tokens`` found in the GPU prefix cache. As in
+        vLLM, a preempted request's return is not counted again: it would find its own blocks."""
+        if seq.num_preemptions:
+            return
         self.stats.prefix_cache_queries += seq.num_tokens
         self.stats.prefix_cache_hits += num_hit_tokens
         if self.connector is not None:
@@ -385,7 +388,8 @@ class Scheduler:
         if aborted:
             self.block_manager.free(seq)
             return
-        self.stats.connector_hits += num_loaded * self.block_size
+        if not seq.num_preemptions:
+            self.stats.connector_hits += num_loaded * self.block_size
         if num_loaded < num_blocks:
             self.stats.connector_load_failures += 1
         seq.status = SequenceStatus.RUNNING

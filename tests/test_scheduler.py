@@ -114,7 +114,10 @@ def test_preemption_frees_the_newest_and_it_resumes_from_the_cache():
     out = step(s)
     assert plan(out) == [("b", 5)]  # 13 tokens: 8 from the cache, 5 recomputed
     assert b.num_cached_tokens == 0  # its first admission had no hit
-    assert s.stats.prefix_cache_hits == 8
+    # As in vLLM, its return is not a second query (it would find its own blocks), nor are
+    # its recomputed prompt tokens counted again.
+    assert (s.stats.prefix_cache_queries, s.stats.prefix_cache_hits) == (24, 0)
+    assert s.stats.num_prompt_tokens == 24
 
 
 def test_a_sequence_that_cannot_grow_preempts_itself_when_alone():
