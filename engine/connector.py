@@ -26,6 +26,10 @@ Order of calls for one request::
 
     get_num_matched_blocks -> (blocks allocated) -> start_load -> poll ... poll (loaded)
         -> steps, with save_blocks for blocks that became full -> request_finished
+
+A connector that cannot start a save at once (its buffer is full of data not yet written
+below) may keep the offered block held while it waits; when the engine runs short of blocks
+it calls :meth:`KVConnector.release_held`, and the connector gives such saves up.
 """
 from __future__ import annotations
 
@@ -136,6 +140,12 @@ class KVConnector(abc.ABC):
         """The loads and saves finished since the last call. Waits up to ``timeout``
         seconds for at least one when there is none yet (the engine waits only when it
         has nothing else to run)."""
+
+    def release_held(self) -> None:
+        """The engine is short of blocks while some are held for saves: let go of the saves
+        that have not started copying (report them in ``saved`` at the next :meth:`poll`)
+        rather than keep them waiting. Called only then, from the engine thread; saves
+        already copying finish as usual. The default does nothing."""
 
     @abc.abstractmethod
     def on_blocks_evicted(self, block_hashes: Sequence[bytes]) -> None:

@@ -246,9 +246,11 @@ class LLMEngine:
         """Run one step; an output for every request that got a token or finished in it
         (only for those that finished, of the requests that asked for ``FINAL_ONLY``).
 
-        With a connector, the step first takes in the transfers it finished. When nothing
-        can run until a transfer finishes, the step waits up to ``TRANSFER_WAIT_S`` for one
-        and may then run nothing."""
+        With a connector, the step first takes in the transfers it finished. A sequence
+        short of blocks while some are held for saves makes the connector let go of the
+        saves it has not started (:meth:`KVConnector.release_held`). When nothing can run
+        until a transfer finishes, the step waits up to ``TRANSFER_WAIT_S`` for one and may
+        then run nothing."""
         _use_device(self.device)  # the stepping thread may not be the building one
         try:
             return self._step()
@@ -271,6 +273,8 @@ class LLMEngine:
         if plan.is_empty and self._ahead_held:  # its blocks may be what the plan lacks
             self._end_lookahead()
             plan = self.scheduler.schedule()
+        if plan.waits_for_held and self.connector is not None:
+            self.connector.release_held()  # saves waiting for room below must not stall it
         if plan.is_empty and self.scheduler.has_pending_transfers():
             self.scheduler.apply_transfers(self.connector.poll(TRANSFER_WAIT_S))
             plan = self.scheduler.schedule()

@@ -74,6 +74,9 @@ class ScheduledSequence(NamedTuple):
 class SchedulerOutput:
     scheduled: list[ScheduledSequence]
     preempted: list[Sequence]
+    # a sequence found too few free blocks while some were held only (by connector saves,
+    # or a forward launched ahead): it waits for them instead of preempting
+    waits_for_held: bool = False
 
     @property
     def num_batched_tokens(self) -> int:
@@ -173,7 +176,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
-        waits_for_saves = False
+        waits_for_held = False
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -191,7 +194,7 @@ class Scheduler:
                 i += 1
             elif self.block_manager.num_held_only_blocks:
                 # Saves in flight give blocks back soon: cheaper to wait than to recompute.
-                waits_for_saves = True
+                waits_for_held = True
                 i += 1
             else:
                 victim = self._pick_victim()
@@ -210,7 +213,7 @@ class Scheduler:
             self.waiting
             and budget > 0
             and not preempted
-            and not waits_for_saves
+            and not waits_for_held
             and len(self.running) + len(self.loading) < self.config.max_num_seqs
         ):
             seq = self.waiting.peek()
@@ -222,12 +225,17 @@ class Scheduler:
                 continue
             if num_external:
                 if not self._start_load(seq, gpu_hit, num_external):
+                    waits_for_held = self.block_manager.num_held_only_blocks > 0
                     break
                 if seq.status is SequenceStatus.LOADING:
                     self.waiting.pop_first()
                     continue
-            num_new = self._admit(seq, gpu_hit, budget)
+            remaining = seq.num_tokens - len(gpu_hit) * self.block_size
+            if not self.config.enable_chunked_prefill and remaining > budget:
+                break
+            num_new = self._admit(seq, gpu_hit, min(remaining, budget))
             if num_new is None:
+                waits_for_held = self.block_manager.num_held_only_blocks > 0
                 break
             self.waiting.pop_first()
             self.running.append(seq)
@@ -236,7 +244,7 @@ class Scheduler:
         for seq in reversed(looking):  # back in front, in their order
             self.waiting.add_front(seq)
         self._lookups_pending = bool(looking)
-        return SchedulerOutput(scheduled, preempted)
+        return SchedulerOutput(scheduled, preempted, waits_for_held)
 
     def complete_step(self, output: SchedulerOutput, num_rejected: Seq[int] = ()) -> None:
         """Account the step's computed tokens, once its sampled tokens are appended; register
@@ -320,13 +328,10 @@ class Scheduler:
             return None
         return max(0, min(matched, max_hit_blocks - num_hit_blocks))
 
-    def _admit(self, seq: Sequence, gpu_hit: list[int], budget: int) -> int | None:
-        """Give a waiting ``seq`` its cached prefix and blocks; the tokens to compute, or None."""
+    def _admit(self, seq: Sequence, gpu_hit: list[int], num_new: int) -> int | None:
+        """Give a waiting ``seq`` its cached prefix and the blocks for ``num_new`` tokens
+        after it; ``num_new``, or None if the pool is short."""
         num_hit_tokens = len(gpu_hit) * self.block_size
-        remaining = seq.num_tokens - num_hit_tokens
-        if not self.config.enable_chunked_prefill and remaining > budget:
-            return None
-        num_new = min(remaining, budget)
         if not self.block_manager.allocate(seq, num_hit_tokens + num_new, prefix=gpu_hit):
             return None
         seq.status = SequenceStatus.RUNNING
@@ -437,3 +442,4 @@ def _left_queue(seq: Sequence) -> None:
     """Stamp the first time ``seq`` leaves the waiting queue (a preempted one keeps it)."""
     if seq.scheduled_time is None:
         seq.scheduled_time = time.perf_counter()
+

@@ -53,7 +53,8 @@ class MemoryConnector(KVConnector):
     ``load_delay_polls`` / ``save_delay_polls``: polls that report nothing about a transfer
     before the one that reports it. ``lookup_delay_steps``: how many times a request's
     lookup answers ``None`` (still looking) before it answers. ``load_limit`` caps how many blocks a load fills (the
-    rest keep the garbage); ``fail_loads`` fills none.
+    rest keep the garbage); ``fail_loads`` fills none. ``defer_saves``: a save waits (as for
+    room below) until :meth:`release_held` gives it up, unstored (``released``).
     """
 
     def __init__(
@@ -65,6 +66,7 @@ class MemoryConnector(KVConnector):
         load_delay_polls: int = 0,
         save_delay_polls: int = 0,
         lookup_delay_steps: int = 0,
+        defer_saves: bool = False,
     ) -> None:
         self.store: dict[tuple[bytes, bytes], tuple[SavedBlock, torch.Tensor]] = (
             {} if store is None else store
@@ -75,6 +77,9 @@ class MemoryConnector(KVConnector):
         self.lookup_delay_steps = lookup_delay_steps
         self.lookups_asked: dict[str, int] = {}
         self.save_delay_polls = save_delay_polls
+        self.defer_saves = defer_saves
+        self._deferred: list[SavedBlock] = []
+        self.released: list[int] = []  # block ids of deferred saves given up
         self.kv_cache: torch.Tensor | None = None
         self.namespace: bytes | None = None
         self.saved: list[SavedBlock] = []  # offered to save_blocks, in order
@@ -87,10 +92,11 @@ class MemoryConnector(KVConnector):
         self.closed = False
         self._loads: list[list] = []  # [polls left, (request id, hashes, block ids)]
         self._saves: list[list] = []  # [polls left, SavedBlock]
+        self._released: list[int] = []  # given up, reported by the next poll
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._loads) + len(self._saves)
+        return len(self._loads) + len(self._saves) + len(self._deferred)
 
     def register_kv_cache(self, kv_cache: torch.Tensor, namespace: bytes, block_size: int) -> None:
         self.kv_cache, self.namespace, self.block_size = kv_cache, namespace, block_size
@@ -117,7 +123,10 @@ class MemoryConnector(KVConnector):
 
     def save_blocks(self, blocks: Seq[SavedBlock]) -> None:
         self.saved += blocks
-        self._saves += [[self.save_delay_polls, block] for block in blocks]
+        if self.defer_saves:
+            self._deferred += blocks
+        else:
+            self._saves += [[self.save_delay_polls, block] for block in blocks]
 
     def poll(self, timeout: float = 0.0) -> FinishedTransfers:
         self.polls.append(timeout)
@@ -131,7 +140,14 @@ class MemoryConnector(KVConnector):
             loaded[request_id] = count
             self.loaded.append((request_id, count))
         saved = [self._copy_out(block) for block in _due(self._saves)]
+        saved += self._released
+        self._released = []
         return FinishedTransfers(loaded, saved)
+
+    def release_held(self) -> None:
+        self._released += [block.block_id for block in self._deferred]
+        self.released += self._released
+        self._deferred = []
 
     def on_blocks_evicted(self, block_hashes) -> None:
         self.evicted += list(block_hashes)
@@ -142,7 +158,7 @@ class MemoryConnector(KVConnector):
     def close(self) -> None:
         for _, block in self._saves:
             self._copy_out(block)
-        self._loads, self._saves = [], []
+        self._loads, self._saves, self._deferred = [], [], []
         self.closed = True
 
     def _copy_out(self, block: SavedBlock) -> int:

@@ -112,6 +112,21 @@ def test_a_save_that_waited_save_wait_s_is_dropped_and_counted(monkeypatch):
     s.close()
 
 
+def test_releasing_deferred_saves_stores_what_fits_and_drops_the_rest():
+    """The engine is short of blocks: deferred saves that find a slot now go in, the others
+    are dropped at once (counted), and every block is reported, before SAVE_WAIT_S."""
+    s = Saves(slots=2)
+    s.saver.save([saved(0), saved(1)])  # both slots hold blocks not yet written
+    s.saver.save([saved(2), saved(3), saved(4)])
+    taken = s.pool.take_pending("remote", 1, timeout=0)  # a writer stores one block
+    s.pool.done_pending("remote", [block.key for block in taken])
+    s.saver.release_deferred()
+    assert s.reported == [0, 1, 2, 3, 4] and not s.saver.busy()
+    assert s.pool.contains(key(saved(2))) and s.dropped() == 2
+    assert not s.pool.contains(key(saved(3))) and not s.pool.contains(key(saved(4)))
+    s.close()
+
+
 def test_a_save_retried_after_others_keeps_its_own_wait(monkeypatch):
     """A and then, 4 s later, B wait for a slot; at 4.5 s one slot frees and A takes it. B
     has waited 0.5 s: it is dropped only SAVE_WAIT_S after its own save, not A's."""

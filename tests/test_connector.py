@@ -227,6 +227,31 @@ def test_saved_blocks_are_not_reused_before_the_connector_read_them(reference):
     assert [o.num_cached_tokens for o in outs] == [128, 128]
 
 
+def test_saves_waiting_for_room_below_are_released_when_the_engine_is_short_of_blocks(
+    reference,
+):
+    """A connector whose saves wait (its buffer is full) holds the engine's blocks; the
+    engine, short of blocks, asks it to let go instead of waiting on it, so every request
+    runs (an engine that only waited would never get those blocks back)."""
+    conn = MemoryConnector(defer_saves=True)
+    with make_llm(conn, blocks=16) as llm:
+        first = llm.generate(PROMPTS[0], GREEDY)[0]
+        assert not conn.released  # nothing was short: the 9 offered blocks stay held
+        assert llm.engine.stats().num_used_blocks == 9
+        engine = llm.engine
+        engine.add_request(PROMPTS[1], GREEDY, request_id="second")  # needs 9 blocks, 7 free
+        outs = {}
+        for _ in range(100):  # without the release it would wait forever
+            outs.update((o.request_id, o) for o in engine.step())
+            if "second" in outs and outs["second"].finished:
+                break
+        second = outs.get("second")
+        assert second is not None and second.finished, "the engine waited on held saves"
+        assert conn.released[:9] == [b.block_id for b in conn.saved[:9]]
+        assert conn.store == {}  # given up: nothing was stored
+    assert [first.token_ids, second.token_ids] == reference
+
+
 def test_an_aborted_load_frees_its_blocks_once_reported(reference, saved_store):
     conn = MemoryConnector(dict(saved_store), load_delay_polls=3)
     with make_llm(conn) as llm:

@@ -346,6 +346,41 @@ def test_a_save_waits_for_a_slot_instead_of_dropping(reference, disk, monkeypatc
     assert stats["dropped"] == 0 and stats["entries"] == offered
 
 
+def test_an_engine_short_of_blocks_does_not_wait_for_saves_that_wait_for_the_disk(
+    reference, disk, monkeypatch
+):
+    """A CPU pool of two blocks, both waiting for a disk that does not keep up, and a GPU
+    pool too small for two prompts: the saves that found no slot hold the blocks the next
+    request needs. The engine has them dropped (counted) and goes on; it does not wait
+    for the disk or for SAVE_WAIT_S."""
+    release = threading.Event()
+    put_many = LmdbStore.put_many
+
+    def stalled_put_many(self, items, **kwargs):
+        release.wait(30)  # a disk that does not keep up
+        return put_many(self, items, **kwargs)
+
+    monkeypatch.setattr(LmdbStore, "put_many", stalled_put_many)
+    monkeypatch.setattr(block_saver, "SAVE_WAIT_S", 3600.0)
+    tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=2 * _block_nbytes(), disk_bytes=64 << 20)
+    try:
+        with make_llm(tiers, blocks=16) as llm:
+            engine, outs = llm.engine, {}
+            for i, prompt in enumerate(PROMPTS):
+                engine.add_request(prompt, GREEDY, request_id=str(i))
+                for _ in range(400):  # a step that waits on the connector waits 50 ms
+                    outs.update((o.request_id, o) for o in engine.step())
+                    if str(i) in outs and outs[str(i)].finished:
+                        break
+                assert str(i) in outs and outs[str(i)].finished, "the engine waited on saves"
+            dropped = llm.engine.connector.stats()["cpu"]["dropped"]
+            release.set()
+    finally:
+        release.set()
+    assert [outs[str(i)].token_ids for i in range(len(PROMPTS))] == reference
+    assert dropped > 0
+
+
 def test_close_gives_up_on_the_queue_after_flush_timeout(reference, disk, monkeypatch):
     release = threading.Event()
     put_many = LmdbStore.put_many

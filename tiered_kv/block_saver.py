@@ -10,7 +10,8 @@ fails, when it is queued or on the way, drops its blocks (reported saved, counte
 When every slot holds a block not yet written to the lower tiers, a save waits, deferred
 (its GPU block stays held), and is retried at each ``poll`` (or by a flush while the engine
 is idle) for up to ``SAVE_WAIT_S``; it is then dropped, counted and logged (one WARNING per
-``DROP_WARNING_INTERVAL_S``, naming the setting to raise).
+``DROP_WARNING_INTERVAL_S``, naming the setting to raise). It is dropped at once when the
+engine runs short of blocks (``release_deferred``): a save never stalls a request.
 """
 from __future__ import annotations
 
@@ -142,6 +143,13 @@ class BlockSaver:
             waiting = list(self._deferred)  # each keeps the time it has waited since
             self._deferred.clear()
             self._offload(waiting)
+
+    def release_deferred(self) -> None:
+        """The engine is short of blocks: offload the deferred saves that find a slot now
+        and drop the rest (counted and logged), so their GPU blocks go back at once."""
+        with self._deferred_lock:
+            self.retry_deferred()
+            self._drop_deferred(time.monotonic(), force=True)
 
     def busy(self) -> bool:
         """Whether saves are deferred or still copying."""

@@ -14,8 +14,8 @@ save only starts a transfer. The worker side moves the bytes::
 The CPU pool is one pinned slab and the only write-behind buffer: a block stays in it,
 pinned against eviction, until every lower tier it goes to has it. When every slot holds
 an unwritten block, a save waits (its GPU block stays held) for up to
-``block_saver.SAVE_WAIT_S`` and is then dropped, counted and logged (rate-limited, naming
-the setting to raise). The save side is :class:`tiered_kv.block_saver.BlockSaver`.
+``block_saver.SAVE_WAIT_S``, or until the engine runs short of blocks (``release_held``),
+and is then dropped, counted and logged (rate-limited, naming the setting to raise). The save side is :class:`tiered_kv.block_saver.BlockSaver`.
 
 Lookups go CPU → disk → remote: the run of blocks the CPU pool and the disk hold is
 extended by the remote tier with one pipelined round-trip for the rest of the chain, on a
@@ -347,6 +347,10 @@ class TierManager(KVConnector):
             loaded, self._loaded = self._loaded, {}
             saved, self._saved = self._saved, []
         return FinishedTransfers(loaded, saved)
+
+    def release_held(self) -> None:
+        if self._saver is not None:
+            self._saver.release_deferred()
 
     def on_blocks_evicted(self, block_hashes: Sequence[bytes]) -> None:
         """Nothing to do: a block is copied down when it becomes full, not when evicted."""
