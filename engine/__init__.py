@@ -5,8 +5,8 @@ from engine.async_engine import AsyncLLM
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput, RequestOutputKind
+from engine.outputs import PromptLogprob, RequestOutput, RequestOutputKind
 from engine.sampler import SamplingParams
 
-__all__ = ["LLM", "AsyncLLM", "EngineConfig", "LLMEngine", "RequestOutput", "RequestOutputKind",
-           "SamplingParams"]
+__all__ = ["LLM", "AsyncLLM", "EngineConfig", "LLMEngine", "PromptLogprob", "RequestOutput",
+           "RequestOutputKind", "SamplingParams"]

@@ -7,6 +7,7 @@ from collections.abc import Sequence as Seq
 import numpy as np
 import torch
 
+from engine import prompt_logprobs
 from engine.attention import AttentionMetadata, KVScales
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
@@ -109,6 +110,7 @@ class ModelRunner:
             raise RuntimeError("init_kv_cache() must be called before run()")
         items = output.scheduled
         num_logits = [_num_logits(seq, n) for seq, n in items]
+        prompt_rows = [prompt_logprobs.rows_this_step(seq, n) for seq, n in items]
         launched, self.lookahead = self.lookahead, None
         rows = launched.rows_for(items) if launched is not None else None
         if rows is not None:
@@ -120,6 +122,9 @@ class ModelRunner:
         if launched is not None:  # wasted: wait for it, its blocks are given back after run()
             self.num_lookahead_wasted += 1
             launched.wait()
+        if any(prompt_rows):
+            logits = self._forward_with_prompt_logprobs(output, num_logits, prompt_rows)
+            return self._sample(items, num_logits, logits)
         graphs = self.decode_graphs
         decode = all(n == 1 and m == 1 for (_, n), m in zip(items, num_logits))
         if graphs is not None and len(items) <= graphs.max_batch and decode:
@@ -128,6 +133,13 @@ class ModelRunner:
         if ahead and decode:
             return self._sample_decode(items, self.forward(self._step_inputs(output, num_logits)), ahead)
         logits = self.forward(self._step_inputs(output, num_logits))  # [sum(num_logits), vocab]
+        return self._sample(items, num_logits, logits)
+
+    def _sample(
+        self, items: Seq[ScheduledSequence], num_logits: Seq[int], logits: torch.Tensor
+    ) -> list[StepResult]:
+        """Sample, or verify drafts, from ``logits``: the last ``num_logits[b]`` positions
+        of each scheduled sequence ``b``, in order."""
         results: list[StepResult] = [None] * len(items)
         offsets = np.cumsum([0, *num_logits])
         # With drafts in the step, verification also samples the plain rows it can: their
@@ -169,10 +181,41 @@ class ModelRunner:
     def forward(self, batch: BatchInputs) -> torch.Tensor:
         """One eager forward of a prepared batch (its ``input_ids`` set): the logits of its
         ``logits_indices``, ``[M, vocab]`` float32."""
+        return self.model.compute_logits(self._hidden(batch))
+
+    def _hidden(self, batch: BatchInputs) -> torch.Tensor:
+        """One eager forward: the final hidden states of the batch's ``logits_indices``."""
         hidden = self.model(
             batch.input_ids, batch.positions, self.kv_cache, batch.meta, self.kv_scales
         )
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        return hidden[batch.logits_indices]
+
+    def _forward_with_prompt_logprobs(
+        self, output: SchedulerOutput, num_logits: list[int], prompt_rows: Seq[int]
+    ) -> torch.Tensor:
+        """A step in which sequences compute prompt logprobs (``prompt_rows[b]`` positions
+        of sequence ``b``, before its sampling rows): append their entries to
+        ``seq.prompt_logprobs`` and return the logits of the sampling rows only."""
+        items = output.scheduled
+        hidden = self._hidden(
+            self._step_inputs(output, [m + r for m, r in zip(num_logits, prompt_rows)])
+        )
+        keep: list[int] = []
+        row = 0
+        for (seq, _), m, r in zip(items, num_logits, prompt_rows):
+            if r:
+                first = prompt_logprobs.first_position(seq)
+                seq.prompt_logprobs.extend(prompt_logprobs.compute(
+                    self.model.compute_logits,
+                    hidden[row : row + r],
+                    seq.token_ids[first + 1 : first + 1 + r],
+                    seq.params.prompt_logprobs,
+                ))
+            keep.extend(range(row + r, row + r + m))
+            row += r + m
+        return self.model.compute_logits(
+            hidden.index_select(0, to_device(keep, torch.int64, hidden.device))
+        )
 
     def _step_inputs(self, output: SchedulerOutput, num_logits: Seq[int]) -> BatchInputs:
         """The scheduled tokens and drafts. A draft model's drafts are a device tensor: their

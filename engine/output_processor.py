@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence as Seq
 
-from engine.outputs import RequestOutput, RequestTimes
+from engine.outputs import PromptLogprob, RequestOutput, RequestTimes
 from engine.sampler import SamplingParams
 from engine.sequence import Sequence
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -31,6 +31,17 @@ class _TextState:
     text: str = ""
     num_sent_chars: int = 0
     stop_reason: str | int | None = None
+    # [None, *entries] once the prompt's entries are complete: every output shares it
+    prompt_logprobs: list[PromptLogprob | None] | None = None
+
+    def prompt_logprobs_of(self, seq: Sequence) -> list[PromptLogprob | None] | None:
+        """The request's prompt logprobs so far, if it asked for them."""
+        if self.prompt_logprobs is not None or seq.prompt_logprobs is None:
+            return self.prompt_logprobs
+        entries: list[PromptLogprob | None] = [None, *seq.prompt_logprobs]
+        if not seq.needs_prompt_logprobs:
+            self.prompt_logprobs = entries
+        return entries
 
 
 class OutputProcessor:
@@ -116,6 +127,7 @@ class OutputProcessor:
             stop_reason=state.stop_reason,
             logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
             top_logprobs=list(seq.top_logprobs) if seq.top_logprobs is not None else None,
+            prompt_logprobs=state.prompt_logprobs_of(seq),
             times=_times(seq),
         )
 
@@ -132,6 +144,7 @@ class OutputProcessor:
             delta_text="",
             num_cached_tokens=seq.num_cached_tokens or 0,
             finish_reason="error",
+            prompt_logprobs=state.prompt_logprobs_of(seq) if state is not None else None,
             times=_times(seq),
         )
 

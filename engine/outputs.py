@@ -27,6 +27,19 @@ class RequestTimes:
 
 
 @dataclasses.dataclass(frozen=True)
+class PromptLogprob:
+    """What the model gave one prompt token, from the tokens before it (vLLM's
+    ``prompt_logprobs`` entry): its log-probability (log-softmax of the raw logits), its
+    rank (1 = most likely; tokens as likely count ahead of it, as in vLLM) and the ``k``
+    most likely tokens with theirs, most likely first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: dict[int, float]
+
+
+@dataclasses.dataclass(frozen=True)
 class RequestOutput:
     """The state of one request after a step; the last one has ``finished`` set.
 
@@ -48,6 +61,9 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id, if one ended it
     logprobs: list[float] | None = None  # of each chosen token, when asked for
     top_logprobs: list[dict[int, float]] | None = None  # when asked for logprobs=k > 0
+    # when asked for prompt_logprobs: None for the first prompt token (nothing precedes it),
+    # then one entry per prompt token; the same list in every output of the request
+    prompt_logprobs: list[PromptLogprob | None] | None = None
     times: RequestTimes | None = None  # when it was added, scheduled, got its first and last token
 
     @property

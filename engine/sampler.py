@@ -38,6 +38,10 @@ class SamplingParams:
     - ``logprobs``: ``True`` or ``0`` returns the log-probability of each chosen token; an
       integer ``k > 0`` also returns the ``k`` most likely tokens at each step. They are
       log-softmax of the model's raw logits (before temperature and filters).
+    - ``prompt_logprobs``: ``k`` returns, for each prompt token after the first, its
+      log-probability given the tokens before it, its rank and the ``k`` most likely tokens
+      there (``0``: none of those; ``-1``: the whole vocabulary). Such a request computes
+      its whole prompt: it does not use the prefix cache or the KV tiers.
     - ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2]) and ``repetition_penalty``
       (> 0) as vLLM defines them (:mod:`engine.penalties`); ``min_p`` (in [0, 1]) drops tokens
       less likely than ``min_p`` times the most likely one (after temperature);
@@ -68,6 +72,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] = ()
     ignore_eos: bool = False
     logprobs: bool | int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_output: StructuredOutputSpec | None = None
@@ -121,6 +126,12 @@ class SamplingParams:
         lp = self.logprobs
         if not (lp is None or isinstance(lp, bool) or _is_int(lp, minimum=0)):
             raise ValueError(f"logprobs must be None, a bool or a non-negative integer, got {lp!r}")
+        plp = self.prompt_logprobs
+        if not (plp is None or _is_int(plp, minimum=-1)):
+            raise ValueError(
+                f"prompt_logprobs must be None, -1 (the whole vocabulary) or a non-negative "
+                f"integer, got {plp!r}"
+            )
         so = self.structured_output
         if so is not None and not isinstance(so, StructuredOutputSpec):
             raise ValueError(f"structured_output must be a StructuredOutputSpec, got {so!r}")

@@ -147,7 +147,7 @@ class Scheduler:
         free = bm.num_free_blocks - decoding
         if -(-min(seq.num_tokens, budget) // self.block_size) <= free:
             return True  # it fits without a hit: no need to look its prefix up
-        gpu_hit = bm.find_cached_prefix(seq, (seq.num_tokens - 1) // self.block_size)
+        gpu_hit = bm.find_cached_prefix(seq, _max_hit_blocks(seq, self.block_size))
         num_hit_tokens = len(gpu_hit) * self.block_size
         first_chunk = min(seq.num_tokens - num_hit_tokens, budget)
         return bm.num_blocks_to_allocate(seq, num_hit_tokens + first_chunk, gpu_hit) <= free
@@ -217,7 +217,7 @@ class Scheduler:
             and len(self.running) + len(self.loading) < self.config.max_num_seqs
         ):
             seq = self.waiting.peek()
-            max_hit_blocks = (seq.num_tokens - 1) // self.block_size  # the last token is computed
+            max_hit_blocks = _max_hit_blocks(seq, self.block_size)
             gpu_hit = self.block_manager.find_cached_prefix(seq, max_hit_blocks)
             num_external = self._num_external(seq, len(gpu_hit), max_hit_blocks)
             if num_external is None:  # asked again next step; the ones behind it go first
@@ -443,3 +443,9 @@ def _left_queue(seq: Sequence) -> None:
     if seq.scheduled_time is None:
         seq.scheduled_time = time.perf_counter()
 
+
+def _max_hit_blocks(seq: Sequence, block_size: int) -> int:
+    """How many leading blocks ``seq`` may take from a cache: those before its last token
+    (computed, to sample from), none while it needs prompt logprobs (a cached block has no
+    logits)."""
+    return 0 if seq.needs_prompt_logprobs else (seq.num_tokens - 1) // block_size

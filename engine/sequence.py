@@ -21,6 +21,7 @@ import time
 import torch
 
 from engine.hashing import hash_blocks
+from engine.outputs import PromptLogprob
 from engine.penalties import TokenCounts
 from engine.sampler import SamplingParams
 from engine.structured_output import GrammarState
@@ -76,6 +77,10 @@ class Sequence:
         self.top_logprobs: list[dict[int, float]] | None = (
             [] if params.num_top_logprobs else None
         )
+        # prompt_logprobs: the entries of prompt tokens 1, 2, ... computed so far
+        self.prompt_logprobs: list[PromptLogprob] | None = (
+            [] if params.prompt_logprobs is not None else None
+        )
         self.grammar: GrammarState | None = None  # set by the engine for structured output
         self.token_counts: TokenCounts | None = None  # set by the engine for penalties
         # draft tokens to verify in the next step; a draft model's are a [k] tensor on the
@@ -107,6 +112,14 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and some are still to compute: its prompt is
+        computed, not taken from a cache."""
+        return self.prompt_logprobs is not None and (
+            len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
 
     @property
     def is_prefilling(self) -> bool:

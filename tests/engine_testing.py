@@ -8,10 +8,36 @@ import torch
 
 from engine.connector import FinishedTransfers, KVConnector, SavedBlock
 from engine.hashing import root_hash
+from engine.models.tiny import write_tiny_tokenizer
 from engine.sampler import SamplingParams
 from engine.sequence import Sequence
 
 NAMESPACE = bytes(32)
+
+
+def write_reference_llama(path):
+    """A tiny random Llama checkpoint written by ``transformers`` (with the tiny byte-level
+    tokenizer) to ``path``, for tests that hold the engine to it; returns the model."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=264,  # the tiny byte-level tokenizer's
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        initializer_range=0.1,  # wide enough logits that greedy has no near-ties
+        bos_token_id=256,
+        eos_token_id=257,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(path)
+    write_tiny_tokenizer(path)
+    return model
 
 
 @pytest.fixture(autouse=True, scope="module")

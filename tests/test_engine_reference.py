@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, RequestOutput, SamplingParams
-from engine.models.tiny import write_tiny_tokenizer
-from engine_testing import one_thread  # noqa: F401  (autouse fixture)
+from engine_testing import one_thread, write_reference_llama  # noqa: F401  (autouse fixture)
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,24 +23,7 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("hf-llama")
-    config = transformers.LlamaConfig(
-        vocab_size=264,  # the tiny byte-level tokenizer's
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        initializer_range=0.1,  # wide enough logits that greedy has no near-ties
-        bos_token_id=256,
-        eos_token_id=257,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.save_pretrained(path)
-    write_tiny_tokenizer(path)
-    return path, model
+    return path, write_reference_llama(path)
 
 
 @pytest.fixture(scope="module")

@@ -332,7 +332,7 @@ def test_invalid_requests_get_400_in_openai_shape(llm):
             await post("/v1/completions", content=b'{"prompt": "x",', headers={"content-type": "application/json"}),
             await post("/v1/completions", json={"prompt": "x", "n": 0}),
             await post("/v1/completions", json={"prompt": "x", "temperature": "hot"}),
-            await post("/v1/completions", json={"prompt": "x", "echo": True, "logprobs": 1}),
+            await post("/v1/completions", json={"prompt": "x", "echo": True, "logprobs": 1, "stream": True}),
             await post("/v1/completions", json={"max_tokens": 3}),
             await post("/v1/completions", json={"prompt": "x" * (MAX_MODEL_LEN + 10)}),
             await post("/v1/chat/completions", json={"messages": []}),
@@ -347,7 +347,7 @@ def test_invalid_requests_get_400_in_openai_shape(llm):
     assert "JSON" in malformed.json()["error"]["message"]
     assert_error(n, 400, param="n")
     assert_error(temperature, 400, param="temperature")
-    assert_error(echo, 400, param="echo")
+    assert_error(echo, 400, param="prompt_logprobs")  # the prompt's logprobs are not streamed
     assert_error(missing, 400, param="prompt")
     assert_error(too_long, 400, param="prompt", code="context_length_exceeded")
     assert_error(empty, 400, param="messages")

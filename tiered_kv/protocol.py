@@ -2,7 +2,7 @@
 
 Generation requests accept OpenAI's fields and vLLM's sampling extras; a field they do not
 know is a 400 naming it (nothing is ignored silently), and values this server cannot honour
-(``tools``, ``echo`` with ``logprobs``...) are refused by :meth:`to_sampling_params` with a
+(``tools``, ``suffix``...) are refused by :meth:`to_sampling_params` with a
 :class:`RequestError` naming the parameter. Sampling values follow vLLM's rules
 (``temperature`` in [0, 2], ``top_p`` in (0, 1], ``top_k`` -1 or 0 for off or at least 1,
 ``max_tokens`` at least 1, penalties as :class:`engine.sampler.SamplingParams` says);
@@ -114,14 +114,23 @@ class _SamplingFields(StrictRequest):
     include_stop_str_in_output: bool = False
     # keep only the prompt's last k tokens (-1: max_model_len), as vLLM
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=MAX_INT)
+    # vLLM's: each prompt token's logprob and the k most likely there (-1: all); at most
+    # --max-logprobs, not streamed
+    prompt_logprobs: int | None = Field(default=None, ge=-1, le=MAX_INT)
 
     def _sampling_params(
-        self, max_tokens: int | None, logprobs: int | bool | None, defaults: GenerationDefaults | None
+        self, max_tokens: int | None, logprobs: int | bool | None, defaults: GenerationDefaults | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         d = defaults or GenerationDefaults()
         top_k = self.top_k if self.top_k is not None else d.top_k
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed with stream=true", param="stream_options")
+        if self.stream and prompt_logprobs is not None:
+            raise RequestError(
+                "prompt logprobs are not streamed: leave out stream, or prompt_logprobs "
+                "(and logprobs with echo)", param="prompt_logprobs",
+            )
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
         if not all(stop):
             raise RequestError("stop strings must not be empty", param="stop")
@@ -150,6 +159,7 @@ class _SamplingFields(StrictRequest):
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 structured_output=structured,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
@@ -202,12 +212,8 @@ class CompletionRequest(_SamplingFields):
 
     def to_sampling_params(self, defaults: GenerationDefaults | None = None) -> SamplingParams:
         """The parameters of every choice; ``best_of`` choices are generated per prompt (with
-        logprobs, to rank them) when it is more than ``n``."""
-        if self.echo and self.logprobs is not None:
-            raise RequestError(
-                "echo with logprobs (the prompt's logprobs) is not supported; "
-                "leave out one of them", param="echo"
-            )
+        logprobs, to rank them) when it is more than ``n``. ``echo`` with ``logprobs`` also
+        asks for the prompt's (``prompt_logprobs``, unless given, is ``logprobs``)."""
         if self.best_of is not None and self.best_of < self.n:
             raise RequestError(f"best_of ({self.best_of}) must be at least n ({self.n})", param="best_of")
         if self.stream and self.num_generated > self.n:
@@ -215,7 +221,15 @@ class CompletionRequest(_SamplingFields):
         if self.suffix:
             raise RequestError("suffix is not supported", param="suffix")
         logprobs = self.logprobs if self.logprobs is not None or self.num_generated == self.n else 0
-        return self._sampling_params(self.max_tokens, logprobs, defaults)
+        return self._sampling_params(self.max_tokens, logprobs, defaults, self.num_prompt_logprobs)
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """The prompt logprobs each choice asks for: ``prompt_logprobs``, else ``logprobs``
+        with ``echo`` (the prompt's tokens come back with theirs), as vLLM."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
 
     @property
     def num_generated(self) -> int:
@@ -306,7 +320,7 @@ class ChatCompletionRequest(_SamplingFields):
             raise RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
         max_tokens = self.max_completion_tokens or self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, defaults)
+        return self._sampling_params(max_tokens, logprobs, defaults, self.prompt_logprobs)
 
     def messages_as_dicts(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
@@ -335,6 +349,19 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class PromptTokenLogprob(BaseModel):
+    """One token of a ``prompt_logprobs`` entry, as vLLM writes it (keyed by token id)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# None for the first prompt token, then each prompt token's entry: the token itself and the
+# k most likely there (ranks 1 to k), by token id
+PromptLogprobs = list[dict[str, PromptTokenLogprob] | None]
+
+
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
@@ -348,6 +375,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -393,6 +421,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):

@@ -139,7 +139,7 @@ class ServeConfig:
     )
     max_logprobs: int = option(
         20, "The most logprobs a request may ask for (completions' `logprobs`, chat's "
-        "`top_logprobs`); -1: the vocabulary's size.", SERVER,
+        "`top_logprobs`, `prompt_logprobs`); -1: the vocabulary's size.", SERVER,
     )
     override_generation_config: str | None = option(
         None, "A JSON object of generation_config.json keys (`temperature`, `top_p`, `top_k`, "

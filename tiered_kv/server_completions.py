@@ -41,8 +41,9 @@ async def completions(
     state: ServerState, defaults: GenerationDefaults, body: CompletionRequest, request: Request
 ) -> Response:
     _check_logprobs(state, body.logprobs, "logprobs")
+    _check_logprobs(state, body.prompt_logprobs, "prompt_logprobs")
     if body.max_tokens == 0:
-        return await _echo_only(state, defaults, body)
+        return await _echo_only(state, defaults, body, request)
     params = body.to_sampling_params(defaults)
     prompts = body.prompts()
     check_generations(state, len(prompts) * body.num_generated)
@@ -110,9 +111,12 @@ def _echo_texts(
     return [state.llm.tokenizer.decode(ids) for ids in prompt_ids]
 
 
-async def _echo_only(state: ServerState, defaults: GenerationDefaults, body: CompletionRequest) -> Response:
+async def _echo_only(
+    state: ServerState, defaults: GenerationDefaults, body: CompletionRequest, request: Request
+) -> Response:
     """``max_tokens: 0`` with ``echo``, as vLLM takes it (scoring a prompt): each choice is its
-    prompt, and nothing is generated."""
+    prompt, and nothing is generated. With ``logprobs`` (or ``prompt_logprobs``) each prompt
+    is computed once, for one token that is left out, to give the prompt's logprobs."""
     if not body.echo:
         raise RequestError(
             "max_tokens must be at least 1 (0 only with echo: the prompt back, nothing generated)",
@@ -120,11 +124,21 @@ async def _echo_only(state: ServerState, defaults: GenerationDefaults, body: Com
         )
     if body.stream:
         raise RequestError("max_tokens 0 with echo is not streamed; leave out stream", param="stream")
-    body.model_copy(update={"max_tokens": 1}).to_sampling_params(defaults)  # every other field's checks
+    one = body.model_copy(update={"max_tokens": 1, "best_of": None})
+    params = one.to_sampling_params(defaults)  # every other field's checks
     prompts = body.prompts()
     prompt_ids = await _encode_prompts(state, body)
     texts = _echo_texts(state, body, prompts, prompt_ids)
-    response = server_responses.echo_response(state, texts, [len(ids) for ids in prompt_ids], body.n)
+    scored = None
+    if params.prompt_logprobs is not None:
+        check_generations(state, len(prompt_ids))
+        params = dataclasses.replace(params, logprobs=None)
+        jobs = [job for ids in prompt_ids for job in _choices(state, defaults, ids, params, 1, "max_tokens", 1)]
+        group = await Generations.start(state, request, "cmpl", jobs, body.cache_salt, body.priority)
+        scored = await group.final(request)
+    response = server_responses.echo_response(
+        state, texts, [len(ids) for ids in prompt_ids], body.n, scored, body.logprobs is not None
+    )
     return JSONResponse(response)
 
 
@@ -137,6 +151,7 @@ async def chat_completions(
 ) -> Response:
     """``chat`` renders the messages: the tokenizer, or it with ``--chat-template``'s template."""
     _check_logprobs(state, body.top_logprobs, "top_logprobs")
+    _check_logprobs(state, body.prompt_logprobs, "prompt_logprobs")
     params = body.to_sampling_params(defaults)
     check_generations(state, body.n)
     messages = body.messages_as_dicts()
@@ -170,10 +185,10 @@ async def chat_completions(
 
 def _check_logprobs(state: ServerState, asked: int | None, param: str) -> None:
     """At most ``--max-logprobs`` (-1: the vocabulary's size, which also bounds any limit),
-    as vLLM refuses more."""
+    as vLLM refuses more; ``asked`` -1 is the vocabulary's size."""
     vocab, limit = state.llm.tokenizer.vocab_size, state.config.max_logprobs
     limit = vocab if limit < 0 else min(limit, vocab)
-    if asked is not None and asked > limit:
+    if asked is not None and (vocab if asked < 0 else asked) > limit:
         raise RequestError(f"{param} ({asked}) is more than this server's --max-logprobs ({limit})", param=param)
 
 

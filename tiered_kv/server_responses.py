@@ -17,7 +17,6 @@ from typing import Any
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from engine.async_engine import AsyncLLM
 from engine.outputs import RequestOutput
 from tiered_kv.protocol import (
     ChatChoice,
@@ -25,20 +24,17 @@ from tiered_kv.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatLogprobs,
     ChatMessageOut,
     CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
     PromptTokensDetails,
     RequestError,
-    TokenLogprob,
-    TopLogprob,
     Usage,
 )
 from tiered_kv.server_generation import Generations
+from tiered_kv.server_logprobs import chat_logprobs, completion_logprobs, echo_logprobs, prompt_logprobs
 from tiered_kv.server_state import ServerState
 
 
@@ -48,16 +44,20 @@ def completion_response(
 ) -> dict:
     per_prompt = body.num_generated
     by_prompt = [_best(outs[i : i + per_prompt], body.n) for i in range(0, len(outs), per_prompt)]
-    choices = []
+    llm, choices = state.llm, []
     for p, prompt_outs in enumerate(by_prompt):
         echo = prompt_texts[p] if body.echo else ""
         for rank, out in enumerate(prompt_outs):
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = echo_logprobs(llm, out, True) if body.echo else completion_logprobs(llm, out, 0, 0)
             choices.append(CompletionChoice(
                 index=p * body.n + rank,
                 text=echo + out.text,
-                logprobs=completion_logprobs(state.llm, out, 0, 0) if body.logprobs is not None else None,
+                logprobs=logprobs,
                 finish_reason=out.finish_reason,
                 stop_reason=out.stop_reason,
+                prompt_logprobs=prompt_logprobs(llm, out),
             ))
     response = CompletionResponse(
         id=group.id, model=state.config.model_name, choices=choices, usage=usage(by_prompt)
@@ -65,10 +65,20 @@ def completion_response(
     return response.model_dump()
 
 
-def echo_response(state: ServerState, prompt_texts: list[str], prompt_lengths: list[int], n: int) -> dict:
-    """``n`` choices per prompt, each the prompt's text, and no token generated."""
+def echo_response(
+    state: ServerState, prompt_texts: list[str], prompt_lengths: list[int], n: int,
+    scored: list[RequestOutput] | None = None, with_logprobs: bool = False,
+) -> dict:
+    """``n`` choices per prompt, each the prompt's text, and no token generated. ``scored``:
+    one output per prompt that computed its prompt logprobs (its generated token is left
+    out); ``with_logprobs``: they are also the choices' ``logprobs``."""
+    llm = state.llm
     choices = [
-        CompletionChoice(index=p * n + k, text=text, logprobs=None, finish_reason="length")
+        CompletionChoice(
+            index=p * n + k, text=text, finish_reason="length",
+            logprobs=echo_logprobs(llm, scored[p], False) if with_logprobs else None,
+            prompt_logprobs=prompt_logprobs(llm, scored[p]) if scored else None,
+        )
         for p, text in enumerate(prompt_texts) for k in range(n)
     ]
     prompt = sum(prompt_lengths)
@@ -96,7 +106,8 @@ def chat_response(
         for k, out in enumerate(outs)
     ]
     response = ChatCompletionResponse(
-        id=group.id, model=state.config.model_name, choices=choices, usage=usage([outs])
+        id=group.id, model=state.config.model_name, choices=choices, usage=usage([outs]),
+        prompt_logprobs=prompt_logprobs(state.llm, outs[0]),
     )
     return response.model_dump()
 
@@ -130,49 +141,6 @@ def usage(by_prompt: list[list[RequestOutput]]) -> Usage:
         total_tokens=prompt + completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
-
-
-def _token_text(llm: AsyncLLM, token_id: int) -> str:
-    return llm.tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def completion_logprobs(llm: AsyncLLM, out: RequestOutput, start: int, offset: int) -> CompletionLogprobs:
-    """Logprobs of tokens ``start:`` of ``out``; ``offset``: text offset of token ``start``."""
-    result = CompletionLogprobs()
-    logprobs = out.logprobs or []
-    for i in range(start, len(logprobs)):
-        text = _token_text(llm, out.token_ids[i])
-        result.tokens.append(text)
-        result.token_logprobs.append(logprobs[i])
-        result.text_offset.append(offset)
-        offset += len(text)
-        if out.top_logprobs is not None:
-            top = {_token_text(llm, t): lp for t, lp in out.top_logprobs[i].items()}
-            top.setdefault(text, logprobs[i])  # the sampled token is always there (k + 1 at most)
-            result.top_logprobs.append(top)
-        else:
-            result.top_logprobs.append(None)
-    return result
-
-
-def chat_logprobs(llm: AsyncLLM, out: RequestOutput, start: int) -> ChatLogprobs:
-    content = []
-    logprobs = out.logprobs or []
-    for i in range(start, len(logprobs)):
-        text = _token_text(llm, out.token_ids[i])
-        top = out.top_logprobs[i] if out.top_logprobs is not None else {}
-        content.append(
-            TokenLogprob(
-                token=text,
-                logprob=logprobs[i],
-                bytes=list(text.encode()),
-                top_logprobs=[
-                    TopLogprob(token=(t := _token_text(llm, tid)), logprob=lp, bytes=list(t.encode()))
-                    for tid, lp in top.items()
-                ],
-            )
-        )
-    return ChatLogprobs(content=content)
 
 
 class _SSEResponse(StreamingResponse):

@@ -97,5 +97,6 @@ UPSTREAM_REQUEST_FIELDS: dict[str, tuple[str, ...]] = {
         "chat_template", "chat_template_kwargs", "add_generation_prompt",
         "continue_final_message", "skip_special_tokens", "priority", "cache_salt",
         "guided_json", "structured_outputs", "add_special_tokens", "truncate_prompt_tokens",
+        "prompt_logprobs",
     ),
 }
