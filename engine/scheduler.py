@@ -260,9 +260,10 @@ class Scheduler:
             start = seq.num_computed_tokens
             rejected = num_rejected[k] if num_rejected else 0
             seq.num_computed_tokens = min(start + num_new - rejected, seq.num_tokens)
-            if start < seq.num_prompt_tokens and not seq.num_preemptions:  # once a request
-                done = min(seq.num_computed_tokens, seq.num_prompt_tokens)
-                self.stats.num_prompt_tokens += done - start
+            done = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+            if done > seq.prompt_tokens_counted:  # each prompt token once a request
+                self.stats.num_prompt_tokens += done - max(start, seq.prompt_tokens_counted)
+                seq.prompt_tokens_counted = done
             first, end = start // self.block_size, seq.num_computed_tokens // self.block_size
             if not self._hashing or end <= first:
                 continue

@@ -72,6 +72,9 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None  # set when first scheduled
         self.num_preemptions = 0
+        # prompt tokens before this position were computed, cached or loaded once already:
+        # a preempted request's recompute does not count them again in the stats
+        self.prompt_tokens_counted = 0
         self.finish_reason: str | None = None
         self.logprobs: list[float] | None = [] if params.wants_logprobs else None
         self.top_logprobs: list[dict[int, float]] | None = (

@@ -120,6 +120,22 @@ def test_preemption_frees_the_newest_and_it_resumes_from_the_cache():
     assert s.stats.num_prompt_tokens == 24
 
 
+def test_a_request_preempted_mid_prompt_counts_each_prompt_token_once():
+    s = scheduler(num_blocks=6, max_model_len=32, max_num_batched_tokens=4)
+    a, b = make_seq(range(8), "a", block_size=BS), make_seq(range(100, 116), "b", block_size=BS)
+    s.add(a)
+    step(s)
+    step(s)  # a's prompt is computed: it decodes
+    s.add(b)
+    while b.num_preemptions == 0:
+        assert step(s).scheduled
+    assert 0 < b.prompt_tokens_counted < b.num_prompt_tokens  # preempted mid-prompt
+    s.finish(a, "length")
+    while b.num_computed_tokens < b.num_prompt_tokens:
+        step(s)
+    assert s.stats.num_prompt_tokens == 8 + 16  # b's tokens after its return are counted
+
+
 def test_a_sequence_that_cannot_grow_preempts_itself_when_alone():
     s = scheduler(num_blocks=3, max_model_len=12)
     a = make_seq(range(8), "a", block_size=BS)
