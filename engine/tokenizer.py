@@ -174,7 +174,9 @@ class Tokenizer:
         try:
             variables = {"add_generation_prompt": add_generation_prompt, **self._special_tokens}
             return self._compiled.render(messages=messages, **{**variables, **(template_kwargs or {})})
-        except jinja2.TemplateError as e:
+        except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError) as e:
+            # the request's messages or template variables do not fit the template (a
+            # variable of the wrong type): the request's fault, as vLLM answers it
             raise ValueError(f"chat template: {e}") from None
 
 

@@ -113,3 +113,15 @@ def test_a_forged_record_length_is_refused_before_it_is_read(tmp_path: Path, dec
     finally:
         tracemalloc.stop()
     assert peak < 8 << 20
+
+
+def test_the_largest_block_of_a_supported_model_fits_an_archive_record():
+    """126 layers of 8 KV heads of 128 in 16-bit floats, at the largest block size (1,024
+    tokens): a store holds such a record, so an archive must take it."""
+    from engine.config import EngineConfig
+    from tiered_kv.archive import MAX_RECORD_BYTES
+
+    with pytest.raises(ValueError):
+        EngineConfig(block_size=2048)
+    largest = 126 * 2 * 8 * 128 * 2 * 1024
+    assert largest + (64 << 10) <= MAX_RECORD_BYTES  # a generous header

@@ -360,9 +360,15 @@ def test_echo_with_max_tokens_0_returns_the_prompt_and_generates_nothing(llm):
             await post("/v1/completions", json={"prompt": "Once upon", "max_tokens": 0}),
             await post("/v1/completions", json={"prompt": "Once upon", "max_tokens": 0, "echo": True, "stream": True}),
             await post("/v1/completions", json={"prompt": "Once upon", "max_tokens": 0, "echo": True, "top_p": 0}),
+            await post("/v1/completions", json={"prompt": [-5], "max_tokens": 0, "echo": True}),
+            await post("/v1/completions", json={"prompt": [10**6], "max_tokens": 0, "echo": True}),
+            await post("/v1/completions", json={"prompt": "x", "max_tokens": 0, "echo": True, "n": 10**6}),
         ]
 
-    echoed, no_echo, streamed, bad = run(llm, test, **NEUTRAL)
+    echoed, no_echo, streamed, bad, negative_id, unknown_id, too_many = run(llm, test, **NEUTRAL)
+    assert_error(negative_id, 400, param="prompt")
+    assert_error(unknown_id, 400, param="prompt")
+    assert_error(too_many, 400, param="n")  # each choice is built: bounded as generations are
     assert texts(echoed) == ["Once upon", "Once upon", "a time", "a time"]
     assert {c["finish_reason"] for c in echoed.json()["choices"]} == {"length"}
     usage = echoed.json()["usage"]

@@ -331,3 +331,5 @@ def test_vllm_api_key_sets_the_key_below_our_own_variable():
     assert ServeConfig.load(environ=both).api_key == ("t1", "t2")
     assert ServeConfig.load({"api_key": "flag"}, environ=both).api_key == ("flag",)
     assert ServeConfig(api_key="k").api_key == ("k",)  # the Python API takes one key too
+    # as vLLM: an empty variable (compose's ${KEY:-}) is no key, not a start-up error
+    assert ServeConfig.load(environ={"VLLM_API_KEY": ""}).api_key == ()

@@ -479,3 +479,16 @@ def test_import_never_overwrites_and_reports_what_it_skipped(store_dir: Path, tm
     again = json.loads(run("import", archive, target, "--key-file", store_dir / KEY_FILE_NAME,
                            "--json").output)
     assert (again["imported"], again["skipped_existing"]) == (0, 7)
+
+
+def test_an_export_with_a_record_too_large_to_archive_fails_and_leaves_no_file(
+    store_dir: Path, tmp_path: Path, monkeypatch
+):
+    import tiered_kv.archive
+
+    monkeypatch.setattr(tiered_kv.archive, "MAX_RECORD_BYTES", 64)
+    archive = tmp_path / "a.tkv"
+    result = run("export", store_dir, archive)
+    assert result.exit_code == 2, result.output
+    assert "cannot be archived" in result.output and "internal error" not in result.output
+    assert not archive.exists() and list(tmp_path.glob("*.tkv*")) == []

@@ -164,6 +164,14 @@ def test_chat_template_raise_exception(tok):
         tok.apply_chat_template([{"role": "robot", "content": "x"}])
 
 
+def test_template_variables_that_do_not_fit_the_template_are_the_requests_fault(tok):
+    tools = tok.with_chat_template("{% for t in tools %}{{ t.name }}{% endfor %}{{ messages | length }}")
+    assert tools.apply_chat_template([], template_kwargs={"tools": [{"name": "f"}]}) == "f0"
+    for bad in (5, None):  # not iterable: a TypeError inside the template
+        with pytest.raises(ValueError, match="chat template: .*not iterable"):
+            tools.apply_chat_template([], template_kwargs={"tools": bad})
+
+
 def test_no_chat_template(tmp_path):
     write_tiny_tokenizer(tmp_path)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>"}))

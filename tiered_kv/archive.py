@@ -44,8 +44,9 @@ MAGIC = b"TKVARCHV"
 VERSION = 2
 FLAG_ZSTD = 1
 # Larger lengths are damage, not records: a block of the largest models (126 layers, 8 KV
-# heads of 128, 128 tokens) is 66 MiB in 16-bit floats, 132 MiB in float32.
-MAX_RECORD_BYTES = 256 << 20
+# heads of 128) is 528 MiB at the largest block size (1,024 tokens) in 16-bit floats. A
+# record's own header must agree with its length before its buffer is allocated.
+MAX_RECORD_BYTES = 1 << 30
 _HEADER = struct.Struct(f"<8sHH{KEY_ID_SIZE}s")
 _LENGTH = struct.Struct("<I")
 _TRAILER = struct.Struct("<QQ")

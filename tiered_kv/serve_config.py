@@ -94,7 +94,7 @@ class ServeConfig:
         (), "Require `Authorization: Bearer KEY`, KEY one of these keys (`--api-key k1 k2`), on "
         "every route but /health, /ping, /version, /metrics (open, as vLLM's) and /admin/* "
         "(--admin-api-key). Prefer the environment variable: flags show in `ps`.", SERVER, default_text="none", parse="values",
-        metavar="KEY...", env=(EnvAlias("VLLM_API_KEY", lambda key: (key,), "one key"),),
+        metavar="KEY...", env=(EnvAlias("VLLM_API_KEY", lambda key: (key,) if key else None, "one key; empty: none"),),
     )
     admin_api_key: str | None = option(
         None, "The key of the /admin/* routes, which exist only with it (404 otherwise); the "

@@ -66,9 +66,13 @@ async def _encode_prompts(state: ServerState, body: CompletionRequest) -> list[l
     tokenizer, limit = state.llm.tokenizer, state.prompt_limit
     keep = _truncation(state, body.truncate_prompt_tokens)
     prompts = body.prompts()
+    vocab = state.llm.engine.model_config.vocab_size
     for prompt in prompts:
         if isinstance(prompt, str) and keep is None:  # a truncated text may be long
             limit.check_chars(prompt, "prompt")
+        # as the engine checks them; an echo that generates nothing decodes them here
+        if not isinstance(prompt, str) and not all(0 <= t < vocab for t in prompt):
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
 
     def encode() -> list[list[int]]:
         return [
@@ -124,6 +128,7 @@ async def _echo_only(
         )
     if body.stream:
         raise RequestError("max_tokens 0 with echo is not streamed; leave out stream", param="stream")
+    check_generations(state, len(body.prompts()) * body.n)  # each is a choice to build
     one = body.model_copy(update={"max_tokens": 1, "best_of": None})
     params = one.to_sampling_params(defaults)  # every other field's checks
     prompts = body.prompts()
@@ -131,7 +136,6 @@ async def _echo_only(
     texts = _echo_texts(state, body, prompts, prompt_ids)
     scored = None
     if params.prompt_logprobs is not None:
-        check_generations(state, len(prompt_ids))
         params = dataclasses.replace(params, logprobs=None)
         jobs = [job for ids in prompt_ids for job in _choices(state, defaults, ids, params, 1, "max_tokens", 1)]
         group = await Generations.start(state, request, "cmpl", jobs, body.cache_salt, body.priority)

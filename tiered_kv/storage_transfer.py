@@ -69,7 +69,7 @@ def export(
                     archive, verified(bar, bar.add_task("", total=total)),
                     store.seal_key.key_id, compress=compress,
                 )
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: a record too large to archive
             raise _fail(f"cannot write {archive}: {e}") from None
     fields = {
         "archive": str(archive),
