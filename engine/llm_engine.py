@@ -297,8 +297,12 @@ class LLMEngine:
                 continue
             try:
                 reason = None
+                # a step that gives several tokens (accepted drafts) spreads its interval
+                # over them, as the server's histogram does
+                last = seq.last_token_time
+                gap = 0.0 if last is None else (now - last) / len(result)
                 for sample in result:  # stops apply token by token: none past a stop is kept
-                    reason = self._append(seq, sample, now)
+                    reason = self._append(seq, sample, now, gap)
                     if reason is not None:
                         break
             except Exception as e:
@@ -446,9 +450,10 @@ class LLMEngine:
             )
         return num_blocks
 
-    def _append(self, seq: Sequence, sample: Sample, now: float) -> str | None:
+    def _append(self, seq: Sequence, sample: Sample, now: float, gap: float) -> str | None:
         """Append a sampled token and detokenize it; the finish reason if it ends the
-        request (the caller finishes it)."""
+        request (the caller finishes it). ``gap``: its inter-token latency, if it is not
+        the first token."""
         token = sample.token_id
         grammar_ended = seq.grammar is not None and seq.grammar.advance(token)
         seq.append_token(token)
@@ -461,7 +466,7 @@ class LLMEngine:
             seq.first_token_time = now
             self._stats.ttft_s.append(now - seq.arrival_time)
         else:
-            self._stats.itl_s.append(now - seq.last_token_time)
+            self._stats.itl_s.append(gap)
         seq.last_token_time = now
         return self.outputs.stop(seq, token, grammar_ended)
 

@@ -384,6 +384,16 @@ def _holds(tokens: list[int], block: tuple[int, ...]) -> bool:
 # ---------------------------------------------------------------- counters and metrics
 
 
+def test_accepted_drafts_share_their_steps_inter_token_latency():
+    with make_llm({"model": str(tiny_model_path()), "num_speculative_tokens": 3}) as llm:
+        (out,) = llm.generate(PROMPTS[:1], GREEDY)
+        stats = llm.engine.stats()
+    assert stats.spec_num_accepted_tokens > 0
+    itl = stats.itl_s
+    assert len(itl) == len(out.token_ids) - 1 and min(itl) > 0  # none is a 0.0 sample
+    assert sum(itl) == pytest.approx(out.times.last_token - out.times.first_token, rel=1e-6)
+
+
 def test_counters_and_their_metrics():
     with make_llm({"model": str(tiny_model_path()), "num_speculative_tokens": 3}) as llm:
         outs = llm.generate(PROMPTS, GREEDY)
