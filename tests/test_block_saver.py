@@ -25,7 +25,10 @@ class Saves:
     """A saver over a pool of ``slots`` slots whose blocks stay pending for ``remote``
     (pinned) until :meth:`written`, and the block ids it reported saved."""
 
-    def __init__(self, slots: int, offload: str = "prompt", codec: str = "raw") -> None:
+    def __init__(
+        self, slots: int, offload: str = "prompt", codec: str = "raw", disk=None,
+        pending: tuple[str, ...] = ("remote",),
+    ) -> None:
         g = torch.Generator().manual_seed(0)
         self.cache = torch.randn(SHAPE, generator=g)
         stage = get_codec(codec).stage
@@ -36,7 +39,7 @@ class Saves:
         self.reported: list[int] = []
         self.saver = BlockSaver(
             TierConfig(cpu_bytes=slots * nbytes, offload=offload), NAMESPACE, self.pool,
-            self.mover, None, self.metrics, pending_tiers=("remote",), drop_tier="cpu",
+            self.mover, disk, self.metrics, pending_tiers=pending, drop_tier="cpu",
             block_nbytes=nbytes, on_saved=self.reported.extend,
         )
 
@@ -197,4 +200,32 @@ def test_an_offload_that_fails_when_queued_drops_its_blocks_instead_of_raising(m
     monkeypatch.setattr(s.mover, "offload", offload)
     s.saver.save([saved(1), saved(2)])
     assert all(s.pool.contains(key(saved(b))) for b in (1, 2))
+    s.close()
+
+
+class FailingDisk:
+    def contains_many(self, keys):
+        raise OSError("I/O error")
+
+
+def test_a_disk_that_fails_its_lookup_leaves_the_blocks_pending_for_it(caplog):
+    s = Saves(slots=4, disk=FailingDisk(), pending=("disk",))
+    blocks = [saved(0), saved(1)]
+    s.saver.save(blocks)
+    assert s.reported == [0, 1] and s.dropped() == 0  # reported once, kept
+    taken = s.pool.take_pending("disk", 4, timeout=0)
+    assert sorted(b.key for b in taken) == sorted(key(b) for b in blocks)  # written again
+    assert "looking up 2 saved blocks on disk failed" in caplog.text
+    s.close()
+
+
+def test_a_commit_that_fails_drops_its_blocks_and_still_reports_them(monkeypatch):
+    s = Saves(slots=4)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("pool bookkeeping failed")
+
+    monkeypatch.setattr(s.pool, "commit_many", fail)
+    s.saver.save([saved(0), saved(1)])
+    assert s.reported == [0, 1] and s.dropped() == 2
     s.close()

@@ -244,20 +244,32 @@ class BlockSaver:
         self._on_saved(block_ids)
 
     def _commit_save(self, save: _Save) -> None:
+        """Commit a completed copy's slots to the pool and report its blocks saved. It never
+        raises: the engine holds the blocks until they are reported, and on CUDA this runs on
+        the save watcher, which every later save waits for."""
         pending = self._pending_tiers
         on_disk = [False] * len(save.commits)
         if "disk" in pending:  # a block already on disk is pending only for the others
-            on_disk = self._disk.contains_many([key for key, _, _ in save.commits])
+            try:
+                on_disk = self._disk.contains_many([key for key, _, _ in save.commits])
+            except Exception:  # a failing disk: write them again rather than lose them
+                logger.exception("looking up %d saved blocks on disk failed", len(save.commits))
         below = tuple(t for t in pending if t != "disk")
         priority = self._config.tenant_priority
-        stored = self._pool.commit_many(
-            [Commit(key, slot, block.parent_hash, block.token_ids,
-                    below if there else pending, priority(block.cache_salt))
-             for (key, slot, block), there in zip(save.commits, on_disk)],
-            self._mover.slot_dtype, self._mover.slot_shape,
-        ).count(True)
-        if self._config.has_cpu:
-            self._metrics.observe_store(
-                "cpu", time.perf_counter() - save.started, stored, stored * self._block_nbytes
-            )
+        try:
+            stored = self._pool.commit_many(
+                [Commit(key, slot, block.parent_hash, block.token_ids,
+                        below if there else pending, priority(block.cache_salt))
+                 for (key, slot, block), there in zip(save.commits, on_disk)],
+                self._mover.slot_dtype, self._mover.slot_shape,
+            ).count(True)
+        except Exception:
+            logger.exception("committing %d saved blocks to the CPU pool failed; dropping them",
+                             len(save.commits))
+            self._metrics.add(self._drop_tier, dropped=len(save.commits))
+        else:
+            if self._config.has_cpu:
+                self._metrics.observe_store(
+                    "cpu", time.perf_counter() - save.started, stored, stored * self._block_nbytes
+                )
         self._on_saved(save.block_ids)
