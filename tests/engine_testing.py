@@ -15,6 +15,19 @@ from engine.sequence import Sequence
 NAMESPACE = bytes(32)
 
 
+@pytest.fixture(scope="module")
+def reference_llama(tmp_path_factory):
+    """``(path, model)``: :func:`write_reference_llama` in a fresh folder, once a module."""
+    path = tmp_path_factory.mktemp("hf-llama")
+    return path, write_reference_llama(path)
+
+
+def random_prompts(lengths: Seq[int], seed: int) -> list[list[int]]:
+    """Prompts of random byte tokens, one of each length."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+
+
 def write_reference_llama(path):
     """A tiny random Llama checkpoint written by ``transformers`` (with the tiny byte-level
     tokenizer) to ``path``, for tests that hold the engine to it; returns the model."""

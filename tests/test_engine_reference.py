@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, RequestOutput, SamplingParams
-from engine_testing import one_thread, write_reference_llama  # noqa: F401  (autouse fixture)
+from engine_testing import one_thread, random_prompts, reference_llama  # noqa: F401  (fixtures)
 
 transformers = pytest.importorskip("transformers")
 
@@ -21,15 +21,13 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hf-llama")
-    return path, write_reference_llama(path)
+def checkpoint(reference_llama):
+    return reference_llama
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    return random_prompts(PROMPT_LENS, seed=1)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from engine import LLM, PromptLogprob, RequestOutput, SamplingParams
-from engine_testing import MemoryConnector, one_thread, write_reference_llama  # noqa: F401
+from engine_testing import (  # noqa: F401  (fixtures)
+    MemoryConnector, one_thread, random_prompts, reference_llama,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,15 +26,13 @@ def params(prompt_logprobs: int = TOP, max_tokens: int = 1) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hf-llama")
-    return path, write_reference_llama(path)
+def checkpoint(reference_llama):
+    return reference_llama
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    g = torch.Generator().manual_seed(2)
-    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    return random_prompts(PROMPT_LENS, seed=2)
 
 
 @pytest.fixture(scope="module")
