@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +66,20 @@ def test_engine_host_measures_each_batch_and_prompt(tmp_path):
               out=tmp_path / "host.json")
     assert [(r["batch"], r["prompt"]) for r in got["rows"]] == [(1, 32), (4, 32)]
     assert all(r["ms_per_step"] > 0 for r in got["rows"])
+
+
+def test_the_gpu_session_script_passes_only_flags_its_benchmarks_take():
+    """benchmarks/gpu_session.sh runs on a lent GPU, where a typo costs the session's device
+    time: every flag it passes must be one its benchmark's --help lists."""
+    script = (REPO / "benchmarks/gpu_session.sh").read_text().replace("\\\n", " ")
+    assert subprocess.run(["bash", "-n", "-c", script]).returncode == 0
+    commands = re.findall(r"python3 (benchmarks/\w+\.py)([^;\n]*)", script)
+    assert {name for name, _ in commands} >= {
+        "benchmarks/engine_throughput.py", "benchmarks/gpu_tiers.py", "benchmarks/disk_restore.py"
+    }
+    for name, args in commands:
+        shown = subprocess.run(
+            [sys.executable, REPO / name, "--help"], capture_output=True, text=True, check=True
+        ).stdout
+        for flag in re.findall(r"(?<!\S)--[a-z][a-z-]*", args):
+            assert flag in shown, (name, flag)

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The GPU checks of the open work in one command, each stage under its own time limit so a
+# call fits the device's per-command limit (10 minutes); see ../shared/GPU.md.
+#
+#   bash benchmarks/gpu_session.sh [STAGE...]        (default: tests engine tiers)
+#
+# Stages, in the order they matter:
+#   tests    pytest -m cuda (every Triton kernel compiled on the GPU against its reference)
+#   engine   engine_throughput.py, 1B shape, beside eager and compiled transformers
+#   tiers    gpu_tiers.py, 1B shape, 2K/8K/32K prefixes, raw/zstd/kivi4
+#   tiers8b  gpu_tiers.py, 8B shape, 8K/32K prefixes (no remote case)
+#   disk     disk_restore.py, 1B and 8B blocks
+# A stage's limit is LIMIT_<stage> seconds (defaults below). Logs and JSON go to $OUT
+# (default benchmarks/results/gpu); each stage prints its log's tail. Wheels the machine
+# lacks are installed from .whl/ when it is there (the recipe in GPU.md).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results/gpu}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps .whl/*.whl 2>&1 | tail -n 3
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+'triton', triton.__version__)" | tee -a "$OUT/device.txt"
+
+run_stage() {  # name, default limit in seconds, command...
+    local name=$1 default=$2
+    shift 2
+    local var="LIMIT_$name" start=$SECONDS rc
+    local limit=${!var:-$default}
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    rc=$?
+    echo "== $name: exit $rc after $((SECONDS - start)) s (limit $limit s; 124: timed out)"
+    tail -n "${TAIL:-30}" "$OUT/$name.log"
+}
+
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(tests engine tiers)
+for stage in "${stages[@]}"; do
+    case $stage in
+        tests) run_stage tests 180 python3 -m pytest -m cuda -q -x -p no:cacheprovider tests ;;
+        engine) run_stage engine 200 python3 benchmarks/engine_throughput.py --device cuda \
+            --shape 1b --workloads 1x16x256,32x512x128,128x256x128 \
+            --out "$OUT/engine_throughput_1b.json" ;;
+        tiers) run_stage tiers 200 python3 benchmarks/gpu_tiers.py --device cuda --shapes 1b \
+            --prefixes 2K,8K,32K --codecs raw,zstd,kivi4 --out "$OUT/gpu_tiers_1b.json" ;;
+        tiers8b) run_stage tiers8b 300 python3 benchmarks/gpu_tiers.py --device cuda --shapes 8b \
+            --prefixes 8K,32K --codecs raw,zstd,kivi4 --skip remote --out "$OUT/gpu_tiers_8b.json" ;;
+        disk) run_stage disk 200 python3 benchmarks/disk_restore.py --device cuda --shapes 1b,8b \
+            --codecs raw,zstd,kivi4 --out "$OUT/disk_restore.json" ;;
+        *) echo "unknown stage $stage (tests, engine, tiers, tiers8b, disk)" >&2; exit 2 ;;
+    esac
+done
