@@ -370,7 +370,7 @@ class Admin:
                         flushed = fresh.flush()  # False: commits failed, records were lost
                         stats = fresh.stats()
                         if not flushed:  # a full or failing disk
-                            lost = stats.dropped - copied.refused
+                            lost = stats.dropped - copied.refused - copied.oversized
                             raise StoreError(
                                 f"{target}: {lost} salvaged records could not be written (a full "
                                 "or failing disk?); nothing was changed: the source is as it was"
@@ -407,6 +407,7 @@ class _Copied(NamedTuple):
     salvaged: int
     skipped: int  # keys for which no good record fitted the fresh store
     refused: int  # salvaged, but refused: only records that matter more could make room
+    oversized: int  # salvaged, but larger than the fresh store takes (among the skipped)
 
 
 def _copy_verified(
@@ -416,7 +417,7 @@ def _copy_verified(
     """Put the first good record found for each key into ``fresh`` at its priority."""
     salvaged: set[bytes] = set()
     failed: set[bytes] = set()
-    refused = 0
+    refused = oversized = 0
     batch: list[_Salvaged] = []
     for kb, value, scanned in entries:
         if progress is not None:
@@ -432,10 +433,10 @@ def _copy_verified(
         batch.append(_Salvaged(key, record, priorities.get(kb, DEFAULT_PRIORITY), len(value)))
         salvaged.add(kb)
         if len(batch) >= _REPAIR_BATCH:
-            refused += _put(fresh, batch, salvaged, failed)
-            batch = []
-    refused += _put(fresh, batch, salvaged, failed)
-    return _Copied(len(salvaged), len(failed - salvaged), refused)
+            counts = _put(fresh, batch, salvaged, failed)
+            refused, oversized, batch = refused + counts[0], oversized + counts[1], []
+    counts = _put(fresh, batch, salvaged, failed)
+    return _Copied(len(salvaged), len(failed - salvaged), refused + counts[0], oversized + counts[1])
 
 
 class _Salvaged(NamedTuple):
@@ -447,12 +448,13 @@ class _Salvaged(NamedTuple):
 
 def _put(
     fresh: Admin, batch: list[_Salvaged], salvaged: set[bytes], failed: set[bytes]
-) -> int:
-    """Put ``batch``; how many were refused for want of room that mattered less."""
+) -> tuple[int, int]:
+    """Put ``batch``; how many were refused for want of room that mattered less, and how
+    many were larger than ``fresh`` takes."""
     accepted = fresh.put_many(
         [(s.key, s.record) for s in batch], priorities=[s.priority for s in batch]
     )
-    refused = 0
+    refused = oversized = 0
     for s, ok in zip(batch, accepted):
         if ok:
             continue
@@ -461,7 +463,8 @@ def _put(
             continue
         salvaged.discard(s.key.to_bytes())  # larger than the fresh store takes
         failed.add(s.key.to_bytes())
-    return refused
+        oversized += 1
+    return refused, oversized
 
 
 def _unpack_quarantine(kb: bytes, value: bytes) -> QuarantineEntry:

@@ -1121,6 +1121,27 @@ def test_a_repair_onto_a_failing_disk_fails_and_changes_nothing(path: Path, tmp_
         assert sorted(store.keys()) == sorted(key(i) for i in range(20))
 
 
+def test_a_failed_repair_counts_as_lost_only_the_records_the_fresh_store_takes(
+    path: Path, tmp_path: Path, monkeypatch
+) -> None:
+    with LmdbStore(path, 16 << 20) as store:
+        for i in range(20):
+            put(store, i, size=200)
+        for i in range(20, 22):
+            put(store, i, size=200_000)  # larger than the fresh store below takes
+    target = tmp_path / "fixed"
+    init = LmdbStore.__init__
+
+    def on_a_failing_disk(self, where, *args, **kwargs):
+        init(self, where, *args, **kwargs)
+        if Path(where) == target:
+            FailingDisk(self, monkeypatch, disk_error(errno.EIO), room=None)
+
+    monkeypatch.setattr(LmdbStore, "__init__", on_a_failing_disk)
+    with pytest.raises(StoreError, match="^[^:]*: 20 salvaged records could not be written"):
+        LmdbStore.repair(path, target, capacity_bytes=128 << 10)
+
+
 def test_verify_reads_a_record_whose_key_bytes_were_damaged(path: Path) -> None:
     """A flipped byte in a stored key puts it out of LMDB's order: lookups no longer find it
     (nor, maybe, its neighbours), but verify reads every record where the cursor stands,
