@@ -46,7 +46,7 @@ def _add_rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride may pass 2**31 elements
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
@@ -103,7 +103,7 @@ def _rope_kernel(
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)  # token * stride may pass 2**31 elements
     head = tl.program_id(1)
     if head < num_q_heads:
         base = Q + token * stride_qn + head * stride_qh
