@@ -273,6 +273,8 @@ class LLMEngine:
         if plan.is_empty and self._ahead_held:  # its blocks may be what the plan lacks
             self._end_lookahead()
             plan = self.scheduler.schedule()
+        if plan.is_empty and plan.preempted:  # admission waits a step after a preemption
+            plan = self.scheduler.schedule()
         if plan.waits_for_held and self.connector is not None:
             self.connector.release_held()  # saves waiting for room below must not stall it
         if plan.is_empty and self.scheduler.has_pending_transfers():

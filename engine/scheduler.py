@@ -205,8 +205,10 @@ class Scheduler:
                     budget += self._unschedule(scheduled, victim)
                 self._preempt(victim)
                 preempted.append(victim)
-                if victim is seq:  # nothing left to preempt for it
-                    break
+                # It was its own victim (the last by policy): the ones after it, now from
+                # index i on, are still to schedule.
+                if victim is seq:
+                    continue
 
         looking: list[Sequence] = []  # the connector is still looking up their blocks
         while (
