@@ -133,6 +133,10 @@ class KVConnector(abc.ABC):
         ``is_prompt`` lets a connector keep prompt blocks only. A block whose hash is
         already in the engine's prefix cache (for example, it was loaded from this
         connector) is not offered again.
+
+        It should not raise. If it does, the engine logs it and lets go of every block of
+        the call at once, so a connector that raises must neither read those blocks nor
+        report any of them later.
         """
 
     @abc.abstractmethod
