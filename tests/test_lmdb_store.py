@@ -1097,6 +1097,18 @@ def test_a_store_directory_of_another_user_is_left_alone_with_one_warning(
     assert len(warnings) == 1 and "0700" in warnings[0].getMessage()
 
 
+def on_a_failing_disk(target: Path, monkeypatch) -> None:
+    """A store opened at ``target`` from now on fails every commit with EIO."""
+    init = LmdbStore.__init__
+
+    def failing(self, where, *args, **kwargs):
+        init(self, where, *args, **kwargs)
+        if Path(where) == target:
+            FailingDisk(self, monkeypatch, disk_error(errno.EIO), room=None)
+
+    monkeypatch.setattr(LmdbStore, "__init__", failing)
+
+
 @pytest.mark.parametrize("in_place", [False, True])
 def test_a_repair_onto_a_failing_disk_fails_and_changes_nothing(path: Path, tmp_path: Path, monkeypatch, in_place) -> None:
     """Salvaged records the fresh store cannot commit make the repair fail: it never reports
@@ -1105,14 +1117,7 @@ def test_a_repair_onto_a_failing_disk_fails_and_changes_nothing(path: Path, tmp_
         for i in range(20):
             put(store, i, size=200)
     target = path.with_name(f"{path.name}.repairing") if in_place else tmp_path / "fixed"
-    init = LmdbStore.__init__
-
-    def on_a_failing_disk(self, where, *args, **kwargs):
-        init(self, where, *args, **kwargs)
-        if Path(where) == target:
-            FailingDisk(self, monkeypatch, disk_error(errno.EIO), room=None)
-
-    monkeypatch.setattr(LmdbStore, "__init__", on_a_failing_disk)
+    on_a_failing_disk(target, monkeypatch)
     with pytest.raises(StoreError, match="20 salvaged records could not be written"):
         LmdbStore.repair(path, None if in_place else target)
     monkeypatch.undo()
@@ -1130,14 +1135,7 @@ def test_a_failed_repair_counts_as_lost_only_the_records_the_fresh_store_takes(
         for i in range(20, 22):
             put(store, i, size=200_000)  # larger than the fresh store below takes
     target = tmp_path / "fixed"
-    init = LmdbStore.__init__
-
-    def on_a_failing_disk(self, where, *args, **kwargs):
-        init(self, where, *args, **kwargs)
-        if Path(where) == target:
-            FailingDisk(self, monkeypatch, disk_error(errno.EIO), room=None)
-
-    monkeypatch.setattr(LmdbStore, "__init__", on_a_failing_disk)
+    on_a_failing_disk(target, monkeypatch)
     with pytest.raises(StoreError, match="^[^:]*: 20 salvaged records could not be written"):
         LmdbStore.repair(path, target, capacity_bytes=128 << 10)
 
