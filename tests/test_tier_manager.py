@@ -718,3 +718,21 @@ def test_cuda_a_pool_larger_than_the_host_can_pin_is_refused_naming_its_setting(
     with pytest.raises(ValueError, match=r"cpu_bytes=\d+: cannot pin .*; lower it"):
         manager.register_kv_cache(kv_cache, bytes(32), BLOCK)
     manager.close()
+
+
+@pytest.mark.parametrize("codec", ["raw", "kivi4"])
+def test_closing_gives_back_the_kv_cache_and_the_pool_while_the_llm_lives_on(disk, codec):
+    """The KV cache and the CPU pool's slab (pinned memory on a GPU host) are freed by close,
+    not only when the last reference to the LLM goes."""
+    import gc
+    import weakref
+
+    tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=4 << 20, disk_bytes=64 << 20, codec=codec)
+    llm = make_llm(tiers)
+    llm.generate(PROMPTS[:1], GREEDY)
+    cache = weakref.ref(llm.engine.model_runner.kv_cache)
+    slab = weakref.ref(llm.engine.connector._pool.slab)
+    llm.close()
+    gc.collect()
+    assert cache() is None and slab() is None
+    assert llm.engine.connector.stats() is not None  # still answers after close

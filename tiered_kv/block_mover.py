@@ -110,6 +110,7 @@ class BlockMover:
         self.staged = self.transcodes or staged
         self.device = kv_cache.device
         self.cache = kv_cache
+        self.cache_dtype = kv_cache.dtype
         self.blocks = kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)  # [num_blocks, nbytes]
         self.slab = slab
         self.offload_stream: torch.cuda.Stream | None = None
@@ -146,14 +147,22 @@ class BlockMover:
         return self.offload_stream is not None or self._thread is not None
 
     def close(self) -> None:
-        """Finish the offloads in flight and stop the mover's thread (if it has one)."""
+        """Finish the offloads in flight, stop the mover's thread (if it has one) and let go
+        of the KV cache, the slab and the staging areas, so that closing the engine gives
+        their memory back whoever still holds the mover."""
         if self._thread is not None:
             self._thread.shutdown(wait=True)
+        if self.offload_stream is not None:
+            self.offload_stream.synchronize()
+            self.restore_stream.synchronize()
+        self.cache = self.blocks = self.slab = None
+        if self.staged:
+            self._out = self._in = None
 
     @property
     def slot_dtype(self) -> torch.dtype:
         """The dtype a slot is viewed as (with :attr:`slot_shape`)."""
-        return torch.uint8 if self.transcodes else self.cache.dtype
+        return torch.uint8 if self.transcodes else self.cache_dtype
 
     @property
     def slot_shape(self) -> tuple[int, ...]:
@@ -234,7 +243,7 @@ class BlockMover:
     def _ids(self, block_ids: list[int]) -> torch.Tensor:
         """``block_ids`` as an index tensor on the device, copied without stalling the host."""
         ids = torch.tensor(block_ids, dtype=torch.int64)
-        if not self.cache.is_cuda:
+        if self.device.type != "cuda":
             return ids
         return ids.pin_memory().to(self.device, non_blocking=True)
 

@@ -216,7 +216,7 @@ class TierManager(KVConnector):
                 self._remote.close()
             if self._pool is not None:
                 self._pool.close()
-            self._kv_cache = self._mover = self._loader = None
+            self._kv_cache = self._mover = self._loader = self._saver = None
 
     # ------------------------------------------------------------------ connector
 
