@@ -171,8 +171,18 @@ class LmdbStore(Admin, Recovery, Committer, BlockStore[Record]):
                 sync=sync, full_check=full_check,
             )
 
-        try:
+        def open_and_index() -> None:
             opened = open_store()
+            self.descriptor, self._env, self._dbs, self._lock_fd, self.seal_key = opened
+            if not readonly:
+                try:
+                    self._load_index()  # reads the whole meta db: a damaged page shows here
+                except BaseException:
+                    self._release()
+                    raise
+
+        try:
+            open_and_index()
         except DamagedStore as e:
             if readonly or not replace_damaged:
                 raise
@@ -180,14 +190,7 @@ class LmdbStore(Admin, Recovery, Committer, BlockStore[Record]):
                 capacity_bytes = StoreDescriptor.load(self.path).capacity_bytes
             self.moved_aside = move_aside(self.path)
             logger.warning("%s; moved it to %s and started an empty store", e, self.moved_aside)
-            opened = open_store()
-        self.descriptor, self._env, self._dbs, self._lock_fd, self.seal_key = opened
-        if not readonly:
-            try:
-                self._load_index()
-            except BaseException:
-                self._release()
-                raise
+            open_and_index()
         self.capacity_bytes = self.descriptor.capacity_bytes
         self._stats.capacity_bytes = self.capacity_bytes
         self.map_size = self._env.info()["map_size"]

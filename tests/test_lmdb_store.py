@@ -8,6 +8,7 @@ import logging
 import os
 import random
 import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -880,6 +881,30 @@ def test_replace_damaged_moves_the_store_aside_and_starts_empty(path: Path) -> N
     assert stat.S_IMODE(path.stat().st_mode) == 0o700
     with LmdbStore(path, None, replace_damaged=True) as store:
         assert store.moved_aside is None and same(store.get(key(1)), record(1))
+
+
+def test_replace_damaged_also_covers_a_damaged_meta_db(path: Path) -> None:
+    """The index is read from the meta db after the store opens: a damaged page there is
+    as much a damaged store as one found while opening (the engine did not start)."""
+    from storage.lmdb_file import DataFile, _Walk
+    from storage.lmdb_store import DamagedStore
+
+    with LmdbStore(path, 16 << 20) as store:
+        for i in range(40):
+            put(store, i, size=300)
+    with DataFile.open(path) as f:
+        metas, _ = f.metas()
+        root = _Walk(f, metas[0]).named_dbs(metas[0].main)["meta"].root
+        page_size = metas[0].page_size
+    data = bytearray((path / "data.mdb").read_bytes())
+    struct.pack_into("=H", data, root * page_size + 10, 0)  # neither a branch nor a leaf page
+    (path / "data.mdb").write_bytes(data)
+    with pytest.raises(DamagedStore):
+        LmdbStore(path, None)
+    with LmdbStore(path, None, replace_damaged=True) as store:
+        assert store.moved_aside is not None and store.stats().entries == 0
+        put(store, 1)
+        assert store.flush() and same(store.get(key(1)), record(1))
 
 
 def test_full_check_reads_every_page_before_mapping(path: Path) -> None:
