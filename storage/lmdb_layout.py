@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 FORMAT_NAME = "tiered-kv-lmdb"
 STORE_VERSION = 2  # 2: meta values carry the priority (storage.lmdb_meta); 1 is read as is
 DESCRIPTOR_NAME = "tiered_kv.json"
+# Left by a read that met a damaged page: the next writable open checks every page first.
+DAMAGE_MARK_NAME = "damage_seen"
 _DESCRIPTOR_TMP = ".tiered_kv.json.tmp"
 # What a directory may hold and still count as empty: leftovers of a creation cut short.
 _CREATION_LEFTOVERS = frozenset({LOCK_NAME, _DESCRIPTOR_TMP, KEY_FILE_NAME})
@@ -59,7 +61,7 @@ KEYS_CHUNK = 1024  # keys listed per read transaction: short ones keep old pages
 U64 = struct.Struct("<Q")
 INFO_BYTES_USED = b"bytes_used"
 # LMDB errors that mean the file itself is bad, as opposed to a limit or a busy resource.
-_DAMAGE = (
+DAMAGE_ERRORS = (
     lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.VersionMismatchError,
     lmdb.PanicError,
 )
@@ -144,6 +146,15 @@ class StoreDescriptor:
         fsync_dir(path)
 
 
+def mark_damage_seen(path: Path) -> None:
+    """Leave :data:`DAMAGE_MARK_NAME` in the store's directory (best effort)."""
+    try:
+        (path / DAMAGE_MARK_NAME).touch(mode=0o600)
+        fsync_dir(path)
+    except OSError as e:
+        logger.warning("%s: cannot mark the store for a check at its next start: %s", path, e)
+
+
 def check_is_store(path: Path) -> None:
     """:class:`StoreError` unless ``path`` holds a store of ours or nothing at all."""
     if (path / DESCRIPTOR_NAME).exists():
@@ -217,7 +228,11 @@ def open_for_writing(
     try:
         check_is_store(path)  # again, now that no other writer can be creating it
         make_private(path)
-        check_file(path, full_check)
+        marked = (path / DAMAGE_MARK_NAME).exists()
+        check_file(path, full_check or marked)
+        if marked:  # every page checked and found sound: the damage was not in the file
+            (path / DAMAGE_MARK_NAME).unlink()
+            logger.info("%s: checked every page after a damaged read; none is damaged", path)
         old = StoreDescriptor.load(path) if (path / DESCRIPTOR_NAME).exists() else None
         if old is not None and old.record_format_version > RECORD_FORMAT_VERSION:
             raise StoreError(
@@ -354,7 +369,7 @@ def lmdb_errors(path: Path) -> Iterator[None]:
     """LMDB errors as store errors: a damaged file as :class:`DamagedStore`."""
     try:
         yield
-    except _DAMAGE as e:
+    except DAMAGE_ERRORS as e:
         raise DamagedStore(f"{path / DATA_NAME} is damaged ({e})") from None
     except lmdb.Error as e:
         raise StoreError(f"{path}: {e}") from None

@@ -59,10 +59,10 @@ from storage.lmdb_committer import QUARANTINE_KEEP_BYTES, Committer, Op, short_k
 from storage.lmdb_file import DamagedStore, check_data_file, check_structure
 from storage.lmdb_directory import LOCK_NAME, move_aside
 from storage.lmdb_layout import (
-    DB_INFO, DB_META, DB_RECORDS, DEFAULT_MAX_READERS, DESCRIPTOR_NAME, FORMAT_NAME,
+    DAMAGE_ERRORS, DB_INFO, DB_META, DB_RECORDS, DEFAULT_MAX_READERS, DESCRIPTOR_NAME, FORMAT_NAME,
     INFO_BYTES_USED, KEYS_CHUNK, STORE_VERSION, U64, MiB, StoreDescriptor,
     default_map_size,
-    Opened, lmdb_errors, open_for_reading, open_for_writing,
+    Opened, lmdb_errors, mark_damage_seen, open_for_reading, open_for_writing,
 )
 from storage.lmdb_meta import check_priority, unpack_meta
 from storage.lmdb_recovery import Recovery
@@ -155,6 +155,7 @@ class LmdbStore(Admin, Recovery, Committer, BlockStore[Record]):
         self._stats = LmdbStats(tier=self.tier)
         self._closing = False
         self._closed = False
+        self._damage_seen = False  # a read met a damaged page (see _unreadable)
         self._lock_fd: int | None = None
         self._env: lmdb.Environment | None = None
         self._init_committer()
@@ -296,6 +297,8 @@ class LmdbStore(Admin, Recovery, Committer, BlockStore[Record]):
                             found[i] = bytes(buf) if copy else buf
                 except lmdb.Error as e:  # a damaged file or a map outgrown: misses, not a crash
                     logger.error("%s: read failed: %s", self.path, e)
+                    if isinstance(e, DAMAGE_ERRORS) and not self.readonly:
+                        self._unreadable([kbs[i] for i in to_read if found[i] is None], e)
             yield self._verify(keys, kbs, found)
         finally:
             if txn is not None:
@@ -328,6 +331,26 @@ class LmdbStore(Admin, Recovery, Committer, BlockStore[Record]):
             gone = [kb for kb, error, data in bad if self._corrupt_locked(kb, error, data)]
         self._notify_gone(gone)
         return results
+
+    def _unreadable(self, kbs: list[bytes], error: lmdb.Error) -> None:
+        """Keys a damaged page hid from a read: counted corrupt and forgotten (misses from
+        now on, which the next save stores again), and the store is marked to be checked
+        page by page at its next start, where a damaged file is moved aside."""
+        with self._lock:
+            gone = [kb for kb in kbs if kb in self._index and kb not in self._pending]
+            for kb in gone:
+                self._used -= self._index.pop(kb)
+                self._touched.pop(kb, None)
+            self._stats.corrupt += len(gone)
+            first, self._damage_seen = not self._damage_seen, True
+        if first:
+            mark_damage_seen(self.path)
+            logger.warning(
+                "%s: a read met a damaged page (%s); its records are misses, and the store is "
+                "checked page by page when it next opens (moved aside if damaged; or run "
+                "`tiered-kv storage verify`)", self.path, error,
+            )
+        self._notify_gone(gone)
 
     def _corrupt_locked(self, kb: bytes, error: RecordError, data: bytes | memoryview) -> bool:
         """Count a record that failed verification (``data``, as it was read); True if the

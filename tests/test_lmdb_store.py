@@ -883,28 +883,59 @@ def test_replace_damaged_moves_the_store_aside_and_starts_empty(path: Path) -> N
         assert store.moved_aside is None and same(store.get(key(1)), record(1))
 
 
+def damage_root_page(path: Path, db: str) -> None:
+    """Make the root page of ``db`` neither a branch nor a leaf page."""
+    from storage.lmdb_file import DataFile, _Walk
+
+    with DataFile.open(path) as f:
+        metas, _ = f.metas()
+        root = _Walk(f, metas[0]).named_dbs(metas[0].main)[db].root
+        page_size = metas[0].page_size
+    data = bytearray((path / "data.mdb").read_bytes())
+    struct.pack_into("=H", data, root * page_size + 10, 0)  # the page's flags
+    (path / "data.mdb").write_bytes(data)
+
+
 def test_replace_damaged_also_covers_a_damaged_meta_db(path: Path) -> None:
     """The index is read from the meta db after the store opens: a damaged page there is
     as much a damaged store as one found while opening (the engine did not start)."""
-    from storage.lmdb_file import DataFile, _Walk
     from storage.lmdb_store import DamagedStore
 
     with LmdbStore(path, 16 << 20) as store:
         for i in range(40):
             put(store, i, size=300)
-    with DataFile.open(path) as f:
-        metas, _ = f.metas()
-        root = _Walk(f, metas[0]).named_dbs(metas[0].main)["meta"].root
-        page_size = metas[0].page_size
-    data = bytearray((path / "data.mdb").read_bytes())
-    struct.pack_into("=H", data, root * page_size + 10, 0)  # neither a branch nor a leaf page
-    (path / "data.mdb").write_bytes(data)
+    damage_root_page(path, "meta")
     with pytest.raises(DamagedStore):
         LmdbStore(path, None)
     with LmdbStore(path, None, replace_damaged=True) as store:
         assert store.moved_aside is not None and store.stats().entries == 0
         put(store, 1)
         assert store.flush() and same(store.get(key(1)), record(1))
+
+
+def test_a_read_that_meets_a_damaged_page_forgets_its_keys_and_has_the_store_checked(path: Path) -> None:
+    from storage.lmdb_layout import DAMAGE_MARK_NAME
+
+    with LmdbStore(path, 16 << 20) as store:
+        for i in range(20):
+            put(store, i, size=300)
+    damage_root_page(path, "records")
+    with LmdbStore(path, None, replace_damaged=True) as store:  # opening reads no record
+        assert store.moved_aside is None and store.contains(key(3))
+        assert store.get(key(3)) is None and store.get_many([key(4), key(5)]) == [None, None]
+        assert store.stats().corrupt == 3
+        assert not store.contains(key(3))  # no longer advertised: the next save stores it
+        assert (path / DAMAGE_MARK_NAME).exists()
+    with LmdbStore(path, None, replace_damaged=True) as store:  # checked page by page
+        assert store.moved_aside is not None and store.stats().entries == 0
+    assert not (path / DAMAGE_MARK_NAME).exists()
+    # A mark on a sound store: checked, found sound, the mark dropped, the records kept.
+    with LmdbStore(path, None) as store:
+        put(store, 1)
+    (path / DAMAGE_MARK_NAME).touch()
+    with LmdbStore(path, None) as store:
+        assert same(store.get(key(1)), record(1))
+    assert not (path / DAMAGE_MARK_NAME).exists()
 
 
 def test_full_check_reads_every_page_before_mapping(path: Path) -> None:
