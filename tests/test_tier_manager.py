@@ -552,9 +552,39 @@ def test_a_failing_offload_drops_its_blocks_and_the_engine_serves_on(reference, 
         assert llm.generate(PROMPTS[1], GREEDY)[0].token_ids == reference[1]
 
 
+def test_blocks_the_disk_refuses_are_logged_and_make_the_flush_false(disk, caplog):
+    tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=4 << 20, disk_bytes=10_000)  # < one record
+    with make_llm(tiers) as llm:
+        llm.generate(PROMPTS[0], GREEDY)
+        manager = llm.engine.connector
+        assert not manager.flush(30)
+        assert manager.stats()["disk"]["dropped"] == 8
+        assert manager.flush(30)  # nothing lost since
+    refused = [r.getMessage() for r in caplog.records if "the disk tier refused" in r.getMessage()]
+    assert refused and sum(int(m.split()[4]) for m in refused) == 8  # said, even if held back
+    assert all("--kv-disk-size" in m for m in refused)
+
+
+def test_a_drop_warning_held_back_is_logged_at_close(caplog):
+    import logging
+
+    from tiered_kv.drop_warning import DropWarning
+
+    log = logging.getLogger("tiered_kv.test")
+    warning = DropWarning(log, "dropped %d blocks; raise %s")
+    warning.add(3, "--a")
+    warning.add(4, "--a")  # within the interval: held back
+    warning.add(1, "--b")
+    assert [r.getMessage() for r in caplog.records] == ["dropped 3 blocks; raise --a"]
+    warning.close()
+    warning.close()
+    assert [r.getMessage() for r in caplog.records][1:] == ["dropped 5 blocks; raise --b"]
+
+
 def assert_all_dropped(manager, blocks: int) -> None:
     """After a flush: ``blocks`` saves dropped, nothing in the pool, every slot free."""
-    assert manager.flush(30)
+    assert not manager.flush(30)  # it says blocks were lost since the last flush
+    assert manager.flush(30)  # and none since
     stats = manager.stats()["cpu"]
     assert stats["dropped"] == blocks and stats["entries"] == 0
     assert manager.stores()["cpu"].num_evictable() == manager.stores()["cpu"].num_slots

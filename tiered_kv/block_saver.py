@@ -10,7 +10,7 @@ fails, when it is queued or on the way, drops its blocks (reported saved, counte
 When every slot holds a block not yet written to the lower tiers, a save waits, deferred
 (its GPU block stays held), and is retried at each ``poll`` (or by a flush while the engine
 is idle) for up to ``SAVE_WAIT_S``; it is then dropped, counted and logged (one WARNING per
-``DROP_WARNING_INTERVAL_S``, naming the setting to raise). It is dropped at once when the
+``drop_warning.DROP_WARNING_INTERVAL_S``, naming the setting to raise). It is dropped at once when the
 engine runs short of blocks (``release_deferred``): a save never stalls a request.
 """
 from __future__ import annotations
@@ -29,12 +29,12 @@ from storage.cpu_pool import Commit, CpuBlockPool
 from storage.lmdb_store import LmdbStore
 from tiered_kv.block_mover import BlockMover, Copy
 from tiered_kv.config import TierConfig
+from tiered_kv.drop_warning import DropWarning
 from tiered_kv.metrics import TierMetrics
 
 logger = logging.getLogger(__name__)
 
 SAVE_WAIT_S = 5.0  # how long a save may wait for a pool slot before it is dropped
-DROP_WARNING_INTERVAL_S = 60.0
 
 
 @dataclasses.dataclass
@@ -45,24 +45,6 @@ class _Save:
     commits: list[tuple[BlockKey, int, SavedBlock]]  # (key, slot, block)
     block_ids: list[int]  # every block id of the batch (reported saved together)
     started: float
-
-
-class _DropWarning:
-    """One WARNING line per interval for blocks dropped because the pool was full."""
-
-    def __init__(self) -> None:
-        self._count = 0
-        self._last = -DROP_WARNING_INTERVAL_S
-
-    def add(self, blocks: int, setting: str) -> None:
-        self._count += blocks
-        now = time.monotonic()
-        if now - self._last >= DROP_WARNING_INTERVAL_S:
-            logger.warning(
-                "dropped %d KV blocks: the CPU pool was full of blocks not yet written to the "
-                "lower tiers; raise %s (or use a faster disk or codec)", self._count, setting,
-            )
-            self._count, self._last = 0, now
 
 
 class BlockSaver:
@@ -108,7 +90,10 @@ class BlockSaver:
         self._saves: queue.SimpleQueue[_Save | None] = queue.SimpleQueue()
         self._saves_in_flight = 0  # copies not yet committed to the pool
         self._in_flight_lock = threading.Lock()
-        self._drops = _DropWarning()
+        self._drops = DropWarning(
+            logger, "dropped %d KV blocks: the CPU pool was full of blocks not yet written to the "
+            "lower tiers; raise %s (or use a faster disk or codec)"
+        )
         self._save_watcher: threading.Thread | None = None
         if mover.asynchronous:
             self._save_watcher = threading.Thread(
@@ -171,6 +156,7 @@ class BlockSaver:
         if self._save_watcher is not None:
             self._saves.put(None)
             self._save_watcher.join()
+        self._drops.close()
 
     def _offload(self, blocks: list[tuple[SavedBlock, float]]) -> None:
         """Reserve a slot for each ``(block, monotonic time its save began)``, oldest first,

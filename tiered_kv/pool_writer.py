@@ -37,6 +37,7 @@ from storage.base import BlockStore, StoreError
 from storage.codecs import Codec
 from storage.cpu_pool import CpuBlockPool, SlotBlock
 from storage.record import Record
+from tiered_kv.drop_warning import DropWarning
 from tiered_kv.metrics import TierMetrics
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,12 @@ BATCH_BLOCKS = 32
 # by side: one writer thread alone compresses well below what a GPU offloads.
 PACK_THREADS = min(8, max(2, (os.cpu_count() or 1) // 2))
 IDLE_WAIT_S = 0.05  # how often a write-back writer looks at the pool's free slots
+
+
+_REFUSAL_HINTS = {
+    "disk": "raise --kv-disk-size",
+    "remote": "give the Valkey/Redis server more memory (maxmemory), or check its log",
+}
 
 
 class PoolWriter:
@@ -77,6 +84,10 @@ class PoolWriter:
         self._draining = threading.Event()  # write-back: write everything now
         self._closing = False
         self._stopping = threading.Event()
+        self._refusals = DropWarning(
+            logger, f"the {tier} tier refused %d KV blocks (it is full of blocks that matter "
+            "more, or a block is larger than it takes, or the server refused them); %s",
+        )
         self._packers: concurrent.futures.ThreadPoolExecutor | None = None
         if codec.stage is not codec:
             self._packers = concurrent.futures.ThreadPoolExecutor(
@@ -108,6 +119,7 @@ class PoolWriter:
         self._thread.join()
         if self._packers is not None:
             self._packers.shutdown(wait=True)
+        self._refusals.close()
         dropped = self._pool.drop_pending(self.tier)
         if dropped:
             self._metrics.add(self.tier, dropped=dropped)
@@ -154,6 +166,8 @@ class PoolWriter:
             self._metrics.add(self.tier, dropped=len(records))
             return
         stored = [r for r, ok in zip(records, accepted) if ok]  # refusals: counted by the store
+        if len(stored) < len(records):
+            self._refusals.add(len(records) - len(stored), _REFUSAL_HINTS.get(self.tier, ""))
         self._metrics.observe_store(
             self.tier, time.perf_counter() - start, len(stored), sum(r.nbytes for r in stored)
         )

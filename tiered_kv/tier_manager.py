@@ -124,6 +124,7 @@ class TierManager(KVConnector):
         self._block_nbytes = 0
         self._lookup: TierLookup | None = None  # set by register_kv_cache, as the saver
         self._saver: BlockSaver | None = None
+        self._dropped_at_flush = 0  # blocks the tiers had dropped at the last flush
         self._loads_in_flight: set[concurrent.futures.Future[LoadResult]] = set()
         self._finished = threading.Condition()  # guards _loaded and _saved; poll waits on it
         self._loaded: dict[str, int] = {}
@@ -167,7 +168,9 @@ class TierManager(KVConnector):
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every block saved so far is committed to disk (fsynced) and handed to
-        the remote server; ``False`` if ``timeout`` seconds passed first."""
+        the remote server; ``False`` if ``timeout`` seconds passed first, or if a tier
+        dropped blocks since the previous flush (counted in its ``dropped``), so True means
+        every block saved since then reached every tier that takes it."""
         if self._closed:
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -183,7 +186,14 @@ class TierManager(KVConnector):
         for writer in self._writers:
             if not writer.drain(remaining()):
                 return False
-        return self._disk is None or self._disk.flush(remaining())
+        if self._disk is not None and not self._disk.flush(remaining()):
+            return False
+        dropped = self._num_dropped()
+        lost, self._dropped_at_flush = dropped - self._dropped_at_flush, dropped
+        return lost == 0
+
+    def _num_dropped(self) -> int:
+        return sum(int(tier.get("dropped", 0)) for tier in self.metrics.snapshot().values())
 
     def close(self) -> None:
         """Finish the transfers in flight, write what is pending to disk and the remote tier
