@@ -155,6 +155,8 @@ def test_disk_restores_in_a_new_engine_and_promotes_to_cpu(reference, disk):
     assert restored.num_cached_tokens == promoted.num_cached_tokens == hit_tokens(PROMPTS[0])
     assert after_disk["disk"]["hit_blocks"] == hit_tokens(PROMPTS[0]) // BLOCK
     assert after_disk["cpu"]["hit_blocks"] == 0
+    # the promoted blocks are stored into the CPU tier, as its counter says
+    assert after_disk["cpu"]["stored_blocks"] == after_disk["cpu"]["entries"] == hit_tokens(PROMPTS[0]) // BLOCK
     assert stats["cpu"]["hit_blocks"] == hit_tokens(PROMPTS[0]) // BLOCK  # promoted on the disk hit
     assert stats["disk"]["corrupt"] == 0 and stats["disk"]["load_failures"] == 0
 

@@ -22,6 +22,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -98,8 +99,11 @@ class BlockLoader:
         block_shape: tuple[int, ...],
         dtype: torch.dtype,
         promote: Callable[[str], tuple[str, ...]],
+        pool_tier: str | None = "cpu",
     ) -> None:
         self._pool = pool
+        self._pool_tier = pool_tier  # the tier the pool counts as (None: staging only)
+        self._block_nbytes = math.prod(block_shape) * dtype.itemsize
         self._mover = mover
         self._stores = stores
         self._metrics = metrics
@@ -275,6 +279,8 @@ class BlockLoader:
         if not committed:  # another load promoted the same block meanwhile
             got = self._pool.acquire(want.key)
             return None if got is None else got.slot
+        if self._pool_tier is not None:
+            self._metrics.add(self._pool_tier, stored_blocks=1, stored_bytes=self._block_nbytes)
         return slot
 
     def _decode_into(self, record: Record, parent: bytes | None, out: np.ndarray) -> None:

@@ -287,6 +287,7 @@ class TierManager(KVConnector):
         self._loader = BlockLoader(
             self._pool, self._mover, stores, self.metrics,
             block_shape=self._block_shape, dtype=kv_cache.dtype, promote=self._promote_to,
+            pool_tier="cpu" if config.has_cpu else None,
         )
         self._load_pool = concurrent.futures.ThreadPoolExecutor(
             LOAD_WORKERS, thread_name_prefix="tiered-kv-load"
