@@ -59,9 +59,12 @@ def compute(
         top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
         # the copies to the host wait for the slice once
         picked_h, rank_h = picked.squeeze(1).tolist(), rank.tolist()
-        tops = [{}] * len(picked_h)
         if k:
-            tops = [dict(zip(ids, values)) for ids, values in zip(top_ids.tolist(), top_values.tolist())]
-        for token_id, lp, r, top in zip(targets[start : start + SLICE_ROWS], picked_h, rank_h, tops):
+            pairs = zip(top_ids.tolist(), top_values.tolist())
+            tops = [dict(zip(ids, values)) for ids, values in pairs]
+        else:
+            tops = [{} for _ in picked_h]
+        chunk = targets[start : start + SLICE_ROWS]
+        for token_id, lp, r, top in zip(chunk, picked_h, rank_h, tops):
             entries.append(PromptLogprob(int(token_id), lp, r, top))
     return entries
