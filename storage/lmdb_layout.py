@@ -261,7 +261,12 @@ def open_for_writing(
         )
         if descriptor != old and not unverifiable:
             _save(descriptor, path)
-        env = open_env(path, readonly=False, sync=sync, map_size=map_size, max_readers=max_readers)
+        try:
+            env = open_env(path, readonly=False, sync=sync, map_size=map_size, max_readers=max_readers)
+        except BaseException:
+            if old is not None and descriptor != old and not unverifiable:
+                _save(old, path)  # a budget whose map cannot be reserved: the store stays as it was
+            raise
         env.reader_check()
         with lmdb_errors(path), env.begin(write=True) as txn:
             dbs = {name: env.open_db(name, txn=txn) for name in DB_NAMES}

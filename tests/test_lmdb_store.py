@@ -896,6 +896,27 @@ def damage_root_page(path: Path, db: str) -> None:
     (path / "data.mdb").write_bytes(data)
 
 
+def test_a_budget_whose_map_cannot_be_reserved_leaves_the_store_as_it_was(path: Path, monkeypatch) -> None:
+    import storage.lmdb_layout
+
+    with LmdbStore(path, 16 << 20) as store:
+        put(store, 1)
+    before = (path / "tiered_kv.json").read_bytes()
+    open_env = storage.lmdb_layout.open_env
+
+    def no_room(path, *, map_size, **kwargs):
+        if map_size > 1 << 40:
+            raise StoreError(f"{path}: cannot open the LMDB environment: Cannot allocate memory")
+        return open_env(path, map_size=map_size, **kwargs)
+
+    monkeypatch.setattr(storage.lmdb_layout, "open_env", no_room)
+    with pytest.raises(StoreError, match="Cannot allocate memory"):
+        LmdbStore(path, 64 << 40)  # 64 TiB: its map does not fit the address space
+    assert (path / "tiered_kv.json").read_bytes() == before  # not the new budget
+    with LmdbStore(path, None) as store:  # it opens as before, records and all
+        assert store.capacity_bytes == 16 << 20 and same(store.get(key(1)), record(1))
+
+
 def test_replace_damaged_also_covers_a_damaged_meta_db(path: Path) -> None:
     """The index is read from the meta db after the store opens: a damaged page there is
     as much a damaged store as one found while opening (the engine did not start)."""
