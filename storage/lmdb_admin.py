@@ -146,8 +146,11 @@ class Admin:
         with self._lock:
             gone = [kb for kb, error, data in bad if self._corrupt_locked(kb, error, data)]
         self._notify_gone(gone)
-        if gone:
-            self.flush()
+        if gone and not self.flush():
+            raise StoreError(
+                f"{self.path}: quarantining {len(gone)} bad records could not be committed "
+                "(a full or failing disk?)"
+            )
         return VerifyResult(checked, ok, len(bad), len(gone), nbytes)
 
     def namespaces(self) -> list[bytes]:

@@ -86,7 +86,7 @@ class Committer:
         self._queue: collections.deque[bytes] = collections.deque()
         self._pending_bytes = 0
         self._seq = 0
-        self._lost = 0  # accepted puts that were never committed
+        self._lost = 0  # accepted changes that were never committed
         self._lost_reported = 0  # ... as of the last flush
         self._writer: threading.Thread | None = None
         self._writer_ident: int | None = None
@@ -296,13 +296,16 @@ class Committer:
 
     def _abandon(self, snaps: list[Snap], gone: list[bytes]) -> None:
         """Give up on ``snaps`` after a failed commit: their puts are dropped, never
-        half-done, and counted for the next ``flush`` to report."""
+        half-done, and every change given up (a put, a delete, a quarantine) is counted for
+        the next ``flush`` to report."""
         with self._lock:
             for s in snaps:
                 entry = self._pending.get(s.key)
-                if s.op is Op.PUT and entry is not None and entry.seq == s.seq:
+                if entry is None or entry.seq != s.seq:
+                    continue  # changed again since: the newer change stands
+                self._lost += 1
+                if s.op is Op.PUT:
                     self._stats.dropped += 1
-                    self._lost += 1
                     size = self._index.pop(s.key, None)
                     if size is not None:
                         self._used -= size

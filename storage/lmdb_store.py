@@ -532,9 +532,9 @@ class LmdbStore(Admin, Recovery, Committer, BlockStore[Record]):
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything queued before the call is committed (and fsynced).
 
-        ``False`` if ``timeout`` passed first, or if a put accepted since the previous
-        flush was given up instead of committed (a full or failing disk: see
-        :attr:`degraded`), so True always means nothing accepted was lost.
+        ``False`` if ``timeout`` passed first, or if a change accepted since the previous
+        flush (a put, a delete, a quarantine) was given up instead of committed (a full or
+        failing disk: see :attr:`degraded`), so True always means nothing accepted was lost.
         """
         if self.readonly:
             return True

@@ -1203,6 +1203,18 @@ def test_a_repair_onto_a_failing_disk_fails_and_changes_nothing(path: Path, tmp_
         assert sorted(store.keys()) == sorted(key(i) for i in range(20))
 
 
+def test_a_delete_given_up_on_a_failing_disk_makes_the_flush_false(path: Path, monkeypatch) -> None:
+    with LmdbStore(path, 16 << 20) as store:
+        for i in range(4):
+            put(store, i, size=200)
+        assert store.flush()
+        FailingDisk(store, monkeypatch, disk_error(errno.EIO), room=None)
+        assert store.delete_many([key(0), key(1)]) == 2
+        assert not store.flush()  # the deletions did not happen: not a success
+        monkeypatch.undo()
+        assert store.flush()
+
+
 def test_a_failed_repair_counts_as_lost_only_the_records_the_fresh_store_takes(
     path: Path, tmp_path: Path, monkeypatch
 ) -> None:

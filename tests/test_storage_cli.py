@@ -492,3 +492,45 @@ def test_an_export_with_a_record_too_large_to_archive_fails_and_leaves_no_file(
     assert result.exit_code == 2, result.output
     assert "cannot be archived" in result.output and "internal error" not in result.output
     assert not archive.exists() and list(tmp_path.glob("*.tkv*")) == []
+
+
+def test_json_is_never_colored_even_when_the_console_forces_color(store_dir: Path, monkeypatch):
+    """FORCE_COLOR makes rich color a pipe too; --json output must still parse."""
+    from rich.console import Console
+
+    import tiered_kv.storage_cli as cli
+
+    monkeypatch.setattr(cli, "out", Console(force_terminal=True, color_system="truecolor"))
+    for args in (["stats"], ["verify"], ["gc", "--max-size", "1GiB", "--dry-run"]):
+        result = run(args[0], store_dir, *args[1:], "--json")
+        assert result.exit_code == 0 and "\x1b[" not in result.output, result.output
+        json.loads(result.output)
+
+
+def test_clear_with_no_stdin_at_all_is_a_no(store_dir: Path, monkeypatch):
+    def lost(*args, **kwargs):
+        raise RuntimeError("input(): lost sys.stdin")
+
+    monkeypatch.setattr("typer.confirm", lost)
+    result = run("clear", store_dir, "-n", NS_A.hex()[:8], "--json")
+    assert result.exit_code == 1 and json.loads(result.stdout)["declined"], result.output
+
+
+@pytest.mark.parametrize("args", [
+    ["gc", "--max-size", "9" * 400 + "PiB"], ["gc", "--older-than", "9" * 400 + "d"],
+])
+def test_a_size_or_duration_too_large_is_a_usage_error(store_dir: Path, args):
+    result = run(args[0], store_dir, *args[1:], "--json")
+    assert result.exit_code == 2 and "too" in json.loads(result.output)["error"], result.output
+
+
+def test_an_empty_namespace_is_refused_not_taken_as_every_namespace(store_dir: Path, tmp_path: Path):
+    result = run("export", store_dir, tmp_path / "a.tkv", "--namespace", "", "--json")
+    assert result.exit_code == 2 and "not a namespace" in result.output
+    assert not (tmp_path / "a.tkv").exists()
+
+
+def test_changes_the_disk_did_not_commit_are_an_error_not_a_report(store_dir: Path, monkeypatch):
+    monkeypatch.setattr(LmdbStore, "flush", lambda self, timeout=None: False)
+    result = run("gc", store_dir, "--max-size", "1KiB", "--json")
+    assert result.exit_code == 2 and "could not be committed" in json.loads(result.output)["error"]

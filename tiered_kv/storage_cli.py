@@ -95,10 +95,16 @@ def _info_dict(info: StoreInfo) -> dict:
     }
 
 
+def print_json(document: object) -> None:
+    """One JSON document on stdout, never colored (rich colors it under FORCE_COLOR even
+    into a pipe, and a parser then fails)."""
+    typer.echo(json.dumps(document, indent=2))
+
+
 def _print_info(info: StoreInfo, as_json: bool, extra: dict | None = None) -> None:
     fields = _info_dict(info)
     if as_json:
-        out.print_json(json.dumps(fields | (extra or {})))
+        print_json(fields | (extra or {}))
         return
     table = Table(title=f"KV cache {info.path}", show_header=False)
     table.add_column(style="bold")
@@ -157,7 +163,7 @@ def init(
             path, "resizing", capacity, instead="restart it with --kv-disk-size, which sets the budget"
         ) as store:
             evicted = store.stats().evictions
-            store.flush()
+            _commit(store, "the new budget's evictions")
             info = store.info()
     if not as_json:
         if resized:
@@ -223,7 +229,7 @@ def list_namespaces(path: Dir, as_json: AsJson = False) -> None:
         for ns, r in sorted(rows.items())
     ]
     if as_json:
-        out.print_json(json.dumps(result))
+        print_json(result)
         return
     table = Table(title=f"Namespaces in {path}")
     for column in ("namespace", "blocks", "bytes", "codec", "dtype", "newest", "oldest"):
@@ -260,7 +266,7 @@ def verify(path: Dir, as_json: AsJson = False) -> None:
             result = opened.verify(progress=lambda n: bar.advance(task, n))
     fields = result._asdict() | {"readonly": readonly}
     if as_json:
-        out.print_json(json.dumps(fields))
+        print_json(fields)
     else:
         table = Table(title=f"verify {path}", show_header=False)
         for name, value in fields.items():
@@ -270,6 +276,16 @@ def verify(path: Dir, as_json: AsJson = False) -> None:
             out.print("A server holds this store: the bad records were left for it to quarantine.")
     if result.corrupt:
         raise typer.Exit(EXIT_FOUND_CORRUPT)
+
+
+def _commit(store: LmdbStore, what: str) -> None:
+    """Wait for the store's writer; a clean error if what it was given could not be
+    committed (a full or failing disk), rather than a report of changes that did not happen."""
+    if not store.flush():
+        raise _fail(
+            f"{store.path}: {what} could not be committed (a full or failing disk?); "
+            f"`tiered-kv storage stats {store.path}` shows what the store holds"
+        )
 
 
 @contextmanager
@@ -329,7 +345,7 @@ def _resolve_namespace(store: LmdbStore, text: str) -> bytes:
 
 def _print_fields(title: str, fields: dict, as_json: bool) -> None:
     if as_json:
-        out.print_json(json.dumps(fields))
+        print_json(fields)
         return
     table = Table(title=title, show_header=False)
     table.add_column(style="bold")

@@ -15,6 +15,7 @@ from tiered_kv.storage_cli import (
     PUT_BATCH,
     AsJson,
     Dir,
+    _commit,
     _fail,
     _open,
     _open_writer,
@@ -36,7 +37,7 @@ def _delete(store: LmdbStore, keys: list[BlockKey], description: str) -> int:
             chunk = keys[start : start + PUT_BATCH]
             removed += store.delete_many(chunk)
             bar.advance(task, len(chunk))
-    store.flush()
+    _commit(store, f"deleting {removed} blocks")
     return removed
 
 
@@ -193,10 +194,10 @@ def clear(
 
 
 def _confirmed(question: str) -> bool:
-    """The operator's answer on the terminal; no answer (stdin closed) is a no."""
+    """The operator's answer on the terminal; no answer (stdin closed or gone) is a no."""
     try:
         return typer.confirm(question, err=True)
-    except typer.Abort:
+    except (typer.Abort, EOFError, RuntimeError, OSError):  # RuntimeError: "lost sys.stdin"
         return False
 
 

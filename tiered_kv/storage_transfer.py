@@ -19,7 +19,7 @@ from storage.record import RecordError, decode_record
 from storage.seal import KEY_FILE_NAME, SealKey, load_key_file
 from tiered_kv.archive import ArchiveError, check_archive, read_archive, read_key_id, write_archive
 from tiered_kv.storage_cli import (
-    PUT_BATCH, AsJson, Dir, Namespace, _fail, _open, _open_writer, _print_fields, _progress,
+    PUT_BATCH, AsJson, Dir, Namespace, _commit, _fail, _open, _open_writer, _print_fields, _progress,
     _resolve_namespace, app, err,
 )
 from tiered_kv.units import parse_size
@@ -49,8 +49,8 @@ def export(
         raise _fail(f"{archive} exists; refusing to overwrite it")
     bad = 0
     with _open(path) as store:
-        ns = _resolve_namespace(store, namespace) if namespace else None
-        total = sum(1 for _ in store.metadata(ns)) if ns else store.stats().entries
+        ns = _resolve_namespace(store, namespace) if namespace is not None else None  # "": refused
+        total = sum(1 for _ in store.metadata(ns)) if ns is not None else store.stats().entries
 
         def verified(bar: Progress, task):
             nonlocal bad
@@ -73,7 +73,7 @@ def export(
             raise _fail(f"cannot write {archive}: {e}") from None
     fields = {
         "archive": str(archive),
-        "namespace": ns.hex() if ns else None,
+        "namespace": ns.hex() if ns is not None else None,
         "records": summary.records,
         "record_bytes": summary.record_bytes,
         "archive_bytes": archive.stat().st_size,
@@ -147,7 +147,7 @@ def import_(
         except ArchiveError as e:  # changed since it was checked: keep what was verified
             store.flush()
             raise _fail(f"{archive}: {e}; {imported} records were imported") from None
-        store.flush()
+        _commit(store, f"importing {imported} records")
         evicted = store.stats().evictions - evictions_before
     fields = {
         "archive": str(archive),

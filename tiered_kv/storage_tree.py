@@ -132,7 +132,7 @@ def tree(
     tok = _load_tokenizer(tokenizer) if tokenizer is not None else None
     result = []
     with _open(path) as store:
-        spaces = [_resolve_namespace(store, namespace)] if namespace else store.namespaces()
+        spaces = [_resolve_namespace(store, namespace)] if namespace is not None else store.namespaces()
         for ns in spaces:
             roots, blocks, bad = _read_tree(store, ns)
             result.append((ns, roots, blocks, bad))

@@ -1,6 +1,7 @@
 """Human sizes, durations and ages, as users type them on the command line and read them in tables."""
 from __future__ import annotations
 
+import math
 import re
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)b?\s*$", re.I)
@@ -14,7 +15,10 @@ def parse_size(text: str) -> int:
         raise ValueError(f"not a size: {text!r} (examples: 4GiB, 500MB, 1048576)")
     number, prefix, binary = float(m.group(1)), m.group(2).lower(), m.group(3)
     base = 1024 if binary or not prefix else 1000
-    size = int(number * base ** _POWERS[prefix])
+    value = number * base ** _POWERS[prefix]
+    if not math.isfinite(value):
+        raise ValueError(f"not a size: {text!r} is too large")
+    size = int(value)
     if size <= 0:
         raise ValueError(f"size must be positive: {text!r}")
     return size
@@ -31,6 +35,8 @@ def parse_duration(text: str) -> float:
     if not compact or "".join(n + u for n, u in parts) != compact:
         raise ValueError(f"not a duration: {text!r} (examples: 7d, 12h, 1d12h, 30m)")
     seconds = sum(float(n) * _SECONDS[u.lower()] for n, u in parts)
+    if not math.isfinite(seconds):
+        raise ValueError(f"not a duration: {text!r} is too long")
     if seconds <= 0:
         raise ValueError(f"duration must be positive: {text!r}")
     return seconds
