@@ -538,12 +538,15 @@ def test_full_map_evicts_and_retries(path: Path, caplog) -> None:
         assert evicted and store.stats().evictions == len(evicted)
         assert len(kept()) >= 10
         assert not put(store, 1000, size=1 << 20)  # more than half the map: refused
-        assert put(store, 1001, size=700_000)  # fits once (most of) the rest is evicted
+        # fits once much of the rest is evicted; an overflow record needs contiguous free
+        # pages, and how fragmented the freed ones are depends on how the writer batched
+        # the puts above, so it asks for a fifth of the map, not a third
+        assert put(store, 1001, size=400_000)
         store.flush()
         stats = store.stats()
         assert stats.dropped == 1 and stats.evictions == len(evicted)
         assert all(same(store.get(key(i)), record(i, 50_000)) for i in kept() if i < 120)
-        assert same(store.get(key(1001)), record(1001, 700_000))
+        assert same(store.get(key(1001)), record(1001, 400_000))
     with LmdbStore(path, 16 << 20, map_size=2 << 20) as store:
         assert sorted(store.keys()) == sorted(key(i) for i in kept())
 
