@@ -7,9 +7,10 @@ default; ``1b`` and ``8b`` as in ``gpu_tiers.py``, bf16, the CUDA default).
   throughput  For each workload ``BxPxN`` (``--workloads``): B prompts of P random token ids,
               greedy, N new tokens each with eos ignored, side by side in one run:
               - ``transformers``: one ``generate()`` on the batch (dynamic cache, eager);
-              - ``compiled``: the same with a static cache and ``torch.compile``
-                (warmed up on the timed call itself: it compiles per shape)
-                (CUDA only unless ``--engines`` names it);
+              - ``compiled``: the same with a static cache, whose decode ``generate()``
+                itself compiles on CUDA (``torch.compile``, mode reduce-overhead: CUDA
+                graphs; on a CPU it stays eager), warmed up on the timed call itself
+                (it compiles per shape; CUDA only unless ``--engines`` names it);
               - the engine: one ``LLM.generate()`` (CUDA graphs for decode unless
                 ``--enforce-eager``, each decode forward launched a step ahead on CUDA:
                 ``async_scheduling``);
@@ -116,7 +117,10 @@ def run_transformers(model, prompts, new, static: bool, device) -> dict:
     return {"s": seconds, "tok_s": len(prompts) * new / seconds, "tokens": out}
 
 
-def run_engine(llm: LLM, prompts, new, device) -> dict:
+def run_engine(llm: LLM, prompts, new, device, synchronous: bool = False) -> dict:
+    if synchronous:
+        with synchronous_scheduling(llm):
+            return run_engine(llm, prompts, new, device)
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     llm.generate([p[:8] for p in prompts], SamplingParams(temperature=0.0, max_tokens=4))
     outs, seconds = timed(lambda: llm.generate(prompts, params), device)
@@ -143,38 +147,27 @@ def throughput(path: Path, shape: Shape, args, device: torch.device, rows: list[
     engine_kwargs["num_gpu_blocks_override"] = max_seqs * (-(-max_len // 16)) + 16
     llm, startup_s = timed(lambda: LLM(str(path), **engine_kwargs), device)
     rows.append({"startup_s": startup_s, "enforce_eager": args.enforce_eager})
-    compiled_forward = None  # installed on hf_model only for the compiled runs
+    runs = {"engine-sync": lambda: run_engine(llm, prompts, n, device, synchronous=True),
+            "engine": lambda: run_engine(llm, prompts, n, device),
+            "transformers": lambda: run_transformers(hf_model, prompts, n, False, device),
+            "compiled": lambda: run_transformers(hf_model, prompts, n, True, device)}
     for b, p, n in args.workloads:
         prompts = random_prompts(b, p, shape.vocab, SEED + b + p)
         row: dict = {"workload": f"{b}x{p}x{n}", "batch": b, "prompt": p, "new": n}
-        if "transformers" in args.engines:
-            row["transformers"] = run_transformers(hf_model, prompts, n, False, device)
-        if "compiled" in args.engines:
-            if compiled_forward is None:
-                compiled_forward = torch.compile(hf_model.forward, mode="reduce-overhead")
-            hf_model.forward = compiled_forward
-            try:
-                row["compiled"] = run_transformers(hf_model, prompts, n, True, device)
-            finally:
-                del hf_model.forward  # the eager forward again, for the next workload's row
-        if "engine-sync" in args.engines:
-            with synchronous(llm):
-                row["engine-sync"] = run_engine(llm, prompts, n, device)
-        if "engine" in args.engines:
-            row["engine"] = run_engine(llm, prompts, n, device)
-            reference = row.get("transformers", {}).get("tokens")
-            if reference is not None:
-                row["identical_outputs"] = sum(
-                    a == r for a, r in zip(row["engine"]["tokens"], reference))
-        for key in ENGINES:
-            if key in row:
-                row[key].pop("tokens")
-        rows.append(row)
+        rows.append(row)  # filled in as it runs: a run cut short still keeps its figures
+        tokens = {}
+        for key, run in runs.items():  # the engine first, for the same reason
+            if key in args.engines:
+                row[key] = run()
+                tokens[key] = row[key].pop("tokens")
+        if "engine" in tokens and "transformers" in tokens:
+            row["identical_outputs"] = sum(
+                a == r for a, r in zip(tokens["engine"], tokens["transformers"]))
     llm.close()
 
 
 @contextlib.contextmanager
-def synchronous(llm: LLM):
+def synchronous_scheduling(llm: LLM):
     """The same engine (pool, graphs) with ``async_scheduling`` off, for a side-by-side row."""
     config = llm.engine.config
     llm.engine.config = dataclasses.replace(config, async_scheduling=False)

@@ -41,7 +41,7 @@ stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(tests engine tiers)
 for stage in "${stages[@]}"; do
     case $stage in
-        tests) run_stage tests 180 python3 -m pytest -m cuda -q -x -p no:cacheprovider tests ;;
+        tests) run_stage tests 180 python3 -m pytest -m cuda -q -p no:cacheprovider tests ;;
         engine) run_stage engine 200 python3 benchmarks/engine_throughput.py --device cuda \
             --shape 1b --workloads 1x16x256,32x512x128,128x256x128 \
             --out "$OUT/engine_throughput_1b.json" ;;

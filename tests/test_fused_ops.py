@@ -68,6 +68,13 @@ def check_norm(case: NormCase, device: str) -> dict:
     }
 
 
+def _spacing(x: torch.Tensor) -> torch.Tensor:
+    """The distance from each element of ``x`` to the next representable value away from 0."""
+    finfo = torch.finfo(x.dtype)
+    away = torch.nextafter(x.abs(), torch.tensor(finfo.max, dtype=x.dtype, device=x.device))
+    return (away.float() - x.abs().float()).clamp_min(finfo.smallest_normal)
+
+
 def check_rope(case: RopeCase, device: str) -> dict:
     from engine.fused_ops import rope_, rope_reference
 
@@ -84,15 +91,26 @@ def check_rope(case: RopeCase, device: str) -> dict:
     sin = torch.cat([angles.sin()] * 2, -1).to(dtype).to(device)
     want_q, want_k = rope_reference(q, cos, sin), rope_reference(k, cos, sin)
     v_before = qkv[:, (hq + hkv) * d :].clone()
+    q_before, k_before = q.clone(), k.clone()
     got_q, got_k = rope_(q, k, cos, sin)
     err = max(
         (got_q.float() - want_q.float()).abs().max().item() if n else 0.0,
         (got_k.float() - want_k.float()).abs().max().item() if n else 0.0,
     )
+    # The error in steps of the dtype (0 means equal): a step at the result, plus a step at
+    # the larger product, which a compiled kernel may keep unrounded inside an FMA.
+    def steps(got, x, want):
+        rotated = torch.cat((-x[..., d // 2:], x[..., : d // 2]), -1)
+        larger = torch.maximum((x * cos.unsqueeze(1)).abs(), (rotated * sin.unsqueeze(1)).abs())
+        allowed = _spacing(want) + _spacing(larger)
+        return ((got.float() - want.float()).abs() / allowed).max().item() if n else 0.0
+
+    worst = max(steps(got_q, q_before, want_q), steps(got_k, k_before, want_k))
     return {
         "in_place": got_q.data_ptr() == q.data_ptr() and torch.equal(q, got_q),
         "exact": torch.equal(got_q, want_q) and torch.equal(got_k, want_k),
         "max_err": err,
+        "max_steps": worst,
         "v_untouched": torch.equal(qkv[:, (hq + hkv) * d :], v_before),
     }
 
@@ -134,12 +152,18 @@ def assert_norm(result: dict, case: NormCase) -> None:
     assert result["dtype"] == case.dtype and result["shape"] == [case.rows, case.hidden]
 
 
-def assert_rope(result: dict, case: RopeCase) -> None:
+def assert_rope(result: dict, case: RopeCase, compiled: bool = False) -> None:
     assert result["in_place"] and result["v_untouched"], result
     if case.dtype == "float32":  # a compiler may contract x*cos + y*sin into an FMA
         assert result["max_err"] <= 1e-5, result
-    else:  # each product and the sum are rounded to the dtype, as in torch
+    elif not compiled:  # each product and the sum are rounded to the dtype, as in torch
         assert result["exact"], result
+    else:
+        # The rule on a GPU: the kernel rounds each product and the sum as torch does, but
+        # the compiler may fuse a product into the add (an FMA, one rounding instead of two;
+        # seen on an H200 with Triton 3.6, case fp16-d24). So within a step of the dtype at
+        # the result plus one at the larger product (see check_rope's steps).
+        assert result["max_steps"] <= 1.0, result
 
 
 @pytest.mark.parametrize("case", NORM_CASES, ids=lambda c: c.name)
@@ -172,5 +196,5 @@ def test_kernels_on_gpu():
     for case in NORM_CASES:
         assert_norm(check_norm(case, "cuda"), case)
     for case in ROPE_CASES:
-        assert_rope(check_rope(case, "cuda"), case)
+        assert_rope(check_rope(case, "cuda"), case, compiled=True)
     assert all(check_errors("cuda").values())
