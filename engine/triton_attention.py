@@ -12,7 +12,9 @@ block's ``[block_size, H, D]`` to be contiguous.
   a second kernel merges (split-KV, so a small batch still fills the GPU). Prefill
   (anything else): one program per (query head, tile of ``BLOCK_M`` new tokens,
   sequence), first over the key tiles every row of the tile sees, then over the causal
-  diagonal with a mask.
+  diagonal with a mask. When that grid is too small to fill the GPU (a few new tokens
+  over a long cached prefix: a prefix hit), the keys every row sees are split likewise
+  and the same kernel merges the partials per token.
 
 Both attend with an online softmax in base 2 and fp32 accumulation; fp16/bf16 dots run
 on tensor cores (probabilities rounded to q's dtype before P·V), fp32 dots as 3xTF32.
@@ -215,14 +217,18 @@ def _decode_kernel(
 def _merge_splits_kernel(
     part_ptr, lse_ptr, out_ptr, qsl_ptr, num_splits, v_factor,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_on, stride_oh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PER_TOKEN: tl.constexpr,
 ):
-    """out = Σ_s 2**lse_s · o_s / Σ_s 2**lse_s over a head's split partials ``o_s``."""
+    """out = Σ_s 2**lse_s · o_s / Σ_s 2**lse_s over a head's split partials ``o_s``.
+    Axis 1 is a sequence (decode: its one token) or, with PER_TOKEN, a token (prefill)."""
     h = tl.program_id(0)
     b = tl.program_id(1)
-    row = tl.load(qsl_ptr + b)
-    if tl.load(qsl_ptr + b + 1) == row:
-        return
+    if PER_TOKEN:
+        row = b
+    else:
+        row = tl.load(qsl_ptr + b)
+        if tl.load(qsl_ptr + b + 1) == row:
+            return
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
     part = part_ptr + b.to(tl.int64) * stride_pb + h * stride_ph + d
@@ -252,14 +258,22 @@ def _prefill_kernel(
     q_ptr, cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, qk_scale, v_factor, softcap, window,
     stride_qn, stride_qh, stride_on, stride_oh, stride_bt,
     stride_blk, stride_tok, stride_kvh, v_offset,
+    part_ptr, lse_ptr, split_len, num_splits, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
-    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr,
 ):
     hq = tl.program_id(0)
-    # the last query tiles see the most keys: launch them first
-    m_tile = tl.num_programs(1) - 1 - tl.program_id(1)
+    # the last query tiles see the most keys: launch them first. With SPLIT, axis 1 is
+    # (tile, split) and split s reads keys [s * split_len, (s + 1) * split_len) of the
+    # part every row sees; split 0 also reads the causal diagonal, so it is never empty.
+    split = 0
+    if SPLIT:
+        split = tl.program_id(1) % num_splits
+        m_tile = tl.num_programs(1) // num_splits - 1 - tl.program_id(1) // num_splits
+    else:
+        m_tile = tl.num_programs(1) - 1 - tl.program_id(1)
     b = tl.program_id(2)
     q_start = tl.load(qsl_ptr + b)
     q_len = tl.load(qsl_ptr + b + 1) - q_start
@@ -298,19 +312,32 @@ def _prefill_kernel(
             BLOCK_SIZE, HEAD_DIM, D_PAD, BLOCK_N, FP8, DOT_FP32, PRECISION, 3, SOFTCAP,
         )
     else:
+        lo, hi, diagonal_end = 0, full_end, causal_end
+        if SPLIT:  # split_len is a multiple of BLOCK_N, so is every split of the full part
+            lo = split * split_len
+            hi = tl.minimum(lo + split_len, full_end)
+            diagonal_end = tl.where(split == 0, causal_end, full_end)
         acc, m_i, l_i = _attend(
-            acc, m_i, l_i, q, q_ptr, pos, cache_ptr, bt_row, head_off, 0, full_end, qk_scale,
+            acc, m_i, l_i, q, q_ptr, pos, cache_ptr, bt_row, head_off, lo, hi, qk_scale,
             softcap, window, stride_blk, stride_tok, v_offset,
             BLOCK_SIZE, HEAD_DIM, D_PAD, BLOCK_N, FP8, DOT_FP32, PRECISION, 0, SOFTCAP,
         )
         acc, m_i, l_i = _attend(
-            acc, m_i, l_i, q, q_ptr, pos, cache_ptr, bt_row, head_off, full_end, causal_end,
+            acc, m_i, l_i, q, q_ptr, pos, cache_ptr, bt_row, head_off, full_end, diagonal_end,
             qk_scale, softcap, window, stride_blk, stride_tok, v_offset,
             BLOCK_SIZE, HEAD_DIM, D_PAD, BLOCK_N, FP8, DOT_FP32, PRECISION, 2, SOFTCAP,
         )
-    out = acc * (v_factor / l_i)[:, None]
-    ptrs = out_ptr + tok[:, None] * stride_on + hq * stride_oh + d[None, :]
-    tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    if SPLIT:  # partials per token; an empty split leaves l == 0, m == -inf: weight 0
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        part = (part_ptr + tok[:, None] * stride_pb + hq * stride_ph + split * stride_ps
+                + d[None, :])
+        tl.store(part, acc / l_safe[:, None], mask=io_mask)
+        tl.store(lse_ptr + tok * stride_lb + hq * stride_lh + split, m_i + tl.log2(l_safe),
+                 mask=rows < q_len)
+    else:
+        out = acc * (v_factor / l_i)[:, None]
+        ptrs = out_ptr + tok[:, None] * stride_on + hq * stride_oh + d[None, :]
+        tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 # --- wrappers ---------------------------------------------------------------------------
@@ -344,12 +371,17 @@ def _check_meta(
         )
 
 
-def _decode_splits(num_seqs: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Enough splits for about two programs per SM, none shorter than MIN_SPLIT_TOKENS."""
+def _default_splits(programs: int, max_seq_len: int, device: torch.device) -> int:
+    """Splits of each context for about two programs per SM (see :func:`split_count`)."""
     if device.type != "cuda":
         return 1
-    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    programs = num_seqs * kv_heads
+    return split_count(programs, max_seq_len, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def split_count(programs: int, max_seq_len: int, sms: int) -> int:
+    """How many splits bring a grid of ``programs`` to about two programs per SM, none
+    shorter than MIN_SPLIT_TOKENS; 1 when the grid fills the GPU already."""
+    target = 2 * sms
     if programs >= target:
         return 1
     return max(1, min(triton.cdiv(target, programs), max_seq_len // MIN_SPLIT_TOKENS))
@@ -371,8 +403,8 @@ def attention(
     Matches :func:`engine.attention.attention_torch`, ``window`` and ``softcap`` included
     (positions before a window are never read). The cache's dtype is q's or fp8 (with
     ``scales``). Grid sizes come from the host lists in ``meta``: no device sync.
-    ``num_splits`` overrides how many partitions the decode kernel splits each context
-    (or window) into (by default enough to fill the GPU); it is ignored for prefill steps.
+    ``num_splits`` overrides how many partitions each context (decode: or window) is split
+    into (by default enough to fill the GPU); a prefill step with a window never splits.
     """
     check_kernel_device(q, "q")
     if q.dim() != 3:
@@ -435,9 +467,28 @@ def attention(
         _decode(args, constants, out, meta, v_factor, Hkv, span, num_splits)
         return out
     block_m = min(tiles.block_m, max(16, pow2(meta.max_query_len)))
-    grid = (Hq, triton.cdiv(meta.max_query_len, block_m), meta.num_seqs)
+    tiles_m = triton.cdiv(meta.max_query_len, block_m)
     warps = tiles.prefill_warps if block_m >= 32 else 4
-    _prefill_kernel[grid](*args, GROUP=Hq // Hkv, BLOCK_M=block_m, num_warps=warps, **constants)
+    common = dict(GROUP=Hq // Hkv, BLOCK_M=block_m, num_warps=warps, **constants)
+    # a few new tokens over a long context (a prefix hit) leave most SMs idle: split the keys
+    # every row sees, as decode does (not within a window: it reads few keys anyway)
+    if window is None and num_splits is None:
+        num_splits = _default_splits(Hq * tiles_m * meta.num_seqs, max_seq_len, q.device)
+    split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits or 1), tiles.block_n) * tiles.block_n
+    num_splits = 1 if window is not None else triton.cdiv(max_seq_len, split_len)
+    if num_splits == 1:
+        grid = (Hq, tiles_m, meta.num_seqs)
+        _prefill_kernel[grid](*args, out, out, 0, 1, 0, 0, 0, 0, 0, SPLIT=False, **common)
+        return out
+    part = torch.empty(N, Hq, num_splits, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(N, Hq, num_splits, dtype=torch.float32, device=q.device)
+    strides = (*part.stride()[:3], *lse.stride()[:2])
+    grid = (Hq, tiles_m * num_splits, meta.num_seqs)
+    _prefill_kernel[grid](*args, part, lse, split_len, num_splits, *strides, SPLIT=True, **common)
+    _merge_splits_kernel[(Hq, N)](
+        part, lse, out, meta.query_start_loc, num_splits, v_factor, *strides,
+        out.stride(0), out.stride(1), HEAD_DIM=D, D_PAD=d_pad, PER_TOKEN=True,
+    )
     return out
 
 
@@ -472,7 +523,7 @@ def _decode(
     num_seqs, q_heads, head_dim = meta.num_seqs, out.shape[1], out.shape[2]
     device = out.device
     if num_splits is None:
-        num_splits = _decode_splits(num_seqs, kv_heads, max_seq_len, device)
+        num_splits = _default_splits(num_seqs * kv_heads, max_seq_len, device)
     # split s covers positions [s * split_len, (s + 1) * split_len) of every sequence's
     # context, or of its window
     block_n = constants["BLOCK_N"]
@@ -491,5 +542,5 @@ def _decode(
     _merge_splits_kernel[(q_heads, num_seqs)](
         part, lse, out, meta.query_start_loc, num_splits, v_factor,
         *strides, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, D_PAD=constants["D_PAD"],
+        HEAD_DIM=head_dim, D_PAD=constants["D_PAD"], PER_TOKEN=False,
     )

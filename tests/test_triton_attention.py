@@ -110,6 +110,16 @@ ATTN_CASES = [
              softcap=1.5),
     AttnCase("mixed-bf16-e5m2-window", "bfloat16", (40, 5), (13, 1), (2, 2), 32, 32, cache=E5M2,
              window=6),
+    # split-KV prefill (a prefix hit): splits of the keys every row sees, some of them empty
+    # for the shorter contexts and for the rows near a context's start
+    AttnCase("prefix-fp32-split3", "float32", (200, 90, 20), (16, 33, 20), (4, 2), 64, 16,
+             num_splits=3),
+    AttnCase("mixed-bf16-e4m3-split4", "bfloat16", (150, 7, 131), (5, 1, 3), (4, 1), 32, 8,
+             cache=E4M3, num_splits=4),
+    AttnCase("prefix-fp16-softcap-split2-tiles", "float16", (170,), (150,), (2, 1), 16, 16,
+             num_splits=2, softcap=1.5),
+    AttnCase("prefix-fp32-d24-split5-bs32", "float32", (300, 64), (2, 64), (2, 1), 24, 32,
+             num_splits=5),
 ]
 
 # bigger shapes for the GPU only: default split heuristics, many query tiles, long contexts
@@ -123,6 +133,9 @@ CUDA_ATTN_CASES = [
             window=4096, softcap=50.0),
     AttnCase("gpu-prefix-fp16-window", "float16", (1500, 700), (900, 700), (8, 4), 256, 16,
              window=512, softcap=50.0),
+    # prefix hits: few new tokens over long contexts, split by the default heuristic
+    AttnCase("gpu-prefix-hit-bf16", "bfloat16", (8208, 2064), (16, 16), (32, 8), 64, 16),
+    AttnCase("gpu-prefix-hit-fp16-e4m3", "float16", (4100,), (4,), (32, 8), 128, 16, cache=E4M3),
 ]
 
 
@@ -369,6 +382,17 @@ def test_wrappers_reject_bad_arguments(interpreted, call):
 
 def test_write_kv_skips_slots_outside_the_cache(interpreted):
     assert interpreted["skipped_slot"]
+
+
+def test_a_prefix_hit_splits_its_keys_and_a_long_prefill_does_not():
+    from engine.triton_attention import split_count
+
+    # 1B shape (32 query heads) on 132 SMs: 16 new tokens over 8K cached ones is one tile
+    # per head, 32 programs for 264 slots: 9 splits of 912 keys
+    assert split_count(32 * 1 * 1, 8208, 132) == 9
+    assert split_count(32, 1040, 132) == 4  # no split under MIN_SPLIT_TOKENS keys
+    assert split_count(32, 200, 132) == 1
+    assert split_count(32 * 16 * 1, 8208, 132) == 1  # 2,048 new tokens fill the GPU
 
 
 @pytest.mark.cuda
