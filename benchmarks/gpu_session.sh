@@ -10,6 +10,7 @@
 #   tiers    gpu_tiers.py, 1B shape, 2K/8K/32K prefixes, raw/zstd/kivi4
 #   tiers8b  gpu_tiers.py, 8B shape, 8K/32K prefixes (no remote case)
 #   disk     disk_restore.py, 1B and 8B blocks
+#   qa       multi_round_qa.py --shape 1b: tiers against GPU-only prefix caching over HTTP
 # A stage's limit is LIMIT_<stage> seconds (defaults below). Logs and JSON go to $OUT
 # (default benchmarks/results/gpu); each stage prints its log's tail. Wheels the machine
 # lacks are installed from .whl/ when it is there (the recipe in GPU.md).
@@ -51,6 +52,8 @@ for stage in "${stages[@]}"; do
             --prefixes 8K,32K --codecs raw,zstd,kivi4 --skip remote --out "$OUT/gpu_tiers_8b.json" ;;
         disk) run_stage disk 200 python3 benchmarks/disk_restore.py --device cuda --shapes 1b,8b \
             --codecs raw,zstd,kivi4 --out "$OUT/disk_restore.json" ;;
-        *) echo "unknown stage $stage (tests, engine, tiers, tiers8b, disk)" >&2; exit 2 ;;
+        qa) run_stage qa 240 python3 benchmarks/multi_round_qa.py --shape 1b \
+            --out "$OUT/multi_round_qa_1b.json" --plot "$OUT/multi_round_qa_1b.png" ;;
+        *) echo "unknown stage $stage (tests, engine, tiers, tiers8b, disk, qa)" >&2; exit 2 ;;
     esac
 done

@@ -12,7 +12,13 @@ small ``--num-gpu-blocks-override``, so the engine's pool cannot keep every user
 TTFT is the time from sending a request to its first chunk with content. Target: mean TTFT
 at least 3x lower with the tiers. Writes JSON (``--out``) and a plot of TTFT per round.
 
+``--shape bench`` (the default) is a small fp32 model whose 1,000-token prefill takes about
+a second on one CPU core. ``--shape 1b`` is the GPU workload: the 1B Llama shape of
+``gpu_tiers.py`` in bf16 (written on CUDA when there is one), 8,000-character documents
+and a pool of 1,104 blocks, again about two users' histories.
+
     .venv/bin/python benchmarks/multi_round_qa.py            # --quick: fewer users and rounds
+    python benchmarks/multi_round_qa.py --shape 1b           # on a GPU
 """
 from __future__ import annotations
 
@@ -31,12 +37,14 @@ from pathlib import Path
 
 import httpx
 
-from bench_common import machine, write_random_llama
+import torch
+
+from bench_common import SHAPES, machine, write_random_llama
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = 0
 TARGET_SPEEDUP = 3.0
-MODEL = dict(  # prefill of ~1k tokens takes ~1 s on one CPU core
+MODEL = dict(  # --shape bench: prefill of ~1k tokens takes ~1 s on one CPU core
     vocab_size=512,
     hidden_size=512,
     intermediate_size=1408,
@@ -48,6 +56,17 @@ MODEL = dict(  # prefill of ~1k tokens takes ~1 s on one CPU core
     bos_token_id=256,
     eos_token_id=257,
 )
+# Per shape: the model, the document length, and an engine pool of about two users'
+# histories (the two running sequences fit; all six users' need about three times more).
+SETUPS = {
+    "bench": dict(model=MODEL, dtype=torch.float32, device="cpu", max_model_len=2048,
+                  document_chars=1000, gpu_blocks=224, max_num_seqs=2, cpu_gib=2, disk_gib=4),
+    # the tokenizer's own 264 ids: a random model's answers then decode to text at once
+    "1b": dict(model={**SHAPES["1b"].llama_config(12288), "vocab_size": 264}, dtype=torch.bfloat16,
+               device="cuda" if torch.cuda.is_available() else "cpu", max_model_len=12288,
+               # 2 x (256 + 8,000 + 5 x (80 + 32)) tokens, in blocks of 16
+               document_chars=8000, gpu_blocks=1104, max_num_seqs=2, cpu_gib=4, disk_gib=8),
+}
 WORDS = (
     "cache block tier disk memory prefix token model request latency server restart hash "
     "record codec batch queue engine layer head attention window history answer question"
@@ -70,15 +89,17 @@ def free_port() -> int:
 ADMIN_KEY = "bench-admin"  # the benchmark reads /admin/tiers
 
 
-def start_server(model: Path, port: int, blocks: int, tiers: bool, cache: Path, log: Path, max_seqs: int) -> subprocess.Popen:
+def start_server(model: Path, port: int, setup: dict, tiers: bool, cache: Path, log: Path) -> subprocess.Popen:
     args = [
         sys.executable, "-c", "from tiered_kv.cli import main; main()", "serve",
-        "--model", str(model), "--port", str(port), "--max-model-len", "2048",
-        "--num-gpu-blocks-override", str(blocks), "--max-num-seqs", str(max_seqs),
+        "--model", str(model), "--port", str(port), "--max-model-len", str(setup["max_model_len"]),
+        "--num-gpu-blocks-override", str(setup["gpu_blocks"]),
+        "--max-num-seqs", str(setup["max_num_seqs"]),
         "--log-level", "warning", "--admin-api-key", ADMIN_KEY,
     ]
     if tiers:
-        args += ["--kv-cache-dir", str(cache), "--kv-offloading-size", "2", "--kv-disk-size", "4"]
+        args += ["--kv-cache-dir", str(cache), "--kv-offloading-size", str(setup["cpu_gib"]),
+                 "--kv-disk-size", str(setup["disk_gib"])]
     else:
         args += ["--kv-offloading-size", "0", "--kv-disk-size", "0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -143,7 +164,7 @@ async def user(
 async def run_mode(name: str, model: Path, args, workload, work: Path) -> dict:
     port = free_port()
     log = work / f"{name}.log"
-    proc = start_server(model, port, args.gpu_blocks, name == "tiers", work / "kv_cache", log, args.max_num_seqs)
+    proc = start_server(model, port, args.setup, name == "tiers", work / "kv_cache", log)
     try:
         async with httpx.AsyncClient(
             base_url=f"http://127.0.0.1:{port}", timeout=600,
@@ -152,7 +173,7 @@ async def run_mode(name: str, model: Path, args, workload, work: Path) -> dict:
             await wait_healthy(client, proc, log)
             await chat_turn(client, [{"role": "user", "content": "warm up"}], 2)
             results: list[dict] = []
-            slots = asyncio.Semaphore(args.max_num_seqs)
+            slots = asyncio.Semaphore(args.setup["max_num_seqs"])
             start = time.perf_counter()
             await asyncio.gather(
                 *(
@@ -231,13 +252,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", type=Path, default=None,
                         help="PNG of TTFT per round (default: docs/multi_round_qa_ttft.png, or "
                              "benchmarks/results/ with --quick, so a smoke run leaves docs alone)")
+    parser.add_argument("--shape", choices=tuple(SETUPS), default="bench",
+                        help="bench: small fp32 model (CPU); 1b: the 1B shape in bf16 (GPU)")
     args = parser.parse_args(argv)
     if args.plot is None:
         args.plot = REPO / ("benchmarks/results" if args.quick else "docs") / "multi_round_qa_ttft.png"
     args.users, args.rounds = (4, 3) if args.quick else (6, 5)
-    args.system_chars, args.document_chars, args.question_chars, args.max_tokens = 256, 1000, 80, 32
-    # 3,584 tokens: the two running sequences fit, about two users' histories stay cached
-    args.gpu_blocks, args.max_num_seqs = 224, 2
+    args.setup = setup = SETUPS[args.shape]
+    args.system_chars, args.question_chars, args.max_tokens = 256, 80, 32
+    args.document_chars = setup["document_chars"]
 
     rng = random.Random(SEED)
     workload = {
@@ -248,7 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="multi_round_qa-") as tmp:
         work = Path(tmp)
         model = work / "model"
-        write_random_llama(model, MODEL, SEED)
+        write_random_llama(model, setup["model"], SEED, device=setup["device"],
+                           dtype=setup["dtype"])
         modes = [asyncio.run(run_mode(name, model, args, workload, work)) for name in ("tiers", "gpu-only")]
     tiers, gpu = modes
     speedup = gpu["ttft_mean_s"] / tiers["ttft_mean_s"]
@@ -261,9 +285,11 @@ def main(argv: list[str] | None = None) -> None:
         "document_chars": args.document_chars,
         "question_chars": args.question_chars,
         "max_tokens": args.max_tokens,
-        "gpu_blocks": args.gpu_blocks,
-        "max_num_seqs": args.max_num_seqs,
-        "model": MODEL,
+        "shape": args.shape,
+        "gpu_blocks": setup["gpu_blocks"],
+        "max_num_seqs": setup["max_num_seqs"],
+        "model": setup["model"],
+        "dtype": str(setup["dtype"]).removeprefix("torch."),
         "machine": machine(),
         "modes": modes,
         "mean_ttft_speedup": speedup,
@@ -274,7 +300,8 @@ def main(argv: list[str] | None = None) -> None:
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     plotted = plot(results, args.plot)
 
-    print(f"\nMulti-round QA: {args.users} users x {args.rounds} rounds, GPU pool {args.gpu_blocks} blocks")
+    print(f"\nMulti-round QA ({args.shape}): {args.users} users x {args.rounds} rounds, "
+          f"GPU pool {setup['gpu_blocks']} blocks")
     print(f"{'mode':<10} {'mean':>9} {'p50':>9} {'p90':>9} {'wall':>8}  hit rate (tokens): gpu / cpu / disk")
     for m in modes:
         rates = " / ".join(f"{m['hit_rate'].get(t, 0.0):.0%}" for t in ("gpu", "cpu", "disk"))

@@ -75,7 +75,8 @@ def test_the_gpu_session_script_passes_only_flags_its_benchmarks_take():
     assert subprocess.run(["bash", "-n", "-c", script]).returncode == 0
     commands = re.findall(r"python3 (benchmarks/\w+\.py)([^;\n]*)", script)
     assert {name for name, _ in commands} >= {
-        "benchmarks/engine_throughput.py", "benchmarks/gpu_tiers.py", "benchmarks/disk_restore.py"
+        "benchmarks/engine_throughput.py", "benchmarks/gpu_tiers.py", "benchmarks/disk_restore.py",
+        "benchmarks/multi_round_qa.py",
     }
     for name, args in commands:
         shown = subprocess.run(
