@@ -202,7 +202,8 @@ class CpuBlockPool(BlockStore[HostBlock]):
         *,
         hold: bool = False,
     ) -> list[bool]:
-        """:meth:`commit` for many blocks of one dtype and shape, under one lock."""
+        """:meth:`commit` for many blocks of one dtype and shape, under one lock. An invalid
+        key raises before any slot is committed or freed: the slots are still the caller's."""
         for commit in commits:
             commit.key.validate()
         kv_shape = tuple(kv_shape)

@@ -228,4 +228,5 @@ def test_a_commit_that_fails_drops_its_blocks_and_still_reports_them(monkeypatch
     monkeypatch.setattr(s.pool, "commit_many", fail)
     s.saver.save([saved(0), saved(1)])
     assert s.reported == [0, 1] and s.dropped() == 2
+    assert s.pool.num_evictable() == 4  # the slots it reserved are free again
     s.close()

@@ -264,3 +264,19 @@ def test_batched_reserve_stops_at_the_first_block_without_a_slot_and_commit_file
     held = pool.acquire(key(2))
     assert held.parent_hash == key(1).block_hash and held.token_ids == (2,) and held.priority == 7
     assert pool.stats().puts == 3
+
+
+def test_a_commit_with_an_invalid_key_raises_before_taking_any_slot():
+    from storage.cpu_pool import Commit
+
+    pool = CpuBlockPool(2 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES)
+    slots = pool.reserve_many([0, 0])
+    kv = block(1).kv
+    bad = BlockKey(b"short", key(2).block_hash)
+    with pytest.raises(ValueError, match="two"):
+        pool.commit_many([Commit(key(1), slots[0], None, (1,), ("disk",)),
+                          Commit(bad, slots[1], None, (2,), ("disk",))], kv.dtype, tuple(kv.shape))
+    assert not pool.contains(key(1)) and pool.num_evictable() == 0  # both still the caller's
+    for slot in slots:
+        pool.unreserve(slot)
+    assert pool.num_evictable() == 2

@@ -249,9 +249,11 @@ class BlockSaver:
                  for (key, slot, block), there in zip(save.commits, on_disk)],
                 self._mover.slot_dtype, self._mover.slot_shape,
             ).count(True)
-        except Exception:
+        except Exception:  # the pool raises before it takes any slot: give them all back
             logger.exception("committing %d saved blocks to the CPU pool failed; dropping them",
                              len(save.commits))
+            for _, slot, _ in save.commits:
+                self._pool.unreserve(slot)
             self._metrics.add(self._drop_tier, dropped=len(save.commits))
         else:
             if self._config.has_cpu:
