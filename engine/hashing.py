@@ -85,23 +85,33 @@ def root_hash(namespace: bytes, cache_salt: str | None = None) -> bytes:
 
 def block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
     """``h_i`` of a block from its parent's hash and its token ids."""
-    try:
-        tokens = struct.pack(f"<{len(token_ids)}I", *token_ids)
-    except struct.error as e:
-        raise ValueError(f"token ids must be integers in [0, {_MAX_TOKEN_ID}]: {e}") from None
-    return hashlib.sha256(parent + tokens).digest()
+    return hashlib.sha256(parent + _pack(token_ids)).digest()
 
 
 def hash_blocks(
     root: bytes, token_ids: Sequence[int], block_size: int, known: Sequence[bytes] = ()
 ) -> list[bytes]:
-    """Hashes of every full block of ``token_ids``, reusing the leading ``known`` ones."""
+    """Hashes of every full block of ``token_ids``, reusing the leading ``known`` ones.
+    The new blocks' ids are packed in one call, not one per block (a long prompt's
+    prefix lookup hashes thousands of blocks on the request's critical path)."""
     hashes = list(known)
     parent = hashes[-1] if hashes else root
-    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = block_hash(parent, token_ids[start : start + block_size])
+    start = len(hashes) * block_size
+    count = max(0, (len(token_ids) - start) // block_size)
+    data = _pack(token_ids[start : start + count * block_size])
+    step = 4 * block_size
+    sha256 = hashlib.sha256
+    for offset in range(0, count * step, step):
+        parent = sha256(parent + data[offset : offset + step]).digest()
         hashes.append(parent)
     return hashes
+
+
+def _pack(token_ids: Sequence[int]) -> bytes:
+    try:
+        return struct.pack(f"<{len(token_ids)}I", *token_ids)
+    except struct.error as e:
+        raise ValueError(f"token ids must be integers in [0, {_MAX_TOKEN_ID}]: {e}") from None
 
 
 def _length_prefixed(data: bytes) -> bytes:

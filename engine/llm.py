@@ -122,13 +122,13 @@ def _normalize_prompts(prompts: Any) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
     prompts = list(prompts)
-    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+    if prompts and _all_ints(prompts):
         return [prompts]
     normalized: list[Prompt] = []
     for p in prompts:
         if isinstance(p, str):
             normalized.append(p)
-        elif isinstance(p, Seq) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        elif isinstance(p, Seq) and _all_ints(p):
             normalized.append(list(p))
         else:
             raise ValueError(
@@ -147,3 +147,10 @@ def _per_prompt(name: str, value: Any, count: int, default: Any) -> list[Any]:
     if len(values) != count:
         raise ValueError(f"{name}: {len(values)} values for {count} prompts")
     return values
+
+
+def _all_ints(values: Seq[Any]) -> bool:
+    """Every value an int and none a bool; a C loop when every value is a plain int."""
+    if set(map(type, values)) <= {int}:
+        return True
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in values)

@@ -192,7 +192,7 @@ class LLMEngine:
         else:
             text, token_ids = None, list(prompt)
             vocab = self.model_config.vocab_size
-            if not all(_is_token_id(t, vocab) for t in token_ids):
+            if not _all_token_ids(token_ids, vocab):
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if not token_ids:
             raise ValueError("the prompt is empty")
@@ -497,6 +497,14 @@ def _is_unicode(text: str) -> bool:
 
 def _is_token_id(value: object, vocab_size: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
+
+
+def _all_token_ids(values: list, vocab_size: int) -> bool:
+    """``all(_is_token_id(v, vocab_size) for v in values)``, in C loops when every value is
+    a plain int (a 32K-token prompt took ~9 ms one call per token)."""
+    if set(map(type, values)) <= {int}:
+        return not values or (min(values) >= 0 and max(values) < vocab_size)
+    return all(_is_token_id(v, vocab_size) for v in values)
 
 
 def _derived_seed(engine_seed: int, number: int) -> int:

@@ -156,7 +156,11 @@ def _attend(
 # --- attention: decode ------------------------------------------------------------------
 
 
-@triton.jit
+# Arguments that follow a step's context length are left unspecialized: Triton would
+# otherwise compile a variant of its own, at first use, for each such value equal to 1 or
+# divisible by 16 (a block-table width of 1 or 16k blocks; a split count giving a split
+# stride of 16k), e.g. on a server's first prefix hit of a new length class.
+@triton.jit(do_not_specialize=["stride_bt", "stride_lb", "stride_lh"])
 def _decode_kernel(
     q_ptr, cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, qk_scale, v_factor, softcap, window,
     stride_qn, stride_qh, stride_on, stride_oh, stride_bt,
@@ -213,7 +217,7 @@ def _decode_kernel(
         tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_lb", "stride_lh"])  # see _decode_kernel
 def _merge_splits_kernel(
     part_ptr, lse_ptr, out_ptr, qsl_ptr, num_splits, v_factor,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_on, stride_oh,
@@ -253,7 +257,7 @@ def _merge_splits_kernel(
 # --- attention: prefill -----------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "num_splits", "stride_lb", "stride_lh"])  # see _decode_kernel
 def _prefill_kernel(
     q_ptr, cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, qk_scale, v_factor, softcap, window,
     stride_qn, stride_qh, stride_on, stride_oh, stride_bt,

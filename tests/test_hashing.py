@@ -119,6 +119,8 @@ def test_invalid_inputs_raise_value_error():
         block_hash(bytes(32), [2**32])
     with pytest.raises(ValueError, match="token ids"):
         block_hash(bytes(32), [-1])
+    with pytest.raises(ValueError, match="token ids"):  # packed in one call per chain
+        hash_blocks(bytes(32), TOKENS[:16] + [2**32] + TOKENS[:15], 16)
     with pytest.raises(ValueError, match="namespace"):
         root_hash(b"short")
     with pytest.raises(ValueError, match="kv_scales"):

@@ -102,8 +102,12 @@ def test_invalid_prompts_are_rejected_and_leave_nothing_queued(llm):
         llm.generate([[]], GREEDY)
     with pytest.raises(ValueError, match="token ids"):
         llm.generate([[1, 10**6]], GREEDY)
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate([[3, -1, 5]], GREEDY)
     with pytest.raises(ValueError, match="prompts must be"):
         llm.generate([1.5], GREEDY)
+    with pytest.raises(ValueError, match="prompts must be"):
+        llm.generate([[1, True, 2]], GREEDY)  # a bool is no token id
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.stats().num_used_blocks == 0
 
