@@ -11,6 +11,7 @@
 #   tiers8b  gpu_tiers.py, 8B shape, 8K/32K prefixes (no remote case)
 #   disk     disk_restore.py, 1B and 8B blocks
 #   qa       multi_round_qa.py --shape 1b: tiers against GPU-only prefix caching over HTTP
+#   probe    hit_profile.py, 1B shape: host launches, syncs and kernels of a hit and a miss
 # A stage's limit is LIMIT_<stage> seconds (defaults below). Logs and JSON go to $OUT
 # (default benchmarks/results/gpu); each stage prints its log's tail. Wheels the machine
 # lacks are installed from .whl/ when it is there (the recipe in GPU.md).
@@ -54,6 +55,8 @@ for stage in "${stages[@]}"; do
             --codecs raw,zstd,kivi4 --out "$OUT/disk_restore.json" ;;
         qa) run_stage qa 240 python3 benchmarks/multi_round_qa.py --shape 1b \
             --out "$OUT/multi_round_qa_1b.json" --plot "$OUT/multi_round_qa_1b.png" ;;
-        *) echo "unknown stage $stage (tests, engine, tiers, tiers8b, disk, qa)" >&2; exit 2 ;;
+        probe) run_stage probe 120 python3 benchmarks/hit_profile.py --device cuda --shape 1b \
+            --prefix 1024,8192 --out "$OUT/hit_profile_1b.json" ;;
+        *) echo "unknown stage $stage (tests, engine, tiers, tiers8b, disk, qa, probe)" >&2; exit 2 ;;
     esac
 done

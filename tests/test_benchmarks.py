@@ -68,6 +68,16 @@ def test_engine_host_measures_each_batch_and_prompt(tmp_path):
     assert all(r["ms_per_step"] > 0 for r in got["rows"])
 
 
+def test_hit_profile_times_a_miss_and_a_hit_of_the_whole_prefix(tmp_path):
+    got = run("hit_profile.py", "--quick", "--prefix", "64", out=tmp_path / "hit.json")
+    miss, hit = got["rows"]
+    assert (miss["caching"], miss["cached_tokens"]) == (False, 0)
+    assert (hit["caching"], hit["cached_tokens"]) == (True, 64)
+    for row in got["rows"]:
+        assert len(row["wall_ms"]) == 5 and len(row["profiled"]) == 2
+        assert all(p["wall_ms"] > 0 for p in row["profiled"])
+
+
 def test_the_gpu_session_script_passes_only_flags_its_benchmarks_take():
     """benchmarks/gpu_session.sh runs on a lent GPU, where a typo costs the session's device
     time: every flag it passes must be one its benchmark's --help lists."""
@@ -76,7 +86,7 @@ def test_the_gpu_session_script_passes_only_flags_its_benchmarks_take():
     commands = re.findall(r"python3 (benchmarks/\w+\.py)([^;\n]*)", script)
     assert {name for name, _ in commands} >= {
         "benchmarks/engine_throughput.py", "benchmarks/gpu_tiers.py", "benchmarks/disk_restore.py",
-        "benchmarks/multi_round_qa.py",
+        "benchmarks/multi_round_qa.py", "benchmarks/hit_profile.py",
     }
     for name, args in commands:
         shown = subprocess.run(
