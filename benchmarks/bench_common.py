@@ -79,7 +79,11 @@ def write_random_llama(
     path: Path, config: dict, seed: int, *, device: str = "cpu", dtype: torch.dtype = torch.float32
 ):
     """A random ``LlamaForCausalLM`` saved by ``transformers`` itself, plus the tiny model's
-    byte-level tokenizer (with its chat template). Returns the ``transformers`` model.
+    byte-level tokenizer (with its chat template), extended to the model's vocabulary with
+    one added token per id past its own (``<t300>``...): a random model samples ids from
+    the whole vocabulary, and an id the tokenizer did not know would decode to nothing,
+    leaving the engine's detokenizer to decode an ever longer window each step.
+    Returns the ``transformers`` model.
 
     ``device``: where the weights are initialized (``cuda`` is much faster for large
     models); ``dtype``: the dtype they are saved in."""
@@ -93,7 +97,19 @@ def write_random_llama(
     model = model.to(dtype).eval()
     model.save_pretrained(path)
     write_tiny_tokenizer(path)
+    cover_vocabulary(path / "tokenizer.json", config["vocab_size"])
     return model
+
+
+def cover_vocabulary(tokenizer_json: Path, vocab_size: int) -> None:
+    """Add a token for each id from the tokenizer's size up to ``vocab_size``."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_json))
+    known = tokenizer.get_vocab_size()
+    if known < vocab_size:
+        tokenizer.add_tokens([f"<t{i}>" for i in range(known, vocab_size)])
+        tokenizer.save(str(tokenizer_json))
 
 
 def write_json(path: Path, data: dict, *, quiet: bool = False) -> None:

@@ -8,8 +8,13 @@ For each batch size B and prompt length P: B requests of P token ids on the tiny
 is noisy). ``--output-kind final_only`` asks for final outputs only, as ``LLM.generate``
 does; the default is every step's output, as the server streams.
 
+``--runner`` keeps the model runner (decode from the graph buffers, without capture, and
+launched a step ahead as on a GPU; the sampler) and replaces only the model: a lookup into a
+``[vocab, vocab]`` table whose rows are the logits, its argmax walking printable-ASCII ids.
+That is all the host does between two graph replays on a GPU, the forward aside.
+
     python benchmarks/engine_host.py [--batches 1,32] [--prompts 32,2048] [--steps 600]
-        [--output-kind cumulative|final_only] [--out benchmarks/results/engine_host.json]
+        [--output-kind cumulative|final_only] [--runner] [--out benchmarks/results/engine_host.json]
 """
 from __future__ import annotations
 
@@ -17,6 +22,8 @@ import argparse
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 from bench_common import machine, write_json
 from engine import LLM, RequestOutputKind, SamplingParams
@@ -26,10 +33,12 @@ REPO = Path(__file__).resolve().parents[1]
 CHUNKS = 6
 
 
-def host_ms_per_step(batch: int, prompt: int, steps: int, kind: RequestOutputKind) -> float:
+def host_ms_per_step(
+    batch: int, prompt: int, steps: int, kind: RequestOutputKind, runner: bool = False
+) -> float:
     max_len = min(prompt + steps + 16, 4096)
     llm = LLM(device="cpu", max_model_len=max_len, max_num_seqs=max(batch, 8),
-              max_num_batched_tokens=max(2048, prompt))
+              max_num_batched_tokens=max(2048, prompt), async_scheduling=runner)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True,
                             output_kind=kind)
@@ -43,7 +52,10 @@ def host_ms_per_step(batch: int, prompt: int, steps: int, kind: RequestOutputKin
         count[0] += 1
         return [[Sample(65 + (count[0] + b) % 26, None, None)] for b in range(len(plan.scheduled))]
 
-    engine.model_runner.run = run
+    if runner:
+        stub_model(engine.model_runner)
+    else:
+        engine.model_runner.run = run
     per_chunk = steps // CHUNKS
     best = float("inf")
     for _ in range(CHUNKS):
@@ -55,6 +67,22 @@ def host_ms_per_step(batch: int, prompt: int, steps: int, kind: RequestOutputKin
     return 1e3 * best
 
 
+def stub_model(runner) -> None:
+    """The model as a table lookup (row t: the logits after token t, argmax the next
+    printable-ASCII id), behind the runner's decode graph buffers (no capture on a CPU)."""
+    vocab = runner.model.compute_logits(torch.zeros(1, runner.model.config.hidden_size)).shape[-1]
+    table = torch.zeros(vocab, vocab)
+    for t in range(vocab):
+        table[t, 32 + (t * 7 + 3) % 95] = 1.0
+
+    def lookup(ids, *_):
+        return torch.nn.functional.embedding(ids, table)
+
+    runner.model.forward = lookup
+    runner.model.compute_logits = lambda hidden: hidden
+    runner.enable_decode_graphs(capture=False).forward = lookup
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,32")
@@ -62,6 +90,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--output-kind", choices=[k.value for k in RequestOutputKind],
                     default=RequestOutputKind.CUMULATIVE.value)
+    ap.add_argument("--runner", action="store_true",
+                    help="keep the model runner and sampler; stub only the model")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/engine_host.json")
     args = ap.parse_args()
     try:
@@ -73,15 +103,16 @@ def main() -> None:
         sys.exit(f"--steps must be >= {CHUNKS}, batches >= 1, prompts in [1, 3000]")
     kind = RequestOutputKind(args.output_kind)
     rows = []
-    print(f"engine host work per decode step, model runner stubbed ({kind.value} outputs)")
+    stubbed = "the model" if args.runner else "the model runner"
+    print(f"engine host work per decode step, {stubbed} stubbed ({kind.value} outputs)")
     print("| batch | prompt tokens | ms / step | µs / request |")
     print("|---|---|---|---|")
     for b in batches:
         for p in prompts:
-            ms = host_ms_per_step(b, p, args.steps, kind)
+            ms = host_ms_per_step(b, p, args.steps, kind, args.runner)
             rows.append({"batch": b, "prompt": p, "ms_per_step": ms})
             print(f"| {b} | {p} | {ms:.3f} | {1e3 * ms / b:.1f} |", flush=True)
-    write_json(args.out, {"machine": machine(), "output_kind": kind.value,
+    write_json(args.out, {"machine": machine(), "output_kind": kind.value, "runner": args.runner,
                           "steps": args.steps, "rows": rows})
 
 

@@ -61,8 +61,7 @@ MODEL = dict(  # --shape bench: prefill of ~1k tokens takes ~1 s on one CPU core
 SETUPS = {
     "bench": dict(model=MODEL, dtype=torch.float32, device="cpu", max_model_len=2048,
                   document_chars=1000, gpu_blocks=224, max_num_seqs=2, cpu_gib=2, disk_gib=4),
-    # the tokenizer's own 264 ids: a random model's answers then decode to text at once
-    "1b": dict(model={**SHAPES["1b"].llama_config(12288), "vocab_size": 264}, dtype=torch.bfloat16,
+    "1b": dict(model=SHAPES["1b"].llama_config(12288), dtype=torch.bfloat16,
                device="cuda" if torch.cuda.is_available() else "cpu", max_model_len=12288,
                # 2 x (256 + 8,000 + 5 x (80 + 32)) tokens, in blocks of 16
                document_chars=8000, gpu_blocks=1104, max_num_seqs=2, cpu_gib=4, disk_gib=8),

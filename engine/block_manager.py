@@ -198,25 +198,29 @@ class BlockManager:
 
     def hold(self, block_ids: Seq[int]) -> None:
         """Take a reference on each block that keeps it from reuse until :meth:`release`."""
+        holds, blocks = self._holds, self.blocks
         for block_id in block_ids:
-            block = self.blocks[block_id]
+            block = blocks[block_id]
             if block.ref_count == 0:
                 del self._free[block_id]
             block.ref_count += 1
-            self._holds[block_id] += 1
+            holds[block_id] = holds.get(block_id, 0) + 1  # not +=: Counter's __missing__ is Python
 
     def release(self, block_ids: Seq[int]) -> None:
         """Drop holds taken by :meth:`hold`. A block left unreferenced joins the free queue's
         tail, still findable by its hash. Raises ``ValueError`` (changing nothing) for a
         block not held that many times."""
+        holds, blocks = self._holds, self.blocks
         for block_id, count in Counter(block_ids).items():
-            if self._holds[block_id] < count:
+            if holds.get(block_id, 0) < count:
                 raise ValueError(f"block {block_id} is released more often than it is held")
         for block_id in block_ids:
-            self._holds[block_id] -= 1
-            if not self._holds[block_id]:
-                del self._holds[block_id]
-            block = self.blocks[block_id]
+            left = holds[block_id] - 1
+            if left:
+                holds[block_id] = left
+            else:
+                del holds[block_id]
+            block = blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None

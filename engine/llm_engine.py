@@ -310,7 +310,8 @@ class LLMEngine:
             except Exception as e:
                 done.append((seq, None, e))
                 continue
-            done.append((seq, reason, None))
+            if reason is not None or seq.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                done.append((seq, reason, None))  # a request that goes on quietly needs nothing more
         # Blocks are registered once the tokens they hold are appended, before finishing.
         self.scheduler.complete_step(plan, num_rejected)
         outputs = []
@@ -320,8 +321,6 @@ class LLMEngine:
                 continue
             if reason is not None:
                 self.scheduler.finish(seq, reason)
-            elif seq.params.output_kind is RequestOutputKind.FINAL_ONLY:
-                continue
             outputs.append(self.outputs.output(seq))
         if self._ahead_held and not self.scheduler.running:  # launched for requests now gone
             self._end_lookahead()

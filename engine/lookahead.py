@@ -96,24 +96,29 @@ def reserve(
     stop ends is launched, and its row is wasted."""
     if plan.preempted or not plan.scheduled:
         return NOTHING
-    for seq, num_new in plan.scheduled:
-        if num_new != 1 or len(seq.spec_token_ids) or seq.num_computed_tokens + 1 != seq.num_tokens:
+    seqs = []
+    max_model_len = config.max_model_len
+    for seq, num_new in plan.scheduled:  # one pass: a plain decode step, and who goes on
+        num_tokens = len(seq.token_ids)
+        if num_new != 1 or len(seq.spec_token_ids) or seq.num_computed_tokens + 1 != num_tokens:
             return NOTHING
-    seqs = [seq for seq, _ in plan.scheduled if _continues(seq, config.max_model_len)]
+        if _continues(seq, max_model_len):
+            seqs.append(seq)
     for seq in seqs:  # what the next step's schedule would allocate, a step early
-        if not block_manager.allocate(seq, seq.num_tokens + 1):
+        if not block_manager.allocate(seq, len(seq.token_ids) + 1):
             return NOTHING
     if scheduler.may_admit():
         return NOTHING
     bs = config.block_size
-    held = [seq.block_table[seq.num_tokens // bs] for seq in seqs]
+    held = [seq.block_table[len(seq.token_ids) // bs] for seq in seqs]
     block_manager.hold(held)
     return Reserved(seqs, held)
 
 
 def _continues(seq: Sequence, max_model_len: int) -> bool:
     """Whether ``seq`` outlives the token it samples now, as far as its length tells."""
+    num_tokens = len(seq.token_ids)
     max_tokens = seq.params.max_tokens
-    if max_tokens is not None and seq.num_output_tokens + 1 >= max_tokens:
+    if max_tokens is not None and num_tokens - seq.num_prompt_tokens + 1 >= max_tokens:
         return False
-    return seq.num_tokens + 1 < max_model_len
+    return num_tokens + 1 < max_model_len

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence as Seq
 
 import numpy as np
@@ -109,8 +110,6 @@ class ModelRunner:
         if self.kv_cache is None:
             raise RuntimeError("init_kv_cache() must be called before run()")
         items = output.scheduled
-        num_logits = [_num_logits(seq, n) for seq, n in items]
-        prompt_rows = [prompt_logprobs.rows_this_step(seq, n) for seq, n in items]
         launched, self.lookahead = self.lookahead, None
         rows = launched.rows_for(items) if launched is not None else None
         if rows is not None:
@@ -122,6 +121,8 @@ class ModelRunner:
         if launched is not None:  # wasted: wait for it, its blocks are given back after run()
             self.num_lookahead_wasted += 1
             launched.wait()
+        num_logits = [_num_logits(seq, n) for seq, n in items]
+        prompt_rows = [prompt_logprobs.rows_this_step(seq, n) for seq, n in items]
         if any(prompt_rows):
             logits = self._forward_with_prompt_logprobs(output, num_logits, prompt_rows)
             return self._sample(items, num_logits, logits)
@@ -249,13 +250,20 @@ class ModelRunner:
         next forward on the drawn ids before the host waits for them."""
         pending = self.sampler.launch(logits, [self._sampling_row(seq) for seq, _ in items])
         if ahead and pending.token_ids is not None:
-            index = {id(seq): b for b, (seq, _) in enumerate(items)}
-            rows = to_device([index[id(seq)] for seq in ahead], torch.int64, logits.device)
-            self.lookahead = self._launch_ahead(list(ahead), pending.token_ids.index_select(0, rows))
+            ahead_ids = pending.token_ids
+            if len(ahead) != len(items) or any(a is not s for a, (s, _) in zip(ahead, items)):
+                index = {id(seq): b for b, (seq, _) in enumerate(items)}
+                rows = to_device([index[id(seq)] for seq in ahead], torch.int64, logits.device)
+                ahead_ids = ahead_ids.index_select(0, rows)
+            # else every sequence of the step, in its order: the drawn ids as they are
+            self.lookahead = self._launch_ahead(list(ahead), ahead_ids)
         samples = pending.samples()
         if pending.drawn is None and self.lookahead is not None:
             # redrawn row by row after the launch: not the ids the launched forward computes
             self.drop_lookahead()
+            return [_as_result(s) for s in samples]
+        if pending.drawn is not None:  # the batch drew every row: no SampleError among them
+            return [[s] for s in samples]
         return [_as_result(s) for s in samples]
 
     def _launch_ahead(self, seqs: list[Sequence], input_ids: torch.Tensor) -> Lookahead:
@@ -290,19 +298,29 @@ class ModelRunner:
         """One new token per sequence through the decode graphs; hidden states ``[B, hidden]``.
         With ``ahead_ids`` (``[B]`` on the device) the tokens are those being sampled now, one
         position past each sequence's last."""
-        bs = self.block_size
+        bs, n = self.block_size, len(seqs)
         shift = 0 if ahead_ids is None else 1
-        positions = np.fromiter((seq.num_tokens - 1 + shift for seq in seqs), np.int64, len(seqs))  # [B]
+        positions = np.fromiter((len(seq.token_ids) - 1 + shift for seq in seqs), np.int64, n)  # [B]
         if ahead_ids is None:
-            input_ids = np.fromiter((seq.token_ids[-1] for seq in seqs), np.int64, len(seqs))
+            input_ids = np.fromiter((seq.token_ids[-1] for seq in seqs), np.int64, n)
         else:
-            input_ids = np.zeros(len(seqs), dtype=np.int64)  # placeholders until the copy below
-        width = int(positions.max()) // bs + 1
-        tables = np.zeros((len(seqs), width), dtype=np.int32)  # [B, width]
-        for b, seq in enumerate(seqs):
-            used = int(positions[b]) // bs + 1
-            tables[b, :used] = seq.block_table[:used]
-        slots = tables[np.arange(len(seqs)), positions // bs].astype(np.int64) * bs + positions % bs
+            input_ids = np.zeros(n, dtype=np.int64)  # placeholders until the copy below
+        used = positions // bs + 1  # [B] blocks each context covers
+        width = int(used.max())
+        # every row's first used[b] block ids, flattened in one pass, then laid out in the
+        # row-major order a boolean mask assigns in (one numpy call, not one per row)
+        counts = used.tolist()
+        flat = np.fromiter(
+            itertools.chain.from_iterable(
+                seq.block_table if len(seq.block_table) == u else seq.block_table[:u]
+                for seq, u in zip(seqs, counts)
+            ),
+            np.int32,
+            sum(counts),
+        )
+        tables = np.zeros((n, width), dtype=np.int32)  # [B, width]
+        tables[np.arange(width) < used[:, None]] = flat
+        slots = tables[np.arange(n), used - 1].astype(np.int64) * bs + positions % bs
         return graphs.run(input_ids, positions, slots, tables, ahead_ids)
 
     @torch.inference_mode()
@@ -401,14 +419,20 @@ class ModelRunner:
         )
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        row = seq.sampling_row
+        if row is not None:
+            return row
         params = seq.params
         suppressed: tuple[int, ...] = ()
         if seq.num_output_tokens < params.min_tokens:
             stop_ids = params.stop_token_ids + (() if params.ignore_eos else self.eos_token_ids)
             suppressed = tuple(t for t in stop_ids if 0 <= t < self.vocab_size)
-        return SamplingRow(
+        row = SamplingRow(
             params, seq.generator, suppressed, grammar=seq.grammar, token_counts=seq.token_counts
         )
+        if not suppressed:  # past min_tokens nothing in it changes again: kept for later steps
+            seq.sampling_row = row
+        return row
 
 
 def _num_logits(seq: Sequence, num_new: int) -> int:

@@ -28,6 +28,7 @@ class _TextState:
 
     detokenizer: IncrementalDetokenizer
     prompt_token_ids: list[int]  # every output of the request shares this one list
+    stop_ids: tuple[int, ...] = ()  # the request's stop_token_ids, and the eos ids unless ignore_eos
     text: str = ""
     num_sent_chars: int = 0
     stop_reason: str | int | None = None
@@ -60,7 +61,8 @@ class OutputProcessor:
         if request_id in self._texts:
             raise ValueError(f"request id {request_id!r} is already in use")
         detokenizer = self._detokenizer(prompt_token_ids, params)
-        self._texts[request_id] = _TextState(detokenizer, prompt_token_ids)
+        stop_ids = params.stop_token_ids + (() if params.ignore_eos else self.eos_token_ids)
+        self._texts[request_id] = _TextState(detokenizer, prompt_token_ids, stop_ids)
 
     def drop(self, request_id: str) -> None:
         """Forget a request that did not start after all."""
@@ -77,19 +79,19 @@ class OutputProcessor:
         ``max_tokens`` or ``max_model_len``."""
         params, state = seq.params, self._texts[seq.request_id]
         reason = None
-        num_out = seq.num_output_tokens
+        num_out = len(seq.token_ids) - seq.num_prompt_tokens
         may_stop = num_out >= params.min_tokens
-        stop_ids = params.stop_token_ids + (() if params.ignore_eos else self.eos_token_ids)
         new_text = ""
         # As vLLM: stop_reason names a stop token the request asked for; the model's own
         # eos (or the end of a grammar) leaves it None, the mark of a natural end.
-        asked = token if token in params.stop_token_ids else None
-        if may_stop and token in stop_ids:
-            reason, state.stop_reason = "stop", asked
+        if may_stop and token in state.stop_ids:
+            reason = "stop"
+            state.stop_reason = token if token in params.stop_token_ids else None
         else:
             new_text = state.detokenizer.add(token)
             if grammar_ended:
-                reason, state.stop_reason = "stop", asked
+                reason = "stop"
+                state.stop_reason = token if token in params.stop_token_ids else None
             elif (params.max_tokens is not None and num_out >= params.max_tokens) or (
                 seq.num_tokens >= self.max_model_len
             ):

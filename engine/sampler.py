@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -148,6 +149,12 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
+    @functools.cached_property
+    def is_plain_greedy(self) -> bool:
+        """Greedy, without logprobs, logit_bias or penalties: the sampler's argmax alone
+        (computed once: the sampler asks for every row of every step)."""
+        return self.is_greedy and not (self.wants_logprobs or self.logit_bias or self.has_penalties)
+
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None and self.logprobs is not False
@@ -261,16 +268,34 @@ def _sample_alone(logits: torch.Tensor, row: SamplingRow) -> Sample | SampleErro
 
 def _draw_batch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> _Drawn:
     device = logits.device
-    logprob_rows = [i for i, r in enumerate(rows) if r.params.wants_logprobs]
+    # One pass over the rows finds what the batch needs beyond an argmax; a plain greedy
+    # row (the params' answer is computed once per params object) needs nothing more.
+    logprob_rows: list[int] = []
+    random_rows: list[int] = []
+    biased = penalized = masked = False
+    for i, r in enumerate(rows):
+        params = r.params
+        if params.is_plain_greedy and r.grammar is None and not r.suppressed_token_ids:
+            continue
+        if params.wants_logprobs:
+            logprob_rows.append(i)
+        if not params.is_greedy:
+            random_rows.append(i)
+        biased = biased or bool(r.suppressed_token_ids or params.logit_bias)
+        penalized = penalized or (params.has_penalties and r.token_counts is not None)
+        masked = masked or r.grammar is not None
     logprob_index = logprobs = None
     if logprob_rows:
         logprob_index = to_device(logprob_rows, torch.int64, device)
         logprobs = torch.log_softmax(logits.index_select(0, logprob_index), dim=-1)
 
-    logits = _penalized(_biased(logits, rows), rows)
-    apply_token_masks(logits, [r.grammar for r in rows])
+    if biased:
+        logits = _biased(logits, rows)
+    if penalized:
+        logits = _penalized(logits, rows)
+    if masked:
+        apply_token_masks(logits, [r.grammar for r in rows])
     token_ids = logits.argmax(dim=-1)  # [M]; kept for greedy rows
-    random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if random_rows:
         random_index = to_device(random_rows, torch.int64, device)
         probs = filtered_probs(logits.index_select(0, random_index), [rows[i].params for i in random_rows])

@@ -23,7 +23,7 @@ import torch
 from engine.hashing import hash_blocks
 from engine.outputs import PromptLogprob
 from engine.penalties import TokenCounts
-from engine.sampler import SamplingParams
+from engine.sampler import SamplingParams, SamplingRow
 from engine.structured_output import GrammarState
 
 
@@ -86,6 +86,9 @@ class Sequence:
         )
         self.grammar: GrammarState | None = None  # set by the engine for structured output
         self.token_counts: TokenCounts | None = None  # set by the engine for penalties
+        # the model runner's SamplingRow, kept once min_tokens suppresses nothing (its fields
+        # do not change after that); params, generator, grammar and token_counts are fixed
+        self.sampling_row: SamplingRow | None = None
         # draft tokens to verify in the next step; a draft model's are a [k] tensor on the
         # device: take len(), never truth-test them (that would sync, and reads a value)
         self.spec_token_ids: list[int] | torch.Tensor = []

@@ -224,11 +224,12 @@ class IncrementalDetokenizer:
         return list(self._ids)
 
     def add(self, token_id: int) -> str:
-        self._ids.append(token_id)
+        ids = self._ids
+        ids.append(token_id)
         piece = self._pending()
-        if not piece or piece.endswith(REPLACEMENT_CHAR):
+        if not piece or piece[-1] == REPLACEMENT_CHAR:
             return ""
-        self._prefix, self._read = self._read, len(self._ids)
+        self._prefix, self._read = self._read, len(ids)
         return piece
 
     def finish(self) -> str:
@@ -239,12 +240,13 @@ class IncrementalDetokenizer:
         return piece
 
     def _pending(self) -> str:
-        tokenizer, ids, prefix = self._tokenizer, self._ids, self._prefix
+        tokenizer, ids, prefix, skip = self._tokenizer, self._ids, self._prefix, self._skip
         if self._read - prefix == 1:  # the usual context: the one token emitted last
-            context = tokenizer.decode_one(ids[prefix], self._skip)
+            context = tokenizer.decode_one(ids[prefix], skip)
         else:
-            context = tokenizer.decode(ids[prefix : self._read], self._skip)
-        text = tokenizer.decode(ids[prefix:], self._skip)
+            context = tokenizer.decode(ids[prefix : self._read], skip)
+        # the slice is a new list already: straight to the backend (decode() copies it)
+        text = tokenizer._backend.decode(ids[prefix:], skip_special_tokens=skip)
         return text[len(context) :]
 
 

@@ -66,6 +66,9 @@ def test_engine_host_measures_each_batch_and_prompt(tmp_path):
               out=tmp_path / "host.json")
     assert [(r["batch"], r["prompt"]) for r in got["rows"]] == [(1, 32), (4, 32)]
     assert all(r["ms_per_step"] > 0 for r in got["rows"])
+    got = run("engine_host.py", "--batches", "4", "--prompts", "16", "--steps", "24", "--runner",
+              out=tmp_path / "runner.json")
+    assert got["runner"] and got["rows"][0]["ms_per_step"] > 0
 
 
 def test_hit_profile_times_a_miss_and_a_hit_of_the_whole_prefix(tmp_path):
