@@ -49,7 +49,7 @@ def test_init_creates_then_describes(tmp_path: Path):
     path = tmp_path / "new"
     first = run("init", path, "--size", "64MiB", "--json")
     assert first.exit_code == 0, first.output
-    assert json.loads(first.output)["capacity_bytes"] == 64 << 20
+    assert json.loads(first.stdout)["capacity_bytes"] == 64 << 20
     assert (path / "tiered_kv.json").exists() and path.stat().st_mode & 0o777 == 0o700
     again = run("init", path)
     assert again.exit_code == 0 and "exists" in again.output
@@ -58,16 +58,16 @@ def test_init_creates_then_describes(tmp_path: Path):
 def test_init_size_resizes_an_existing_store(store_dir: Path):
     grown = run("init", store_dir, "--size", "1GiB", "--json")
     assert grown.exit_code == 0, grown.output
-    fields = json.loads(grown.output)
+    fields = json.loads(grown.stdout)
     assert (fields["created"], fields["resized_from"], fields["evicted_blocks"]) == (False, 64 << 20, 0)
     assert fields["capacity_bytes"] == 1 << 30 and fields["entries"] == 8
     assert fields["map_size"] >= 2 << 30  # room for the larger budget
-    one_block = json.loads(run("stats", store_dir, "--json").output)["bytes_used"] // 8
+    one_block = json.loads(run("stats", store_dir, "--json").stdout)["bytes_used"] // 8
     shrunk = run("init", store_dir, "--size", str(3 * one_block + 1), "--json")
     assert shrunk.exit_code == 0, shrunk.output
-    fields = json.loads(shrunk.output)
+    fields = json.loads(shrunk.stdout)
     assert fields["evicted_blocks"] >= 5 and fields["entries"] == 8 - fields["evicted_blocks"]
-    stats = json.loads(run("stats", store_dir, "--json").output)
+    stats = json.loads(run("stats", store_dir, "--json").stdout)
     assert stats["capacity_bytes"] == 3 * one_block + 1 and stats["entries"] == fields["entries"]
     text = " ".join(run("init", store_dir, "--size", "2GiB").output.split())
     assert "to 2.0 GiB; 0 blocks evicted" in text
@@ -86,20 +86,20 @@ def test_init_size_refuses_a_store_a_server_holds(store_dir: Path):
         assert run("init", store_dir).exit_code == 0  # describing it needs no lock
     finally:
         holder.communicate("done\n", timeout=30)
-    assert json.loads(run("stats", store_dir, "--json").output)["capacity_bytes"] == 64 << 20
+    assert json.loads(run("stats", store_dir, "--json").stdout)["capacity_bytes"] == 64 << 20
 
 
 def test_stats_json(store_dir: Path):
     result = run("stats", store_dir, "--json")
     assert result.exit_code == 0, result.output
-    fields = json.loads(result.output)
+    fields = json.loads(result.stdout)
     assert fields["entries"] == 8 and fields["bytes_used"] > 0 and fields["quarantined"] == 0
 
 
 def test_ls_groups_by_namespace(store_dir: Path):
     result = run("ls", store_dir, "--json")
     assert result.exit_code == 0, result.output
-    rows = {r["namespace"]: r for r in json.loads(result.output)}
+    rows = {r["namespace"]: r for r in json.loads(result.stdout)}
     assert rows[NS_A.hex()]["blocks"] == 5 and rows[NS_A.hex()]["codecs"] == ["zstd"]
     assert rows[NS_B.hex()]["blocks"] == 3 and rows[NS_B.hex()]["dtypes"] == ["bfloat16"]
     table = run("ls", store_dir)
@@ -112,7 +112,7 @@ def test_ls_counts_the_blocks_at_each_priority(store_dir: Path):
                               priorities=[-3, -3]) == [True, True]
     result = run("ls", store_dir, "--json")
     assert result.exit_code == 0, result.output
-    rows = {r["namespace"]: r for r in json.loads(result.output)}
+    rows = {r["namespace"]: r for r in json.loads(result.stdout)}
     assert rows[NS_A.hex()]["priorities"] == {"0": 5}
     assert rows[NS_B.hex()]["priorities"] == {"-3": 2, "0": 1}
 
@@ -120,7 +120,7 @@ def test_ls_counts_the_blocks_at_each_priority(store_dir: Path):
 def test_verify_clean_store_exits_zero(store_dir: Path):
     result = run("verify", store_dir, "--json")
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["ok"] == 8
+    assert json.loads(result.stdout)["ok"] == 8
 
 
 def test_verify_quarantines_and_exits_one(store_dir: Path):
@@ -133,10 +133,12 @@ def test_verify_quarantines_and_exits_one(store_dir: Path):
     env.close()
     result = run("verify", store_dir, "--json")
     assert result.exit_code == 1, result.output
-    fields = json.loads(result.output)
+    fields = json.loads(result.stdout)
     assert (fields["corrupt"], fields["quarantined"], fields["ok"]) == (1, 1, 7)
+    (said,) = result.stderr.splitlines()  # what the store logged: one line, on stderr
+    assert said.startswith("warning: ") and "corrupt record" in said, result.stderr
     assert run("verify", store_dir).exit_code == 0  # moved aside: the store is clean now
-    assert json.loads(run("stats", store_dir, "--json").output)["quarantined"] == 1
+    assert json.loads(run("stats", store_dir, "--json").stdout)["quarantined"] == 1
 
 
 def test_read_only_commands_work_while_a_server_holds_the_store(store_dir: Path):
@@ -150,7 +152,7 @@ def test_read_only_commands_work_while_a_server_holds_the_store(store_dir: Path)
         assert run("ls", store_dir, "--json").exit_code == 0
         result = run("verify", store_dir, "--json")
         assert result.exit_code == 0, result.output
-        assert json.loads(result.output)["readonly"] is True
+        assert json.loads(result.stdout)["readonly"] is True
     finally:
         holder.communicate("done\n", timeout=30)
     assert holder.returncode == 0
@@ -273,7 +275,8 @@ for i, mutate in enumerate(cases):
         crash = None if isinstance(result.exception, (SystemExit, type(None))) else result.exception
         print(json.dumps({
             "case": i, "command": args[0], "target": args[1], "code": result.exit_code,
-            "json": "--json" in args, "output": result.output, "crash": repr(crash) if crash else None,
+            "json": "--json" in args, "output": result.stdout, "stderr": result.stderr,
+            "crash": repr(crash) if crash else None,
         }), flush=True)
 """
 
@@ -304,12 +307,20 @@ def test_no_command_dies_on_a_damaged_data_file(big_store: Path, tmp_path: Path,
     results = [r for r in map(json.loads, child.stdout.splitlines()) if "command" in r]
     assert len(results) == 6 * len({r["case"] for r in results}) >= 24
     for r in results:
-        assert r["crash"] is None and "Traceback" not in r["output"], r
-        lines = r["output"].strip().splitlines()
+        assert r["crash"] is None and "Traceback" not in r["output"] + r["stderr"], r
+        # stderr: what the store logged on the way, then the error line if there is one
+        said = r["stderr"].strip().splitlines()
+        assert all(line.startswith(("warning: ", "error: ")) for line in said), r
         assert r["code"] != 3, r  # an exception the command did not expect
         if r["code"] == 2:
-            assert len(lines) == 1, r
-            assert json.loads(lines[0])["error"] if r["json"] else lines[0].startswith("error: "), r
+            if r["json"]:  # stdout is the one JSON document
+                (line,) = r["output"].strip().splitlines()
+                assert json.loads(line)["error"], r
+            else:
+                assert not r["output"] and said[-1].startswith("error: "), r
+        lines = (r["output"] if r["json"] or r["code"] != 2 else r["stderr"]).strip().splitlines()
+        if r["code"] == 2 and not r["json"]:
+            lines = lines[-1:]  # the error line
         if r["command"] == "repair":
             assert r["code"] == 0, r
         elif r["target"].endswith(".repaired"):
@@ -338,7 +349,7 @@ def test_repair_in_place_keeps_the_damaged_store_aside(big_store: Path):
     assert run("verify", big_store).exit_code == 2
     result = run("repair", big_store, "--json")
     assert result.exit_code == 0, result.output
-    fields = json.loads(result.output)
+    fields = json.loads(result.stdout)
     aside = Path(fields["moved_aside"])
     assert aside.name.startswith("big.damaged-") and (aside / "data.mdb").exists()
     assert fields["output"] == str(big_store) and fields["skipped"] == 1
@@ -362,10 +373,10 @@ def test_repair_to_another_directory_leaves_the_source(store_dir: Path, tmp_path
     source = (store_dir / "data.mdb").read_bytes()
     result = run("repair", store_dir, "--out", tmp_path / "fixed", "--size", "8MiB", "--json")
     assert result.exit_code == 0, result.output
-    fields = json.loads(result.output)
+    fields = json.loads(result.stdout)
     assert fields["moved_aside"] is None and fields["output"] == str(tmp_path / "fixed")
     assert (store_dir / "data.mdb").read_bytes() == source
-    stats = json.loads(run("stats", tmp_path / "fixed", "--json").output)
+    stats = json.loads(run("stats", tmp_path / "fixed", "--json").stdout)
     assert stats["entries"] == fields["salvaged"] and stats["capacity_bytes"] == 8 << 20
     again = run("repair", store_dir, "--out", tmp_path / "fixed")
     assert again.exit_code == 2 and "not empty" in again.output
@@ -413,7 +424,7 @@ def test_verify_flags_a_resealed_record(store_dir: Path):
     stored(store_dir, key(NS_A, 3), forge)
     result = run("verify", store_dir, "--json")
     assert result.exit_code == 1, result.output
-    assert json.loads(result.output)["corrupt"] == 1
+    assert json.loads(result.stdout)["corrupt"] == 1
 
 
 def test_init_gives_an_existing_store_a_private_key(store_dir: Path):
@@ -424,7 +435,7 @@ def test_init_gives_an_existing_store_a_private_key(store_dir: Path):
     assert refused.exit_code == 2 and "storage init" in refused.output
     result = run("init", store_dir, "--json")
     assert result.exit_code == 0, result.output
-    fields = json.loads(result.output)
+    fields = json.loads(result.stdout)
     assert fields["sealed_now"] and fields["entries"] == 0 and fields["record_format_version"] == 2
     assert (store_dir / KEY_FILE_NAME).stat().st_mode & 0o777 == 0o600
     assert fields["key_id"] == load_key_file(store_dir / KEY_FILE_NAME).name
@@ -467,7 +478,7 @@ def test_import_never_overwrites_and_reports_what_it_skipped(store_dir: Path, tm
     mine = {i: stored(target, key(NS_A, i)) for i in (0, 1)}
     result = run("import", archive, target, "--key-file", store_dir / KEY_FILE_NAME, "--json")
     assert result.exit_code == 0, result.output
-    fields = json.loads(result.output)
+    fields = json.loads(result.stdout)
     assert (fields["records"], fields["imported"]) == (8, 5)
     assert (fields["skipped_existing"], fields["skipped_corrupt"]) == (2, 1)
     assert fields["skipped_by_reason"] == {"exists": 2, "mac": 1}
@@ -504,7 +515,7 @@ def test_json_is_never_colored_even_when_the_console_forces_color(store_dir: Pat
     for args in (["stats"], ["verify"], ["gc", "--max-size", "1GiB", "--dry-run"]):
         result = run(args[0], store_dir, *args[1:], "--json")
         assert result.exit_code == 0 and "\x1b[" not in result.output, result.output
-        json.loads(result.output)
+        json.loads(result.stdout)
 
 
 def test_clear_with_no_stdin_at_all_is_a_no(store_dir: Path, monkeypatch):
@@ -521,7 +532,7 @@ def test_clear_with_no_stdin_at_all_is_a_no(store_dir: Path, monkeypatch):
 ])
 def test_a_size_or_duration_too_large_is_a_usage_error(store_dir: Path, args):
     result = run(args[0], store_dir, *args[1:], "--json")
-    assert result.exit_code == 2 and "too" in json.loads(result.output)["error"], result.output
+    assert result.exit_code == 2 and "too" in json.loads(result.stdout)["error"], result.output
 
 
 def test_an_empty_namespace_is_refused_not_taken_as_every_namespace(store_dir: Path, tmp_path: Path):
@@ -533,4 +544,4 @@ def test_an_empty_namespace_is_refused_not_taken_as_every_namespace(store_dir: P
 def test_changes_the_disk_did_not_commit_are_an_error_not_a_report(store_dir: Path, monkeypatch):
     monkeypatch.setattr(LmdbStore, "flush", lambda self, timeout=None: False)
     result = run("gc", store_dir, "--max-size", "1KiB", "--json")
-    assert result.exit_code == 2 and "could not be committed" in json.loads(result.output)["error"]
+    assert result.exit_code == 2 and "could not be committed" in json.loads(result.stdout)["error"]

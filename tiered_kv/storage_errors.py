@@ -8,10 +8,17 @@ the exit code says whether it is a result or an error.
 Exit codes: 2 for what the user can fix (a usage error, a bad value, no such store, a
 damaged file, a disk that refuses a write, a store held by a server); 3 for an exception
 the command did not expect (a bug: its type and message are the line).
+
+What the store logs on the way (a corrupt record met, a write given up) goes to stderr as
+``warning: MESSAGE`` lines, one per event, before the error line if there is one; stdout
+stays the command's output alone.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import sys
 
 import lmdb
 import typer
@@ -53,7 +60,8 @@ class StorageGroup(TyperGroup):
     def invoke(self, ctx: typer.Context):
         as_json = ctx.meta.get(_JSON_FLAG, False)
         try:
-            return super().invoke(ctx)
+            with _log_lines():
+                return super().invoke(ctx)
         except (typer.Exit, typer.Abort):
             raise
         except CommandError as e:
@@ -82,3 +90,27 @@ def _describe(error: Exception) -> str:
         where = f"{error.filename}: " if error.filename else ""
         return f"{where}{error.strerror}"
     return str(error) or type(error).__name__
+
+
+class _LogLine(logging.Handler):
+    """A log record as one ``level: message`` line on the stderr of the moment."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = " ".join(record.getMessage().split())
+            sys.stderr.write(f"{record.levelname.lower()}: {line}\n")
+        except Exception:  # noqa: BLE001 - logging must not fail the command
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def _log_lines():
+    """Warnings and errors logged during a command, as lines (instead of Python's bare
+    last-resort output), without a traceback."""
+    root = logging.getLogger()
+    handler = _LogLine(logging.WARNING)
+    root.addHandler(handler)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
