@@ -14,7 +14,7 @@
 #   probe    hit_profile.py, 1B shape: host launches, syncs and kernels of a hit and a miss
 # A stage's limit is LIMIT_<stage> seconds (defaults below). Logs and JSON go to $OUT
 # (default benchmarks/results/gpu); each stage prints its log's tail. Wheels the machine
-# lacks are installed from .whl/ when it is there (the recipe in GPU.md).
+# lacks are installed from .whl/ when it is there: `bash benchmarks/gpu_wheels.sh` fills it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/gpu}
