@@ -29,6 +29,7 @@ default; ``1b`` and ``8b`` as in ``gpu_tiers.py``, bf16, the CUDA default).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import signal
@@ -91,19 +92,22 @@ def timed(fn, device: torch.device):
     return value, time.perf_counter() - start
 
 
-def gpu_busy(fn, device: torch.device) -> float | None:
-    """The fraction of ``fn``'s wall time during which a CUDA kernel ran (one stream)."""
+def gpu_busy(fn, device: torch.device, kernels: dict | None = None) -> float | None:
+    """The fraction of ``fn``'s wall time during which a CUDA kernel ran (one stream);
+    ``kernels``, if given, receives the 10 costliest kernels' milliseconds by name."""
     if device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _, wall = timed(fn, device)
-    kernel_us = sum(
-        e.time_range.elapsed_us() for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA
-    )
-    return kernel_us / 1e6 / wall
+    by_name: collections.Counter = collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by_name[e.name[:80]] += e.time_range.elapsed_us()
+    if kernels is not None:
+        kernels.update({name: us / 1e3 for name, us in by_name.most_common(10)})
+    return sum(by_name.values()) / 1e6 / wall
 
 
 def run_transformers(model, prompts, new, static: bool, device) -> dict:
@@ -131,6 +135,11 @@ def run_engine(llm: LLM, prompts, new, device, synchronous: bool = False) -> dic
     busy = gpu_busy(lambda: llm.generate(short, params), device)
     if busy is not None:
         result["gpu_busy"] = busy
+        # and of the workload itself, with where its kernel time goes
+        kernels: dict = {}
+        result["workload_gpu_busy"] = gpu_busy(lambda: llm.generate(prompts, params), device,
+                                                kernels)
+        result["top_kernels_ms"] = kernels
     return result
 
 
@@ -238,6 +247,13 @@ def print_tables(rows: list[dict], tt: dict | None, device: torch.device) -> Non
               f"{tok_s('compiled')} | {tok_s('engine')} | {ratio('compiled')} | "
               f"{ratio('transformers')} | {busy('engine')} | {tok_s('engine-sync')} | "
               f"{busy('engine-sync')} | {same} |")
+    for r in rows:
+        kernels = r.get("engine", {}).get("top_kernels_ms")
+        if kernels:
+            print(f"\nengine, {r['batch']} x {r['prompt']} -> {r['new']}: GPU busy "
+                  f"{r['engine']['workload_gpu_busy']:.0%} over the workload; costliest kernels:")
+            for name, ms in kernels.items():
+                print(f"  {ms:9.2f} ms  {name}")
     if tt is None:
         return
     print(f"\nTTFT, {tt['prefix_tokens']}-token shared prefix + {tt['suffix_tokens']}-token "
