@@ -476,10 +476,13 @@ def attention(
     common = dict(GROUP=Hq // Hkv, BLOCK_M=block_m, num_warps=warps, **constants)
     # a few new tokens over a long context (a prefix hit) leave most SMs idle: split the keys
     # every row sees, as decode does (not within a window: it reads few keys anyway)
-    if window is None and num_splits is None:
+    if window is not None:
+        num_splits = 1
+    elif num_splits is None:
         num_splits = _default_splits(Hq * tiles_m * meta.num_seqs, max_seq_len, q.device)
-    split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits or 1), tiles.block_n) * tiles.block_n
-    num_splits = 1 if window is not None else triton.cdiv(max_seq_len, split_len)
+    if num_splits > 1:  # whole key tiles per split; as many splits as that takes
+        split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), tiles.block_n) * tiles.block_n
+        num_splits = triton.cdiv(max_seq_len, split_len)
     if num_splits == 1:
         grid = (Hq, tiles_m, meta.num_seqs)
         _prefill_kernel[grid](*args, out, out, 0, 1, 0, 0, 0, 0, 0, SPLIT=False, **common)
