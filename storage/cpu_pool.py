@@ -75,11 +75,12 @@ class Commit(NamedTuple):
 class SlotBlock:
     """A block held in its slot: ``kv`` is a view of slot ``slot``, valid until the holder
     lets go (:meth:`CpuBlockPool.release`, or :meth:`CpuBlockPool.done_pending` for a
-    writer)."""
+    writer); ``None`` from ``take_pending(views=False)``, whose caller reads the slot's row
+    of :attr:`CpuBlockPool.slab` itself."""
 
     key: BlockKey
     slot: int
-    kv: torch.Tensor
+    kv: torch.Tensor | None
     parent_hash: bytes | None
     token_ids: tuple[int, ...]
     priority: int = DEFAULT_PRIORITY  # the block's, for the tiers it is written to
@@ -355,11 +356,14 @@ class CpuBlockPool(BlockStore[HostBlock]):
             return self._pending_count[tier]
 
     def take_pending(
-        self, tier: str, max_blocks: int, timeout: float | None = None
+        self, tier: str, max_blocks: int, timeout: float | None = None, *, views: bool = True
     ) -> list[SlotBlock]:
         """Up to ``max_blocks`` blocks still pending for ``tier``, oldest first, each held
         (pinned against eviction and read) until :meth:`done_pending`. Waits up to
-        ``timeout`` seconds for one (``None``: until one comes or the pool closes)."""
+        ``timeout`` seconds for one (``None``: until one comes or the pool closes).
+        ``views=False``: no ``kv`` view (three torch calls a block, each of which lets go
+        of the GIL and waits to get it back, under the pool's lock); the caller reads the
+        slot's row of :attr:`slab`."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             queue = self._queues[tier]
@@ -370,7 +374,7 @@ class CpuBlockPool(BlockStore[HostBlock]):
                     entry = self._entries[key]
                     entry.taken.add(tier)
                     entry.readers += 1
-                    view = self.slot_view(entry.slot, entry.dtype, entry.shape)
+                    view = self.slot_view(entry.slot, entry.dtype, entry.shape) if views else None
                     taken.append(
                         SlotBlock(
                             key, entry.slot, view, entry.parent_hash, entry.token_ids,

@@ -53,7 +53,7 @@ class Pending:
     """
 
     op: Op
-    data: bytes | None
+    data: bytes | memoryview | None  # an encoded record (storage.record.encode_record_buffer)
     reason: str
     seq: int
     first_seq: int
@@ -70,7 +70,7 @@ class Snap(NamedTuple):
     key: bytes
     seq: int
     op: Op
-    data: bytes | None
+    data: bytes | memoryview | None
     reason: str
     put_ns: int
     created_ns: int
@@ -109,7 +109,8 @@ class Committer:
     # ------------------------------------------------------------------ pending operations
 
     def _enqueue_locked(
-        self, kb: bytes, op: Op, data: bytes | None, *, reason: str = "", created_ns: int = 0,
+        self, kb: bytes, op: Op, data: bytes | memoryview | None, *, reason: str = "",
+        created_ns: int = 0,
         priority: int = DEFAULT_PRIORITY,
     ) -> Pending:
         self._seq += 1

@@ -67,7 +67,7 @@ from storage.lmdb_layout import (
 from storage.lmdb_meta import check_priority, unpack_meta
 from storage.lmdb_recovery import Recovery
 from storage.priority_lru import DEFAULT_PRIORITY, PriorityLru
-from storage.record import Record, RecordError, decode_record, encode_record
+from storage.record import Record, RecordError, decode_record, encode_record_buffer
 
 __all__ = [
     "DESCRIPTOR_NAME", "FORMAT_NAME", "LOCK_NAME", "QUARANTINE_KEEP_BYTES", "STORE_VERSION", "DamagedStore",
@@ -462,7 +462,7 @@ class LmdbStore(Admin, Recovery, Committer, BlockStore[Record]):
         self._check_writable()
         results: list[bool] = []
         evicted: list[bytes] = []
-        group: list[tuple[bytes, bytes | None, int, int]] = []
+        group: list[tuple[bytes, bytes | memoryview | None, int, int]] = []
         group_bytes = 0
         ranks = iter(priorities) if priorities is not None else itertools.repeat(DEFAULT_PRIORITY)
         for (key, record), priority in zip(items, ranks, strict=priorities is not None):
@@ -470,7 +470,7 @@ class LmdbStore(Admin, Recovery, Committer, BlockStore[Record]):
             check_priority(priority)
             if record.key != key:
                 raise ValueError(f"record is for {record.key.short()}, put under {key.short()}")
-            data = encode_record(record, self.seal_key)
+            data = encode_record_buffer(record, self.seal_key)
             if len(data) > self.max_record_bytes:
                 data = None
             group.append((key.to_bytes(), data, record.created_ns, priority))
@@ -485,7 +485,7 @@ class LmdbStore(Admin, Recovery, Committer, BlockStore[Record]):
 
     def _queue_puts(
         self,
-        group: list[tuple[bytes, bytes | None, int, int]],
+        group: list[tuple[bytes, bytes | memoryview | None, int, int]],
         results: list[bool],
         evicted: list[bytes],
     ) -> None:

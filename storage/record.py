@@ -33,6 +33,7 @@ import dataclasses
 import struct
 import time
 
+import numpy as np
 import torch
 
 from storage.base import DIGEST_SIZE, BlockKey
@@ -43,6 +44,11 @@ FORMAT_VERSION = 2  # 1: an unkeyed xxh3-64 checksum instead of the seal (never 
 MAX_NDIM = 8
 MAX_CODEC_LEN = 64
 _FLAG_HAS_PARENT = 1
+# From this payload size on, :func:`encode_record_buffer` assembles a record with the GIL
+# released: ``bytes.join`` holds it for any result under 1 MiB, ~0.1 ms for a 1B model's
+# 512 KiB block, all of which a host-bound engine thread waits. Below it a GIL hand-off
+# costs more than the copy.
+RELEASED_ASSEMBLY_BYTES = 64 << 10
 
 _FIXED = struct.Struct("<4sHHIQQ32s32s32sBBHI")
 SEAL_SIZE = KEY_ID_SIZE + MAC_SIZE
@@ -112,14 +118,13 @@ def _header_len(ndim: int, codec_len: int, num_tokens: int) -> int:
     return _FIXED.size + 4 * ndim + codec_len + 4 * num_tokens
 
 
-def encode_record(record: Record, seal_key: SealKey) -> bytes:
-    """Serialize ``record`` sealed under ``seal_key``."""
+def _header(record: Record, payload_len: int) -> bytes:
     ndim, codec = len(record.shape), record.codec.encode("ascii")
     header_len = _header_len(ndim, len(codec), len(record.token_ids))
     flags = _FLAG_HAS_PARENT if record.parent_hash is not None else 0
     try:
-        header = _FIXED.pack(
-            MAGIC, FORMAT_VERSION, flags, header_len, len(record.payload), record.created_ns,
+        return _FIXED.pack(
+            MAGIC, FORMAT_VERSION, flags, header_len, payload_len, record.created_ns,
             record.key.namespace, record.key.block_hash, record.parent_hash or _ZERO_DIGEST,
             DTYPE_CODES[record.dtype], ndim, len(codec), len(record.token_ids),
         ) + struct.pack(f"<{ndim}I", *record.shape) + codec + struct.pack(
@@ -127,9 +132,34 @@ def encode_record(record: Record, seal_key: SealKey) -> bytes:
         )
     except struct.error as e:
         raise ValueError(f"record field out of range: {e}") from None
+
+
+def encode_record(record: Record, seal_key: SealKey) -> bytes:
+    """Serialize ``record`` sealed under ``seal_key``."""
+    header = _header(record, len(record.payload))
     key_id = seal_key.key_id
     mac = seal_key.mac(header, record.payload, key_id)
     return b"".join((header, record.payload, key_id, mac))
+
+
+def encode_record_buffer(record: Record, seal_key: SealKey) -> bytes | memoryview:
+    """:func:`encode_record`'s bytes, for a caller that takes any buffer (the disk tier): a
+    payload of :data:`RELEASED_ASSEMBLY_BYTES` or more is copied into a numpy buffer with
+    the GIL released and sealed with one MAC update over it (the same MAC: BLAKE3 hashes a
+    stream), so the calling thread holds the GIL for the header's few hundred bytes only."""
+    payload = memoryview(record.payload).cast("B")
+    size = payload.nbytes
+    if size < RELEASED_ASSEMBLY_BYTES:
+        return encode_record(record, seal_key)
+    header = _header(record, size)
+    start, end = len(header), len(header) + size
+    buf = np.empty(end + SEAL_SIZE, dtype=np.uint8)
+    buf[:start] = np.frombuffer(header, dtype=np.uint8)
+    buf[start:end] = np.frombuffer(payload, dtype=np.uint8)  # lets go of the GIL
+    buf[end : end + KEY_ID_SIZE] = np.frombuffer(seal_key.key_id, dtype=np.uint8)
+    sealed = memoryview(buf)
+    buf[end + KEY_ID_SIZE :] = np.frombuffer(seal_key.mac(sealed[: end + KEY_ID_SIZE]), dtype=np.uint8)
+    return sealed
 
 
 def sealing_key_id(buf: bytes | memoryview) -> bytes | None:

@@ -126,6 +126,14 @@ def test_pending_blocks_are_never_evicted_and_the_pool_says_when_it_is_full():
     assert not pool.contains(key(0)) and pool.contains(key(1))
 
 
+def test_take_pending_without_views_gives_the_slots():
+    pool = CpuBlockPool(2 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES)
+    assert reserve_and_commit(pool, 0)
+    (taken,) = pool.take_pending("disk", 8, timeout=0, views=False)
+    assert taken.key == key(0) and taken.kv is None
+    assert torch.equal(pool.slab[taken.slot], block(0).kv.reshape(-1).view(torch.uint8))
+
+
 def test_take_pending_waits_for_a_commit():
     pool = CpuBlockPool(4 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES)
     threading.Timer(0.05, reserve_and_commit, args=(pool, 3)).start()

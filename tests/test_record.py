@@ -17,8 +17,10 @@ from storage.record import (
     SEAL_SIZE,
     Record,
     RecordError,
+    RELEASED_ASSEMBLY_BYTES,
     decode_record,
     encode_record,
+    encode_record_buffer,
     sealing_key_id,
 )
 from storage.seal import KEY_ID_SIZE, SealKey
@@ -210,3 +212,12 @@ def test_out_of_range_token_is_a_value_error():
     r = Record(BlockKey(bytes(32), bytes(32)), None, (2**32,), "raw", torch.float16, (1,), b"")
     with pytest.raises(ValueError):
         encode_record(r, KEY)
+
+
+@pytest.mark.parametrize("size", [48, RELEASED_ASSEMBLY_BYTES - 1, RELEASED_ASSEMBLY_BYTES, 3 << 18])
+def test_a_record_assembled_with_the_gil_released_is_the_same_bytes(size):
+    payload = memoryview(bytes(range(256)) * (size // 256) + bytes(size % 256))
+    record = Record(BlockKey(b"n" * 32, b"h" * 32), b"p" * 32, (1, 2, 3), "raw", torch.uint8, (size,), payload)
+    buf = encode_record_buffer(record, KEY)
+    assert bytes(buf) == encode_record(record, KEY) and len(buf) == record.nbytes
+    assert bytes(decode_record(buf, KEY, record.key).payload) == bytes(payload)

@@ -81,6 +81,8 @@ class PoolWriter:
         self._write_back = write_back
         self._low_watermark = low_watermark
         self._by_priority = by_priority  # the store evicts by the blocks' tenant priority
+        # [num_slots, slot bytes]: a slot's stage payload is its row, no torch call a block
+        self._slots = pool.slab.numpy()
         self._draining = threading.Event()  # write-back: write everything now
         self._closing = False
         self._stopping = threading.Event()
@@ -134,7 +136,9 @@ class PoolWriter:
                 if self._pool.num_evictable() >= self._low_watermark:
                     self._stopping.wait(IDLE_WAIT_S)
                     continue
-            batch = self._pool.take_pending(self.tier, BATCH_BLOCKS, timeout=IDLE_WAIT_S)
+            batch = self._pool.take_pending(
+                self.tier, BATCH_BLOCKS, timeout=IDLE_WAIT_S, views=False
+            )
             if not batch:
                 continue
             try:
@@ -176,7 +180,7 @@ class PoolWriter:
         """``block``'s record: its slot's stage payload, packed (``None``, counted as dropped,
         if the codec refuses it)."""
         try:
-            staged = block.kv.reshape(-1).view(torch.uint8).numpy()
+            staged = self._slots[block.slot]
             return Record(
                 key=block.key,
                 parent_hash=block.parent_hash,
