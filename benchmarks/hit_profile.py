@@ -104,7 +104,12 @@ def main(argv: list[str] | None = None) -> None:
     args.shape = args.shape or ("tiny" if args.device == "cpu" else "1b")
     shape = SHAPES[args.shape]
     args.dtype, args.vocab = shape.dtype, shape.vocab
-    prefixes = [int(p) for p in (args.prefix or ("256" if args.quick else "1024,8192")).split(",")]
+    try:
+        prefixes = [int(p) for p in (args.prefix or ("256" if args.quick else "1024,8192")).split(",")]
+    except ValueError:
+        parser.error("--prefix takes comma-separated token counts")
+    if any(p < 16 for p in prefixes):
+        parser.error("--prefix: each prefix is at least one block (16 tokens)")
     out = args.out or REPO / "benchmarks/results" / f"hit_profile{'_quick' * args.quick}.json"
     rows = []
     with tempfile.TemporaryDirectory(prefix="hit-profile-") as tmp:
