@@ -65,8 +65,14 @@ def metaspace() -> Tokenizer:
     return Tokenizer(backend)
 
 
-def stream(tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool = True) -> list[str]:
+def stream(
+    tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool = True, *, window_only: bool = False
+) -> list[str]:
+    """The pieces of ``ids``; ``window_only``: without ``tokenizers``' DecodeStream, the
+    detokenizer's own window (what it falls back to)."""
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+    if window_only:
+        detok._stream = None
     pieces = [detok.add(i) for i in ids]
     return pieces + [detok.finish()]
 
@@ -258,3 +264,23 @@ def test_stream_equals_decode_metaspace(text):
     tok = metaspace()
     ids = tok.encode(text)
     assert "".join(stream(tok, ids)) == tok.decode(ids)
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_decode_stream_gives_the_windows_pieces(tok, data):
+    """DecodeStream and the detokenizer's own window cut the text at the same tokens, for
+    every kind of tokenizer above, whatever ids come (special ones and broken UTF-8 too)."""
+    kind = data.draw(st.sampled_from(["byte-level", "crossing", "metaspace"]))
+    t = {"byte-level": tok, "crossing": crossing_bpe(), "metaspace": metaspace()}[kind]
+    ids = data.draw(st.lists(st.integers(0, t._backend.get_vocab_size() - 1), max_size=30))
+    skip = data.draw(st.booleans())
+    assert stream(t, ids, skip) == stream(t, ids, skip, window_only=True)
+
+
+def test_a_decoder_that_rewrites_its_context_falls_back_to_the_window():
+    """Fusing "ab" into "XYZ" makes the text of [a, b] not begin with that of [a]: DecodeStream
+    refuses it, and the window's slice takes over for the rest of the request."""
+    backend = tokenizers.Tokenizer(models.WordLevel(vocab={"a": 0, "b": 1, "c": 2}, unk_token="a"))
+    backend.decoder = decoders.Sequence([decoders.Fuse(), decoders.Replace("ab", "XYZ")])
+    assert stream(Tokenizer(backend), [0, 1, 2, 0]) == ["a", "YZ", "c", "a", ""]
