@@ -7,6 +7,9 @@ Per block shape (``1b``: 512 KiB, ``8b``: 2 MiB of bf16 KV per 16-token block; `
 flushed, and loaded ``--repeats`` times by a second manager on the same directory with no
 CPU pool (a staging buffer that holds the request), the way a restarted server loads them.
 The figure is the load job's own time (``BlockLoader.run``), median of the repeats.
+"Cores busy" is the process's CPU time over that time (every thread's, BLAKE3's workers
+included): near the reader thread count, the load is bound by each core's work (memory
+bandwidth, the MAC); near 1, something serializes the readers.
 
     .venv/bin/python benchmarks/disk_restore.py [--shapes 1b,8b] [--codecs raw,zstd]
         [--blocks 256] [--repeats 3] [--device auto|cuda|cpu] [--out ...]
@@ -14,9 +17,11 @@ The figure is the load job's own time (``BlockLoader.run``), median of the repea
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -63,7 +68,7 @@ def restore(shape_name: str, codec: str, blocks: int, repeats: int, device: str,
     finally:
         writer.close()
     target = torch.zeros_like(kv)
-    times = []
+    times, busy = [], []  # busy: CPU seconds of every thread per second of the load
     reader = TierManager(config)
     try:
         reader.register_kv_cache(target, NAMESPACE, BLOCK)
@@ -72,10 +77,13 @@ def restore(shape_name: str, codec: str, blocks: int, repeats: int, device: str,
             raise RuntimeError("the store lost blocks")
         wanted = reader._lookup.wanted("r", hashes, list(range(blocks)))
         for _ in range(repeats):
+            cpu = time.process_time()
             result = reader._loader.run("r", wanted)
+            cpu = time.process_time() - cpu
             if result.loaded != blocks:
                 raise RuntimeError(f"loaded {result.loaded} of {blocks} blocks")
             times.append(result.seconds)
+            busy.append(cpu / result.seconds)
     finally:
         reader.close()
     if codec == "raw" and not torch.equal(target, kv):
@@ -83,7 +91,8 @@ def restore(shape_name: str, codec: str, blocks: int, repeats: int, device: str,
     pread = pread_bandwidth(folder, shape.block_nbytes, blocks, pin=device == "cuda")
     restore_bps = nbytes / statistics.median(times)
     return dict(shape=shape_name, codec=codec, blocks=blocks, block_nbytes=shape.block_nbytes,
-                restore_Bps=restore_bps, pread_Bps=pread, ratio=restore_bps / pread)
+                restore_Bps=restore_bps, pread_Bps=pread, ratio=restore_bps / pread,
+                cores_busy=statistics.median(busy))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,11 +117,12 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(restore(shape, codec, args.blocks, args.repeats, device, Path(tmp)))
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"Disk restore into the KV cache on {name}, {args.blocks} blocks, page cache warm:")
-    print("| shape | block KiB | codec | restore GB/s | pread GB/s | ratio |")
-    print("|---|---|---|---|---|---|")
+    print("| shape | block KiB | codec | restore GB/s | pread GB/s | ratio | cores busy |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['shape']} | {r['block_nbytes'] >> 10} | {r['codec']} | "
-              f"{r['restore_Bps'] / 1e9:.2f} | {r['pread_Bps'] / 1e9:.2f} | {r['ratio']:.2f} |")
+              f"{r['restore_Bps'] / 1e9:.2f} | {r['pread_Bps'] / 1e9:.2f} | {r['ratio']:.2f} | "
+              f"{r['cores_busy']:.1f} of {os.cpu_count()} |")
     command = "python benchmarks/disk_restore.py " + " ".join(argv if argv is not None else sys.argv[1:])
     write_json(args.out, {"command": command, "machine": machine(), "device": name, "rows": rows})
     return 0
