@@ -52,7 +52,7 @@ for stage in "${stages[@]}"; do
         tiers8b) run_stage tiers8b 300 python3 benchmarks/gpu_tiers.py --device cuda --shapes 8b \
             --prefixes 8K,32K --codecs raw,zstd,kivi4 --skip remote --out "$OUT/gpu_tiers_8b.json" ;;
         disk) run_stage disk 200 python3 benchmarks/disk_restore.py --device cuda --shapes 1b,8b \
-            --codecs raw,zstd,kivi4 --out "$OUT/disk_restore.json" ;;
+            --codecs raw,zstd,kivi4 --read-threads 1,4,8 --out "$OUT/disk_restore.json" ;;
         qa) run_stage qa 240 python3 benchmarks/multi_round_qa.py --shape 1b \
             --out "$OUT/multi_round_qa_1b.json" --plot "$OUT/multi_round_qa_1b.png" ;;
         probe) run_stage probe 120 python3 benchmarks/hit_profile.py --device cuda --shape 1b \

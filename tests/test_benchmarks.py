@@ -42,10 +42,14 @@ def test_gpu_tiers_quick_serves_every_hit_from_its_tier(tmp_path):
 
 def test_disk_restore_loads_every_block_for_every_codec(tmp_path):
     got = run("disk_restore.py", "--device", "cpu", "--shapes", "tiny", "--blocks", "24",
-              "--repeats", "1", "--codecs", "raw,zstd,kivi4", out=tmp_path / "disk.json")
-    assert [r["codec"] for r in got["rows"]] == ["raw", "zstd", "kivi4"]
+              "--repeats", "1", "--codecs", "raw,zstd,kivi4", "--read-threads", "1,2",
+              out=tmp_path / "disk.json")
+    assert [(r["codec"], r["read_threads"]) for r in got["rows"]] == [
+        ("raw", 1), ("raw", 2), ("zstd", 1), ("zstd", 2), ("kivi4", 1), ("kivi4", 2)
+    ]
     for r in got["rows"]:  # the script itself fails on a short load or (raw) different bytes
         assert r["blocks"] == 24 and r["restore_Bps"] > 0 and r["pread_Bps"] > 0
+        assert r["cores_busy"] > 0
 
 
 def test_engine_throughput_quick_matches_transformers_and_hits_its_prefix(tmp_path):
