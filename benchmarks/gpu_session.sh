@@ -6,6 +6,7 @@
 #
 # Stages, in the order they matter:
 #   tests    pytest -m cuda (every Triton kernel compiled on the GPU against its reference)
+#   suite    the whole test suite with CUDA visible (8 workers), as CI runs it on a CPU
 #   engine   engine_throughput.py, 1B shape, beside eager and compiled transformers
 #   tiers    gpu_tiers.py, 1B shape, 2K/8K/32K prefixes, raw/zstd/kivi4
 #   tiers8b  gpu_tiers.py, 8B shape, 8K/32K prefixes (no remote case)
@@ -23,6 +24,11 @@ if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps .whl/*.whl 2>&1 | tail -n 3
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# A carried redis-server (gpu_wheels.sh) serves the remote tier's benchmark cases and tests.
+if ! command -v redis-server >/dev/null && [ -x .whl/redis/redis-server ]; then
+    export PATH="$PWD/.whl/redis:$PATH" LD_LIBRARY_PATH="$PWD/.whl/redis/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+redis-server --version 2>&1 | head -n 1 || echo "no redis-server: the remote cases are skipped"
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda,
@@ -44,6 +50,7 @@ stages=("$@")
 for stage in "${stages[@]}"; do
     case $stage in
         tests) run_stage tests 180 python3 -m pytest -m cuda -q -p no:cacheprovider tests ;;
+        suite) run_stage suite 420 python3 -m pytest -q -p no:cacheprovider -n 8 tests ;;
         engine) run_stage engine 200 python3 benchmarks/engine_throughput.py --device cuda \
             --shape 1b --workloads 1x16x256,32x512x128,128x256x128 \
             --out "$OUT/engine_throughput_1b.json" ;;
@@ -57,6 +64,6 @@ for stage in "${stages[@]}"; do
             --out "$OUT/multi_round_qa_1b.json" --plot "$OUT/multi_round_qa_1b.png" ;;
         probe) run_stage probe 120 python3 benchmarks/hit_profile.py --device cuda --shape 1b \
             --prefix 1024,8192 --out "$OUT/hit_profile_1b.json" ;;
-        *) echo "unknown stage $stage (tests, engine, tiers, tiers8b, disk, qa, probe)" >&2; exit 2 ;;
+        *) echo "unknown stage $stage (tests, suite, engine, tiers, tiers8b, disk, qa, probe)" >&2; exit 2 ;;
     esac
 done

@@ -17,3 +17,16 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     "openai<2" distro jiter sniffio jsonschema jsonschema-specifications referencing rpds-py attrs \
     2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 ls .whl | wc -l | xargs echo "wheels in .whl:"
+# The machine has no redis-server either: this machine's (Debian's, installed by
+# .ci/install-services), with the two libraries it needs that a CUDA image lacks, for the
+# remote tier's cases and tests. gpu_session.sh puts it on PATH when it runs there.
+server=$(command -v redis-server || command -v valkey-server || true)
+if [ -n "$server" ]; then
+    mkdir -p .whl/redis/lib
+    cp -L "$server" .whl/redis/redis-server
+    for lib in liblzf.so.1 libjemalloc.so.2; do
+        path=$(ldd "$server" | awk -v lib="$lib" '$1 == lib {print $3}')
+        if [ -n "$path" ]; then cp -L "$path" .whl/redis/lib/; fi
+    done
+    echo "redis-server in .whl/redis"
+fi
