@@ -152,6 +152,46 @@ def test_kivi_constant_groups(value):
     assert (out == expected).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_kivi_non_finite_groups(dtype):
+    # A group of one infinity is constant (its zero saturates to ±65504), NaN reads as 0,
+    # and an infinity beside finite values leaves them finite.
+    inf, nan = float("inf"), float("nan")
+    kv = make_kv(SHAPE, dtype)
+    kv[:, 1, 0, 0], kv[:, 1, 1, 0], kv[:, 1, 2, 0] = inf, -inf, nan  # whole value groups
+    kv[:, 1, 3, 0, 5], kv[:, 1, 4, 0, 7], kv[:, 1, 5, 0, 9] = nan, inf, -inf
+    codec = get_codec("kivi4")
+    out = codec.decode(codec.encode(kv), dtype, SHAPE)
+    saturated = torch.tensor(65504.0).to(dtype)
+    assert (out[:, 1, 0, 0] == saturated).all() and (out[:, 1, 1, 0] == -saturated).all()
+    assert (out[:, 1, 2, 0] == 0).all()
+    assert not out.isnan().any()
+    assert out[kv.isfinite()].isfinite().all()
+    assert codec.encode(kv) == codec.encode(torch.where(kv.isnan(), 0, kv))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    dtype=st.sampled_from(KV_DTYPES),
+    bits=st.sampled_from([2, 4]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_kivi_random_bit_patterns_never_decode_to_nan(dtype, bits, seed):
+    # Random bytes: NaNs, infinities, subnormals, signed zeros, values beyond fp16. Every
+    # scale and zero written is finite, so nothing decodes to NaN.
+    shape = (1, 2, 16, 2, 40)
+    kv = torch.empty(shape, dtype=dtype)
+    n = kv.numel() * dtype.itemsize
+    bits_of(kv).numpy()[:] = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+    codec = get_codec(f"kivi{bits}")
+    payload = codec.encode(kv)
+    meta = kivi_layout(shape, bits).views(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    for t in (meta.key_scale, meta.key_zero, meta.value_scale, meta.value_zero):
+        assert t.isfinite().all()
+    assert not meta.key_scale.signbit().any() and not meta.value_scale.signbit().any()
+    assert not codec.decode(payload, dtype, shape).isnan().any()
+
+
 @pytest.mark.parametrize(
     "bits,T,expected",
     [(4, 16, 6 / 2 + 5 / 2), (4, 32, 5.0), (2, 16, 4 / 2 + 3 / 2), (2, 32, 3.0)],

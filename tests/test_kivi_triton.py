@@ -22,6 +22,34 @@ CASES = [
     (4, "bfloat16", (2, 2, 16, 2, 64), "strided"),
     (4, "float32", (1, 2, 16, 2, 32), "contiguous"),
     (2, "bfloat16", (1, 2, 16, 2, 32), "constant"),  # zero-range groups
+    (2, "float16", (1, 2, 16, 2, 32), "nonfinite"),  # groups of SPECIAL_GROUPS
+    (4, "float16", (1, 2, 48, 1, 34), "nonfinite"),
+    (2, "bfloat16", (1, 2, 32, 2, 40), "nonfinite"),
+    (4, "bfloat16", (1, 2, 16, 2, 32), "nonfinite"),
+    (2, "float32", (1, 2, 16, 2, 40), "nonfinite"),
+    (4, "float32", (1, 2, 32, 1, 32), "nonfinite"),
+]
+
+INF, NAN = float("inf"), float("nan")
+# Element j of a group that a broken block can hold (non-finite values), or that is
+# easy to get wrong (signed zeros, subnormals, values beyond fp16).
+SPECIAL_GROUPS = [
+    lambda j: INF,
+    lambda j: -INF,
+    lambda j: (INF, -INF)[j % 2],
+    lambda j: INF if j == 3 else j - 5.0,
+    lambda j: -INF if j == 3 else j - 5.0,
+    lambda j: NAN if j % 7 == 3 else j - 5.0,
+    lambda j: NAN,
+    lambda j: (NAN, INF, -INF)[j % 3],
+    lambda j: (NAN, -INF)[j % 2],
+    lambda j: 0.0,
+    lambda j: -0.0,
+    lambda j: (0.0, -0.0)[j % 2],
+    lambda j: (-0.0, 0.0)[j % 2],
+    lambda j: j * 2.0**-24,  # fp16 subnormals
+    lambda j: j * 2.0**-140,  # bf16 and fp32 subnormals, 0 in fp16
+    lambda j: (7e4, -1e6, 1.0)[j % 3],  # beyond fp16 (inf in an fp16 block)
 ]
 
 CHECK = r"""
@@ -31,7 +59,9 @@ from storage.codecs import kivi, kivi_triton
 sys.path.insert(0, "tests")
 from interpreter_testing import value_errors
 
-from test_kivi_triton import case_block
+from test_kivi_triton import (
+    NAN_META_DTYPES, NAN_META_SHAPE, case_block, nan_meta_payload, same_but_nan_bits,
+)
 
 assert kivi_triton._interpreting(), "TRITON_INTERPRET=1 did not reach triton"
 results = {}
@@ -68,6 +98,14 @@ for bits in (2, 4):  # a batch of blocks, as the block mover encodes them on the
         "decoded_equal": torch.equal(decoded.view(torch.int16), dec_ref.view(torch.int16)),
     }
 
+nan_meta = {}
+for dtype in NAN_META_DTYPES:
+    payload = nan_meta_payload(dtype)
+    dtype = getattr(torch, dtype)
+    ref = kivi.dequantize_block(payload, 2, dtype, NAN_META_SHAPE, backend="torch")
+    tri = kivi.dequantize_block(payload, 2, dtype, NAN_META_SHAPE, backend="triton")
+    nan_meta[str(dtype)] = same_but_nan_bits(ref, tri)
+
 kv = torch.zeros(1, 2, 16, 2, 32, dtype=torch.float16)
 lay = kivi.kivi_layout(tuple(kv.shape), 2)
 out = lay.views(torch.empty(lay.meta_bytes + lay.code_bytes, dtype=torch.uint8))
@@ -84,7 +122,7 @@ calls = {
         out.value_codes, out.value_scale, out.value_zero, 3, kivi.value_rows(kv)),
 }
 errors = value_errors(calls)
-print(json.dumps({"results": results, "batches": batches, "errors": errors}))
+print(json.dumps({"results": results, "batches": batches, "nan_meta": nan_meta, "errors": errors}))
 """
 
 
@@ -98,10 +136,59 @@ def case_block(i: int):
     x[:, 0, ..., :2] += 8
     if layout == "constant":
         x[:, :, :, 0] = 1.5
+    if layout == "nonfinite":  # each key channel and value row one of SPECIAL_GROUPS
+        _, _, T, H, D = shape
+        x[:, 0] = special_rows(H * D, T).view(H, D, T).permute(2, 0, 1)
+        x[:, 1] = special_rows(T * H, D).view(T, H, D)
     kv = x.to(getattr(torch, dtype))
     if layout == "strided":
         kv = kv.permute(4, 0, 1, 2, 3).contiguous().permute(1, 2, 3, 4, 0)
     return kv
+
+
+def special_rows(count: int, n: int):
+    """``count`` fp32 rows of ``n`` values: row ``i`` is group kind ``i`` of SPECIAL_GROUPS,
+    cycling."""
+    import torch
+
+    kinds = [SPECIAL_GROUPS[i % len(SPECIAL_GROUPS)] for i in range(count)]
+    return torch.tensor([[kind(j) for j in range(n)] for kind in kinds])
+
+
+NAN_META_DTYPES = ["float16", "bfloat16", "float32"]
+NAN_META_SHAPE = (1, 2, 16, 2, 40)
+
+
+def nan_meta_payload(dtype: str):
+    """A kivi2 payload of random bytes: scales and zeros of every bit pattern, as a corrupt
+    record or one written by an older encoder from inf or NaN groups can hold them; plus
+    NaNs with every payload bit set (as CUDA writes them) and infinities."""
+    import torch
+
+    from storage.codecs import kivi
+
+    lay = kivi.kivi_layout(NAN_META_SHAPE, 2)
+    g = torch.Generator().manual_seed(20 + NAN_META_DTYPES.index(dtype))
+    payload = torch.randint(0, 256, (lay.nbytes,), dtype=torch.uint8, generator=g)
+    special = torch.tensor([0x7FFF, -1, 0x7C00, -1024, 0x7E00], dtype=torch.int16)
+    meta = lay.views(payload)
+    for t in (meta.key_scale, meta.key_zero, meta.value_scale, meta.value_zero):
+        t.view(torch.int16).view(-1)[: len(special)] = special
+    return payload
+
+
+def same_but_nan_bits(ref, out) -> dict:
+    """Whether ``out`` is NaN where ``ref`` is and has ``ref``'s bits everywhere else."""
+    import torch
+
+    ref, out = ref.cpu(), out.cpu()
+    as_int = {2: torch.int16, 4: torch.int32}[ref.dtype.itemsize]
+    nan = ref.isnan()
+    return {
+        "nans": int(nan.sum()),
+        "same_nans": torch.equal(nan, out.isnan()),
+        "rest_equal": torch.equal(ref.view(as_int)[~nan], out.view(as_int)[~nan]),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +214,16 @@ def test_a_batch_of_blocks_matches_one_block_at_a_time(interpreted, bits):
     """``quantize_blocks`` runs the kernels once over the whole batch; every row must still
     be the block's own payload, and decoding the batch must give every block back."""
     assert interpreted["batches"][bits] == {"payload_equal": True, "decoded_equal": True}
+
+
+@pytest.mark.parametrize("dtype", NAN_META_DTYPES)
+def test_nan_or_inf_metadata_decodes_to_nan_on_both_paths(interpreted, dtype):
+    """The encoder never writes a NaN or infinite scale or zero, but a record can hold one.
+    Both paths then decode NaN at the same places (not -0 or inf: the bf16 store rounds
+    with integer ops) and the same bits everywhere else."""
+    result = interpreted["nan_meta"][f"torch.{dtype}"]
+    assert result["nans"] > 0
+    assert result["same_nans"] and result["rest_equal"]
 
 
 @pytest.mark.parametrize(
@@ -167,3 +264,23 @@ def test_compiled_kernels_match_torch_on_the_gpu_and_the_cpu(case):
     for backend in ("triton", "torch"):
         on_device = kivi.dequantize_block(ref.to("cuda"), bits, dtype, shape, backend=backend)
         assert torch.equal(as_bytes(on_device), decoded), backend
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", NAN_META_DTYPES)
+def test_compiled_kernels_decode_nan_or_inf_metadata_like_torch(dtype):
+    """On the GPU a NaN computed from a NaN scale or zero is 0x7FFFFFFF, which the bf16
+    store's rounding would carry into -0: it must stay NaN, as on the CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from storage.codecs import kivi
+
+    payload = nan_meta_payload(dtype)
+    dtype = getattr(torch, dtype)
+    ref = kivi.dequantize_block(payload, 2, dtype, NAN_META_SHAPE, backend="torch")
+    for backend in ("triton", "torch"):
+        out = kivi.dequantize_block(payload.cuda(), 2, dtype, NAN_META_SHAPE, backend=backend)
+        result = same_but_nan_bits(ref, out)
+        assert result["nans"] > 0 and result["same_nans"] and result["rest_equal"], backend

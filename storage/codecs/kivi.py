@@ -13,7 +13,10 @@ an fp16 scale and zero point::
 ``qmax = 2**bits - 1``. Every step is a single IEEE fp32 operation on values read back from
 fp16, and ``code * scale`` is exact (a ≤4-bit integer times an 11-bit significand), so the
 torch path on any device and the Triton path give identical bytes and identical tensors.
-Inputs are expected finite and within fp16 range (larger ones saturate to ±65504).
+Values beyond the fp16 range saturate to ±65504. Non-finite inputs (a block holding them is
+already broken) have one defined encoding: NaN reads as 0; ``max - min`` is taken as 0
+when ``max == min`` (a group of one infinity, where it would be NaN); a zero ``min`` is +0.
+So every scale and zero is finite and no finite value decodes to NaN (docs/codecs.md).
 
 Payload of a ``[L, 2, T, H, D]`` block, ``Gk = ceil(T/32)``, ``Gv = ceil(D/32)``::
 
@@ -33,6 +36,7 @@ Keys: 32 / min(T, 32) bits/value — 2 bits/value at block size 16, 1 bit/value 
 from __future__ import annotations
 
 import functools
+import math
 from types import ModuleType
 from typing import NamedTuple
 
@@ -279,16 +283,21 @@ def _quantize_rows(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tens
     """Codes ``[R, N]`` (u8, unpacked), scales and zeros ``[R, G]`` (fp16) of rows ``[R, N]``."""
     R, N = x.shape
     G = -(-N // GROUP)
-    x = x.float()
+    x = x.float().nan_to_num(0.0, math.inf, -math.inf)  # NaN reads as 0; infinities stay
     if G * GROUP != N:
         # Repeating the last element leaves the tail group's min and max unchanged.
         x = torch.cat([x, x[:, -1:].expand(R, G * GROUP - N)], dim=1)
     g = x.view(R, G, GROUP)
     qmax = (1 << bits) - 1
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)  # [R, G]
+    # A zero min is +0, whichever zero the reduction met first, so that every device
+    # writes the same bytes. hi > lo is false in a group of one infinity, where hi - lo
+    # would be NaN: it is a constant group.
+    lo = torch.where(lo == 0, 0.0, lo)
+    span = torch.where(hi > lo, hi - lo, 0.0)
     # A multiply, not a division: torch's CUDA kernels turn division by a scalar into a
     # reciprocal multiply, which would round differently from the CPU and from Triton.
-    scale = ((hi - lo) * (1.0 / qmax)).clamp(max=FP16_MAX).half()
+    scale = (span * (1.0 / qmax)).clamp(max=FP16_MAX).half()
     zero = lo.clamp(-FP16_MAX, FP16_MAX).half()
     s, z = scale.float(), zero.float()
     s = torch.where(s > 0, s, torch.ones_like(s))

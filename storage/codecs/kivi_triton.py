@@ -43,6 +43,9 @@ def _store_f32(ptrs, y, mask, IS_BF16: tl.constexpr):
         # round to nearest even, as torch does for finite values
         u = y.to(tl.int32, bitcast=True)
         u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        # NaN (from a payload whose scale or zero is NaN) as torch's CPU cast writes it:
+        # rounding its bits could carry into -0 or inf
+        u = tl.where(y == y, u, -1)
         tl.store(ptrs, u.to(tl.int16), mask=mask)
     else:
         tl.store(ptrs, y.to(ptrs.dtype.element_ty), mask=mask)
@@ -79,11 +82,13 @@ def _quantize_pack_kernel(
     rows, row_ok, byte, offs, mask = _tile(R, N, n1, n2, s0, s1, s2, sn, BITS, GROUP, BLOCK_R)
     g = tl.program_id(1)
     x = _load_f32(x_ptr + offs, mask, IS_BF16)  # [BLOCK_R, NB, PER]
+    x = tl.where(x == x, x, 0.0)  # NaN reads as 0
     lo = tl.min(tl.min(tl.where(mask, x, float("inf")), axis=2), axis=1)
     hi = tl.max(tl.max(tl.where(mask, x, float("-inf")), axis=2), axis=1)
-    lo = tl.where(row_ok, lo, 0.0)
+    lo = tl.where(row_ok & (lo != 0), lo, 0.0)  # a zero min is +0
     hi = tl.where(row_ok, hi, 0.0)
-    scale = tl.minimum((hi - lo) * (1.0 / QMAX), FP16_MAX).to(tl.float16)
+    span = tl.where(hi > lo, hi - lo, 0.0)  # not inf - inf in a group of one infinity
+    scale = tl.minimum(span * (1.0 / QMAX), FP16_MAX).to(tl.float16)
     zero = tl.minimum(tl.maximum(lo, -FP16_MAX), FP16_MAX).to(tl.float16)
     s = scale.to(tl.float32)
     s = tl.where(s > 0, s, 1.0)
