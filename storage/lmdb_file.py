@@ -6,7 +6,8 @@ end, and a damaged page can send a read anywhere. So the file is checked here fi
 
 - :func:`check_data_file`: the two meta pages and the file size; cheap, run by every open;
 - :func:`check_structure`: every page reachable from the committed meta; one read of the
-  B-tree pages (not of the values), for admin tools that read everything;
+  B-tree pages and of each overflow run's page header (not of the values), for admin tools
+  that read everything;
 - :func:`salvage`: the entries of a database that can still be read (repair).
 
 The on-disk format of LMDB 0.9 (64-bit, native byte order)::
@@ -246,7 +247,7 @@ def _walk_all(file: DataFile, meta: Meta) -> list[str]:
         previous: bytes | None = None
         for node in walk.leaves(name, db):
             if isinstance(node.data, _Overflow):
-                walk.in_file(name, node.data)
+                walk.overflow_page(name, node.data)
             # LMDB finds a key by binary search in memcmp order: one out of order (a flipped
             # byte) hides itself and its neighbours from every lookup
             if previous is not None and node.key <= previous:
@@ -395,18 +396,15 @@ class _Walk:
             return None
         return self.file.read(run.page * self.page_size + _HEADER, run.size)
 
-    def in_file(self, name: str, run: _Overflow) -> bool:
-        """Whether the bytes LMDB would read for an overflow value lie within the file
-        (what keeps a read from faulting; no page is read to know it)."""
+    def overflow_page(self, name: str, run: _Overflow) -> bool:
+        """Whether an overflow run is where its node says, whole, and within the file.
+
+        LMDB reads the value without looking at the run's page header, but frees as many
+        pages as the header counts when the value is deleted or replaced: a count past the
+        last page would put pages that do not exist on the free list."""
         end = run.page * self.page_size + _HEADER + run.size
         if run.page < 2 or end > min(self.file.size, self.next_page * self.page_size):
             self.problem(f"{name} db: the overflow value at page {run.page} runs past the file")
-            return False
-        return True
-
-    def overflow_page(self, name: str, run: _Overflow) -> bool:
-        """Whether an overflow run is where its node says, whole, and within the file."""
-        if not self.in_file(name, run):
             return False
         head = self._page(name, run.page, 1, overflow=True)
         if head is None:
@@ -415,6 +413,12 @@ class _Walk:
         if pages < -(-(_HEADER + run.size) // self.page_size):
             self.problem(f"{name} db: the overflow run at page {run.page} is cut short")
             return False
+        if run.page + pages > self.next_page:
+            self.problem(
+                f"{name} db: the overflow run at page {run.page} counts {pages} pages, "
+                "past the last page"
+            )
+            return False
         return True
 
     def _page(self, name: str, pgno: int, depth: int, *, overflow: bool = False) -> bytes | None:
@@ -422,7 +426,8 @@ class _Walk:
             self.problem(f"{name} db: a link to page {pgno} leads outside the tree")
             return None
         self.visited.add(pgno)
-        page = self.file.read(pgno * self.page_size, self.page_size)
+        # An overflow page's header is all there is to check: its data is the value.
+        page = self.file.read(pgno * self.page_size, _HEADER if overflow else self.page_size)
         if page is None:
             self.problem(f"{name} db: page {pgno} lies past the end of the file")
             return None

@@ -102,8 +102,9 @@ class LmdbStore(Admin, Recovery, Committer, BlockStore[Record]):
 
     ``data.mdb`` is checked against its meta pages before LMDB maps it: a truncated or
     damaged file raises :class:`DamagedStore`, never a signal. ``full_check=True`` also
-    walks every page LMDB could reach (one read of the B-tree pages; given up if a writer
-    in another process keeps committing): for admin tools that read everything.
+    walks every page LMDB could reach (one read of the B-tree pages and of each overflow
+    run's header; given up if a writer in another process keeps committing): for admin
+    tools that read everything.
     ``replace_damaged=True`` (writers only) moves a damaged store aside to
     ``<dir>.damaged-<time>`` (see :attr:`moved_aside`) and starts an empty one instead.
     ``seal_key`` is the key of the store's ``seal.key``, which a writer creates with the

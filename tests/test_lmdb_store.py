@@ -981,6 +981,48 @@ def test_full_check_reads_every_page_before_mapping(path: Path) -> None:
             LmdbStore(path, None, readonly=readonly, full_check=True)
 
 
+def overflow_run_of(path: Path, k: BlockKey) -> int:
+    """The first page of the run of overflow pages that holds ``k``'s record."""
+    from storage.lmdb_file import DataFile, _Overflow, _Walk
+
+    with DataFile.open(path) as f:
+        metas, _ = f.metas()
+        walk = _Walk(f, metas[0])
+        records = walk.named_dbs(metas[0].main)["records"]
+        (run,) = [n.data for n in walk.leaves("records", records) if n.key == k.to_bytes()]
+    assert isinstance(run, _Overflow)
+    return run.page
+
+
+@pytest.mark.parametrize("field, value, problem", [
+    (0, struct.pack("=Q", 2), "is not the page its link expects"),  # its page number
+    (10, struct.pack("=H", 0x02), "is not the page its link expects"),  # flags: a leaf page
+    (12, struct.pack("=I", 1 << 20), "counts 1048576 pages, past the last page"),  # page count
+], ids=["page number", "flags", "page count"])
+def test_a_damaged_overflow_page_header_is_damage(path: Path, tmp_path: Path, field, value, problem) -> None:
+    """LMDB reads a value without its run's header, but frees as many pages as the header
+    counts: a damaged header is a damaged file, refused before mapping and never served."""
+    from storage.lmdb_file import check_structure
+    from storage.lmdb_store import DamagedStore
+
+    with LmdbStore(path, 16 << 20) as store:
+        for i in range(10):
+            put(store, i, size=9000)  # each on a run of overflow pages
+    assert check_structure(path) == []
+    with open(path / "data.mdb", "r+b") as f:
+        f.seek(overflow_run_of(path, key(3)) * 4096 + field)
+        f.write(value)
+    assert any(problem in p for p in check_structure(path)), check_structure(path)
+    for readonly in (True, False):
+        with pytest.raises(DamagedStore, match=problem):
+            LmdbStore(path, None, readonly=readonly, full_check=True)
+    result = LmdbStore.repair(path, tmp_path / "fixed")
+    assert (result.salvaged, result.skipped) == (9, 1)
+    with LmdbStore(tmp_path / "fixed", readonly=True, full_check=True) as fixed:
+        assert fixed.get(key(3)) is None
+        assert all(same(fixed.get(key(i)), record(i, 9000)) for i in range(10) if i != 3)
+
+
 def test_repair_scans_the_pages_when_no_meta_page_is_left(path: Path, tmp_path: Path) -> None:
     sizes = {i: 200 if i % 3 else 9000 for i in range(50)}  # inline and overflow values
     with LmdbStore(path, 16 << 20) as store:

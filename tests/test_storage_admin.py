@@ -364,13 +364,15 @@ def test_clear_deletes_one_namespace(store_dir: Path):
 def test_clear_asks_first(store_dir: Path):
     declined = run("clear", store_dir, "-n", NS_B.hex()[:10], input="n\n")
     assert declined.exit_code == 1 and len(records(store_dir)) == 9
+    assert declined.stdout == "" and "Delete 3 blocks" in declined.stderr  # the prompt: stderr
     unanswered = run("clear", store_dir, "-n", NS_B.hex()[:10], "--json", input="")  # stdin closed
     assert unanswered.exit_code == 1 and len(records(store_dir)) == 9
     assert json.loads(unanswered.stdout) == {
         "namespace": NS_B.hex(), "deleted_blocks": 0, "deleted_bytes": 0, "declined": True,
     }
-    accepted = run("clear", store_dir, "-n", NS_B.hex()[:10], input="y\n")
+    accepted = run("clear", store_dir, "-n", NS_B.hex()[:10], "--json", input="y\n")
     assert accepted.exit_code == 0, accepted.output
+    assert accepted.stdout.startswith("{") and json.loads(accepted.stdout)["deleted_blocks"] == 3
     assert len(records(store_dir)) == 6
 
 

@@ -106,6 +106,21 @@ def test_ls_groups_by_namespace(store_dir: Path):
     assert table.exit_code == 0 and NS_A.hex()[:16] in table.output
 
 
+def test_ls_counts_the_records_it_cannot_read(store_dir: Path):
+    for i in range(3):  # every block of B, and none of A's, fails its seal
+        stored(store_dir, key(NS_B, i), forge)
+    result = run("ls", store_dir, "--json")
+    assert result.exit_code == 0, result.output
+    rows = {r["namespace"]: r for r in json.loads(result.stdout)}
+    assert (rows[NS_A.hex()]["blocks"], rows[NS_A.hex()]["unreadable"]) == (5, 0)
+    assert (rows[NS_B.hex()]["blocks"], rows[NS_B.hex()]["unreadable"]) == (0, 3)
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("warning: ") and "3 records fail verification" in line
+    table = run("ls", store_dir)
+    assert table.exit_code == 0 and "3 records fail verification" in table.stderr
+    assert NS_B.hex()[:16] in table.stdout
+
+
 def test_ls_counts_the_blocks_at_each_priority(store_dir: Path):
     with LmdbStore(store_dir) as store:  # two of B's blocks put again by a tenant at -3
         assert store.put_many([(key(NS_B, i), store.get(key(NS_B, i))) for i in (0, 1)],
@@ -375,6 +390,7 @@ def test_repair_to_another_directory_leaves_the_source(store_dir: Path, tmp_path
     assert result.exit_code == 0, result.output
     fields = json.loads(result.stdout)
     assert fields["moved_aside"] is None and fields["output"] == str(tmp_path / "fixed")
+    assert fields["problems"] >= 1 and "past the end of the file" in fields["first_problem"]
     assert (store_dir / "data.mdb").read_bytes() == source
     stats = json.loads(run("stats", tmp_path / "fixed", "--json").stdout)
     assert stats["entries"] == fields["salvaged"] and stats["capacity_bytes"] == 8 << 20
@@ -463,7 +479,7 @@ def test_import_with_the_wrong_key_refuses_and_writes_nothing(store_dir: Path, t
     assert (target / "data.mdb").read_bytes() == before
 
 
-def test_import_never_overwrites_and_reports_what_it_skipped(store_dir: Path, tmp_path: Path):
+def test_import_never_overwrites_and_counts_what_was_there_apart_from_skips(store_dir: Path, tmp_path: Path):
     archive = tmp_path / "a.tkv"
     stored(store_dir, key(NS_B, 2), forge)  # exported as stored: its seal no longer verifies
     with LmdbStore(store_dir, readonly=True) as store:
@@ -480,8 +496,8 @@ def test_import_never_overwrites_and_reports_what_it_skipped(store_dir: Path, tm
     assert result.exit_code == 0, result.output
     fields = json.loads(result.stdout)
     assert (fields["records"], fields["imported"]) == (8, 5)
-    assert (fields["skipped_existing"], fields["skipped_corrupt"]) == (2, 1)
-    assert fields["skipped_by_reason"] == {"exists": 2, "mac": 1}
+    assert (fields["already_present"], fields["skipped_corrupt"]) == (2, 1)
+    assert fields["skipped_by_reason"] == {"mac": 1}  # what failed verification, nothing else
     assert {i: stored(target, key(NS_A, i)) for i in (0, 1)} == mine
     imported = stored(target, key(NS_A, 3))
     assert imported[-SEAL_SIZE:].startswith(load_key_file(target / KEY_FILE_NAME).key_id)
@@ -489,7 +505,7 @@ def test_import_never_overwrites_and_reports_what_it_skipped(store_dir: Path, tm
     assert run("verify", target).exit_code == 0
     again = json.loads(run("import", archive, target, "--key-file", store_dir / KEY_FILE_NAME,
                            "--json").output)
-    assert (again["imported"], again["skipped_existing"]) == (0, 7)
+    assert (again["imported"], again["already_present"], again["skipped_by_reason"]) == (0, 7, {"mac": 1})
 
 
 def test_an_export_with_a_record_too_large_to_archive_fails_and_leaves_no_file(
@@ -503,6 +519,16 @@ def test_an_export_with_a_record_too_large_to_archive_fails_and_leaves_no_file(
     assert result.exit_code == 2, result.output
     assert "cannot be archived" in result.output and "internal error" not in result.output
     assert not archive.exists() and list(tmp_path.glob("*.tkv*")) == []
+
+
+def test_an_export_into_a_missing_directory_names_the_archive_not_its_temporary_file(
+    store_dir: Path, tmp_path: Path
+):
+    result = run("export", store_dir, tmp_path / "nowhere" / "a.tkv", "--json")
+    assert result.exit_code == 2, result.output
+    assert json.loads(result.stdout)["error"] == (
+        f"cannot write {tmp_path / 'nowhere' / 'a.tkv'}: No such file or directory"
+    )
 
 
 def test_json_is_never_colored_even_when_the_console_forces_color(store_dir: Path, monkeypatch):

@@ -42,6 +42,7 @@ from rich.table import Table
 
 from storage.base import StoreError
 from storage.lmdb_store import DamagedStore, LmdbStore, StoreInfo
+from storage.record import RecordError, decode_record
 from storage.seal import KEY_FILE_NAME
 from tiered_kv.storage_errors import CommandError, StorageGroup
 from tiered_kv.storage_errors import fail as _fail
@@ -196,21 +197,24 @@ def _progress(description: str, total: int) -> Progress:
 @app.command("ls")
 def list_namespaces(path: Dir, as_json: AsJson = False) -> None:
     """Namespaces in a store: blocks, bytes, codecs, dtypes and age (with --json, also the
-    blocks at each eviction priority)."""
+    blocks at each eviction priority). Records that fail verification are not listed but
+    counted (``unreadable``, and a warning on stderr); `verify` quarantines them."""
     rows: dict[str, dict] = collections.defaultdict(
         lambda: {"blocks": 0, "bytes": 0, "codecs": set(), "dtypes": set(),
-                 "oldest_ns": None, "newest_ns": None}
+                 "oldest_ns": None, "newest_ns": None, "unreadable": 0}
     )
     with _open(path) as store:
         total = store.stats().entries
         with _progress("reading records", total) as bar:
             task = bar.add_task("", total=total)
-            for key in store.keys():
-                record = store.get(key)
+            for key, data in store.raw_records():
                 bar.advance(task)
-                if record is None:
-                    continue
                 row = rows[key.namespace.hex()]
+                try:
+                    record = decode_record(data, store.seal_key, key)
+                except RecordError:
+                    row["unreadable"] += 1
+                    continue
                 row["blocks"] += 1
                 row["bytes"] += record.nbytes
                 row["codecs"].add(record.codec)
@@ -228,6 +232,11 @@ def list_namespaces(path: Dir, as_json: AsJson = False) -> None:
         {"namespace": ns, **r, "codecs": sorted(r["codecs"]), "dtypes": sorted(r["dtypes"])}
         for ns, r in sorted(rows.items())
     ]
+    unreadable = sum(r["unreadable"] for r in result)
+    if unreadable:  # exit 0 all the same, as tree and export: finding them is verify's job
+        what = "record fails" if unreadable == 1 else "records fail"
+        typer.echo(f"warning: {path}: {unreadable:,} {what} verification and not listed; "
+                   f"`tiered-kv storage verify {path}` quarantines them", err=True)
     if as_json:
         print_json(result)
         return
@@ -236,10 +245,11 @@ def list_namespaces(path: Dir, as_json: AsJson = False) -> None:
         table.add_column(column, justify="right" if column in ("blocks", "bytes") else "left")
     now = time.time_ns()
     for r in result:
+        ages = [format_age((now - r[f"{end}_ns"]) / 1e9) if r["blocks"] else "-"  # all unreadable
+                for end in ("newest", "oldest")]
         table.add_row(
             r["namespace"][:16], f"{r['blocks']:,}", format_size(r["bytes"]),
-            ", ".join(r["codecs"]), ", ".join(r["dtypes"]),
-            format_age((now - r["newest_ns"]) / 1e9), format_age((now - r["oldest_ns"]) / 1e9),
+            ", ".join(r["codecs"]), ", ".join(r["dtypes"]), *ages,
         )
     out.print(table)
 

@@ -2,6 +2,8 @@
 :data:`storage_cli.app`; see its docstring for the commands and how errors are reported."""
 from __future__ import annotations
 
+import contextlib
+import sys
 import time
 from pathlib import Path
 from typing import Annotated
@@ -196,7 +198,10 @@ def clear(
 def _confirmed(question: str) -> bool:
     """The operator's answer on the terminal; no answer (stdin closed or gone) is a no."""
     try:
-        return typer.confirm(question, err=True)
+        # click's confirm writes the prompt's last character through input(), which writes
+        # to stdout even with err=True: stdout must carry the command's output alone.
+        with contextlib.redirect_stdout(sys.stderr):
+            return typer.confirm(question, err=True)
     except (typer.Abort, EOFError, RuntimeError, OSError):  # RuntimeError: "lost sys.stdin"
         return False
 
@@ -249,10 +254,9 @@ def repair_(
         "skipped": result.skipped,
         "evicted_for_room": result.evicted,
         "problems": len(result.problems),
+        "first_problem": result.problems[0] if result.problems else None,
     }
     _print_fields(f"repair {path}", fields, as_json)
-    if result.problems and not as_json:
-        err.print(f"first problem: {result.problems[0]}", highlight=False)
 
 
 # The commands of their own modules register on ``app`` when imported.

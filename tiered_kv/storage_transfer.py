@@ -69,7 +69,9 @@ def export(
                     archive, verified(bar, bar.add_task("", total=total)),
                     store.seal_key.key_id, compress=compress,
                 )
-        except (OSError, ValueError) as e:  # ValueError: a record too large to archive
+        except OSError as e:  # the reason alone: the file it names is the temporary one
+            raise _fail(f"cannot write {archive}: {e.strerror or e}") from None
+        except ValueError as e:  # a record too large to archive
             raise _fail(f"cannot write {archive}: {e}") from None
     fields = {
         "archive": str(archive),
@@ -103,7 +105,8 @@ def import_(
     A truncated or damaged archive, or one sealed under another key than the one given, is
     refused before anything is written. Records are verified with the exporting store's
     key (DIR's own, or --key-file) and re-sealed under DIR's; a record DIR has already is
-    never overwritten. What is skipped is counted by reason.
+    never overwritten (counted as already present). A record that fails verification is
+    skipped, and counted by reason.
     """
     if not archive.is_file():
         raise _fail(f"{archive}: no such archive")
@@ -119,8 +122,8 @@ def import_(
             summary = check_archive(archive, lambda n: bar.advance(task, n))
     except ArchiveError as e:
         raise _fail(f"{archive}: {e}; nothing imported") from None
-    imported = refused = 0
-    skipped: collections.Counter[str] = collections.Counter()
+    imported = refused = present = 0
+    skipped: collections.Counter[str] = collections.Counter()  # failed verification, by reason
     with _open_writer(path, "import", capacity if new else None) as store:
         evictions_before = store.stats().evictions
         try:
@@ -130,7 +133,7 @@ def import_(
                 for key, data in read_archive(archive):
                     bar.advance(task)
                     if store.contains(key):
-                        skipped["exists"] += 1
+                        present += 1  # not a failure: the store keeps its own copy
                         continue
                     try:
                         batch.append((key, decode_record(data, archive_key, key)))
@@ -155,8 +158,8 @@ def import_(
         "created": new,
         "records": summary.records,
         "imported": imported,
-        "skipped_existing": skipped["exists"],
-        "skipped_corrupt": sum(skipped.values()) - skipped["exists"],
+        "already_present": present,
+        "skipped_corrupt": sum(skipped.values()),
         "skipped_by_reason": dict(sorted(skipped.items())),
         "refused_too_large": refused,
         "evicted_for_room": evicted,
