@@ -289,6 +289,7 @@ class LLMEngine:
         now = time.perf_counter()
         num_rejected = [0] * len(plan.scheduled)
         done: list[tuple[Sequence, str | None, Exception | None]] = []  # (seq, reason, error)
+        append, final_only = self._append, RequestOutputKind.FINAL_ONLY  # per request below
         for k, ((seq, _), result) in enumerate(zip(plan.scheduled, results)):
             if len(seq.spec_token_ids):
                 num_rejected[k] = self.speculator.verified(seq, result)
@@ -304,13 +305,13 @@ class LLMEngine:
                 last = seq.last_token_time
                 gap = 0.0 if last is None else (now - last) / len(result)
                 for sample in result:  # stops apply token by token: none past a stop is kept
-                    reason = self._append(seq, sample, now, gap)
+                    reason = append(seq, sample, now, gap)
                     if reason is not None:
                         break
             except Exception as e:
                 done.append((seq, None, e))
                 continue
-            if reason is not None or seq.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+            if reason is not None or seq.params.output_kind is not final_only:
                 done.append((seq, reason, None))  # a request that goes on quietly needs nothing more
         # Blocks are registered once the tokens they hold are appended, before finishing.
         self.scheduler.complete_step(plan, num_rejected)
@@ -462,12 +463,13 @@ class LLMEngine:
             seq.logprobs.append(sample.logprob)
         if seq.top_logprobs is not None:
             seq.top_logprobs.append(sample.top_logprobs)
-        self._stats.num_generated_tokens += 1
+        stats = self._stats
+        stats.num_generated_tokens += 1
         if seq.first_token_time is None:
             seq.first_token_time = now
-            self._stats.ttft_s.append(now - seq.arrival_time)
+            stats.ttft_s.append(now - seq.arrival_time)
         else:
-            self._stats.itl_s.append(gap)
+            stats.itl_s.append(gap)
         seq.last_token_time = now
         return self.outputs.stop(seq, token, grammar_ended)
 

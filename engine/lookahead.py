@@ -57,15 +57,13 @@ class Lookahead(NamedTuple):
     def rows_for(self, items: Seq[ScheduledSequence]) -> list[int] | None:
         """The rows of the step's sequences, or None when the step is not what was launched."""
         rows = []
+        row_of, positions = self.rows.get, self.positions
         for seq, num_new in items:
-            row = self.rows.get(id(seq))
-            if (
-                row is None
-                or num_new != 1
-                or len(seq.spec_token_ids)
-                or seq.num_computed_tokens != self.positions[row]
-                or seq.num_tokens != self.positions[row] + 1
-            ):
+            row = row_of(id(seq))
+            if row is None or num_new != 1 or len(seq.spec_token_ids):
+                return None
+            position = positions[row]
+            if seq.num_computed_tokens != position or len(seq.token_ids) != position + 1:
                 return None
             rows.append(row)
         return rows
@@ -102,10 +100,11 @@ def reserve(
         num_tokens = len(seq.token_ids)
         if num_new != 1 or len(seq.spec_token_ids) or seq.num_computed_tokens + 1 != num_tokens:
             return NOTHING
-        if _continues(seq, max_model_len):
+        if _continues(seq, num_tokens, max_model_len):
             seqs.append(seq)
+    allocate = block_manager.allocate
     for seq in seqs:  # what the next step's schedule would allocate, a step early
-        if not block_manager.allocate(seq, len(seq.token_ids) + 1):
+        if not allocate(seq, len(seq.token_ids) + 1):
             return NOTHING
     if scheduler.may_admit():
         return NOTHING
@@ -115,9 +114,9 @@ def reserve(
     return Reserved(seqs, held)
 
 
-def _continues(seq: Sequence, max_model_len: int) -> bool:
-    """Whether ``seq`` outlives the token it samples now, as far as its length tells."""
-    num_tokens = len(seq.token_ids)
+def _continues(seq: Sequence, num_tokens: int, max_model_len: int) -> bool:
+    """Whether ``seq`` (``num_tokens`` long) outlives the token it samples now, as far as its
+    length tells."""
     max_tokens = seq.params.max_tokens
     if max_tokens is not None and num_tokens - seq.num_prompt_tokens + 1 >= max_tokens:
         return False

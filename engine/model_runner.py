@@ -283,7 +283,7 @@ class ModelRunner:
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(logits.device))
         rows = {id(seq): b for b, seq in enumerate(seqs)}
-        return Lookahead(seqs, [seq.num_tokens for seq in seqs], logits, done, rows)
+        return Lookahead(seqs, [len(seq.token_ids) for seq in seqs], logits, done, rows)
 
     def drop_lookahead(self) -> None:
         """Forget the forward launched ahead, once it ran (its blocks can be given back then)."""

@@ -79,7 +79,8 @@ class OutputProcessor:
         ``max_tokens`` or ``max_model_len``."""
         params, state = seq.params, self._texts[seq.request_id]
         reason = None
-        num_out = len(seq.token_ids) - seq.num_prompt_tokens
+        num_tokens = len(seq.token_ids)
+        num_out = num_tokens - seq.num_prompt_tokens
         may_stop = num_out >= params.min_tokens
         new_text = ""
         # As vLLM: stop_reason names a stop token the request asked for; the model's own
@@ -93,7 +94,7 @@ class OutputProcessor:
                 reason = "stop"
                 state.stop_reason = token if token in params.stop_token_ids else None
             elif (params.max_tokens is not None and num_out >= params.max_tokens) or (
-                seq.num_tokens >= self.max_model_len
+                num_tokens >= self.max_model_len
             ):
                 reason = "length"
         if reason is not None:

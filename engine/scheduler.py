@@ -178,16 +178,22 @@ class Scheduler:
         preempted: list[Sequence] = []
         waits_for_held = False
 
+        # the body runs for every running sequence each step (host time per decode step):
+        # names bound once, no keep_drafts call for a sequence without drafts
+        running, allocate = self.running, self.block_manager.allocate
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            seq.keep_drafts(budget - 1)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget) + len(seq.spec_token_ids)
-            allocated = self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
-            if not allocated and len(seq.spec_token_ids):  # no blocks for the drafts: one token
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            computed, num_drafts = seq.num_computed_tokens, len(seq.spec_token_ids)
+            if num_drafts:
+                seq.keep_drafts(budget - 1)
+                num_drafts = len(seq.spec_token_ids)
+            num_new = min(len(seq.token_ids) - computed, budget) + num_drafts
+            allocated = allocate(seq, computed + num_new)
+            if not allocated and num_drafts:  # no blocks for the drafts: one token
                 seq.keep_drafts(0)
                 num_new = 1
-                allocated = self.block_manager.allocate(seq, seq.num_computed_tokens + 1)
+                allocated = allocate(seq, computed + 1)
             if allocated:
                 scheduled.append(ScheduledSequence(seq, num_new))
                 budget -= num_new
@@ -198,8 +204,8 @@ class Scheduler:
                 i += 1
             else:
                 victim = self._pick_victim()
-                index = self.running.index(victim)
-                del self.running[index]
+                index = running.index(victim)
+                del running[index]
                 if index < i:  # scheduled earlier in this step: take it back
                     i -= 1
                     budget += self._unschedule(scheduled, victim)
@@ -258,16 +264,18 @@ class Scheduler:
         tokens: none is registered or offered. A sequence that stopped before the end of its
         accepted tokens counts only the tokens it kept."""
         saved: list[SavedBlock] = []
+        bs, hashing = self.block_size, self._hashing
         for k, (seq, num_new) in enumerate(output.scheduled):
             start = seq.num_computed_tokens
             rejected = num_rejected[k] if num_rejected else 0
-            seq.num_computed_tokens = min(start + num_new - rejected, seq.num_tokens)
-            done = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+            computed = min(start + num_new - rejected, len(seq.token_ids))
+            seq.num_computed_tokens = computed
+            done = min(computed, seq.num_prompt_tokens)
             if done > seq.prompt_tokens_counted:  # each prompt token once a request
                 self.stats.num_prompt_tokens += done - max(start, seq.prompt_tokens_counted)
                 seq.prompt_tokens_counted = done
-            first, end = start // self.block_size, seq.num_computed_tokens // self.block_size
-            if not self._hashing or end <= first:
+            first, end = start // bs, computed // bs
+            if not hashing or end <= first:
                 continue
             new = self.block_manager.cache_blocks(seq, first, end)
             if self.connector is not None:
