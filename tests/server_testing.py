@@ -21,6 +21,9 @@ from tiered_kv.server import create_app
 BLOCK = 16
 MAX_MODEL_LEN = 256
 GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+# The environment of a ``tiered-kv serve`` child on the CPU: the server has no device flag
+# and runs on the GPU wherever it sees one (device "auto"), so the tests hide the GPU from it.
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 
 
 def config(**overrides) -> ServeConfig:
@@ -79,7 +82,8 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
 
 class ServerProcess:
     """``tiered-kv serve ARGS --port P`` as a process on a free port, its output appended to
-    ``log``; the constructor returns once ``/health`` answers 200."""
+    ``log``; the constructor returns once ``/health`` answers 200. It runs on the CPU
+    (:data:`CPU_ONLY`) unless ``env`` sets ``CUDA_VISIBLE_DEVICES`` (a ``cuda`` test)."""
 
     def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None,
                  timeout: float = 90.0) -> None:
@@ -88,7 +92,7 @@ class ServerProcess:
         self.log = log
         command = [sys.executable, "-c", "from tiered_kv.cli import main; main()", "serve",
                    *args, "--port", str(self.port)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **CPU_ONLY, **(env or {})}
         with log.open("ab") as out:
             self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout

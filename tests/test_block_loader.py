@@ -42,7 +42,7 @@ def make(tmp_path, bad: int | None = None):
             tokens = (9, 9, 9, 9)  # does not hash to its key
         store.put(key, encode_block(key, parent, tokens, source[i], "raw"))
     store.flush()
-    pool = CpuBlockPool(400 * 512, block_nbytes=512, keep_clean=False)
+    pool = CpuBlockPool(400 * 512, block_nbytes=512, keep_clean=False, pin_memory=False)
     cache = torch.zeros(BLOCKS + 8, *SHAPE)
     metrics = TierMetrics(("cpu", "disk"), dict, lambda: None)
     loader = BlockLoader(

@@ -26,7 +26,7 @@ BLOCK_BYTES = block(0).kv.numel() * 2
 
 
 def test_slab_is_sized_from_the_first_block():
-    pool = CpuBlockPool(10 * BLOCK_BYTES + 5)
+    pool = CpuBlockPool(10 * BLOCK_BYTES + 5, pin_memory=False)
     assert pool.num_slots == 0
     pool.put(key(0), block(0))
     assert (pool.num_slots, pool.slot_nbytes) == (10, BLOCK_BYTES)
@@ -51,20 +51,20 @@ def _mem_total() -> int:
 
 
 def test_block_of_another_size_is_refused_and_counted():
-    pool = CpuBlockPool(8 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES)
+    pool = CpuBlockPool(8 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, pin_memory=False)
     assert not pool.put(key(1), block(1, shape=(1, 2, 4, 2, 8)))
     assert not pool.contains(key(1))
     assert pool.stats().dropped == 1
 
 
 def test_block_larger_than_the_pool_is_refused():
-    pool = CpuBlockPool(BLOCK_BYTES // 2)
+    pool = CpuBlockPool(BLOCK_BYTES // 2, pin_memory=False)
     assert not pool.put(key(0), block(0))
     assert pool.stats().dropped == 1
 
 
 def test_dtype_and_shape_are_kept():
-    pool = CpuBlockPool(4 * BLOCK_BYTES)
+    pool = CpuBlockPool(4 * BLOCK_BYTES, pin_memory=False)
     b = HostBlock(torch.arange(128, dtype=torch.float16).view(2, 2, 4, 2, 4), b"p" * 32, (7, 8))
     pool.put(key(0), b)
     got = pool.get(key(0))
@@ -73,7 +73,7 @@ def test_dtype_and_shape_are_kept():
 
 
 def test_non_contiguous_input_is_stored_by_value():
-    pool = CpuBlockPool(4 * BLOCK_BYTES)
+    pool = CpuBlockPool(4 * BLOCK_BYTES, pin_memory=False)
     kv = block(3).kv.transpose(3, 4).contiguous().transpose(3, 4)
     assert not kv.is_contiguous()
     pool.put(key(3), HostBlock(kv, None, (3,)))
@@ -81,7 +81,7 @@ def test_non_contiguous_input_is_stored_by_value():
 
 
 def test_acquire_gives_a_view_of_the_slot_until_release():
-    pool = CpuBlockPool(4 * BLOCK_BYTES)
+    pool = CpuBlockPool(4 * BLOCK_BYTES, pin_memory=False)
     pool.put(key(0), block(0))
     held = pool.acquire(key(0))
     assert held.key == key(0) and torch.equal(held.kv, block(0).kv)
@@ -92,7 +92,7 @@ def test_acquire_gives_a_view_of_the_slot_until_release():
 
 
 def test_a_block_being_read_is_not_evicted():
-    pool = CpuBlockPool(2 * BLOCK_BYTES)
+    pool = CpuBlockPool(2 * BLOCK_BYTES, pin_memory=False)
     pool.put(key(0), block(0))
     pool.put(key(1), block(1))
     held = pool.acquire(key(0))
@@ -112,7 +112,7 @@ def reserve_and_commit(pool: CpuBlockPool, i: int, pending=("disk",)) -> bool:
 
 
 def test_pending_blocks_are_never_evicted_and_the_pool_says_when_it_is_full():
-    pool = CpuBlockPool(2 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES)
+    pool = CpuBlockPool(2 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, pin_memory=False)
     assert reserve_and_commit(pool, 0) and reserve_and_commit(pool, 1)
     assert pool.num_pending("disk") == 2 and pool.num_evictable() == 0
     assert pool.reserve() is None  # every slot holds a block not yet written
@@ -127,7 +127,7 @@ def test_pending_blocks_are_never_evicted_and_the_pool_says_when_it_is_full():
 
 
 def test_take_pending_without_views_gives_the_slots():
-    pool = CpuBlockPool(2 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES)
+    pool = CpuBlockPool(2 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, pin_memory=False)
     assert reserve_and_commit(pool, 0)
     (taken,) = pool.take_pending("disk", 8, timeout=0, views=False)
     assert taken.key == key(0) and taken.kv is None
@@ -135,14 +135,14 @@ def test_take_pending_without_views_gives_the_slots():
 
 
 def test_take_pending_waits_for_a_commit():
-    pool = CpuBlockPool(4 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES)
+    pool = CpuBlockPool(4 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, pin_memory=False)
     threading.Timer(0.05, reserve_and_commit, args=(pool, 3)).start()
     taken = pool.take_pending("disk", 8, timeout=5)
     assert [b.key for b in taken] == [key(3)]
 
 
 def test_a_block_pending_for_two_tiers_stays_until_both_are_done():
-    pool = CpuBlockPool(BLOCK_BYTES, block_nbytes=BLOCK_BYTES)
+    pool = CpuBlockPool(BLOCK_BYTES, block_nbytes=BLOCK_BYTES, pin_memory=False)
     assert reserve_and_commit(pool, 0, pending=("disk", "remote"))
     pool.done_pending("disk", [b.key for b in pool.take_pending("disk", 1, timeout=0)])
     assert pool.reserve() is None and pool.num_pending("remote") == 1
@@ -151,7 +151,7 @@ def test_a_block_pending_for_two_tiers_stays_until_both_are_done():
 
 
 def test_a_staging_pool_lets_a_block_go_once_written():
-    pool = CpuBlockPool(2 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, keep_clean=False)
+    pool = CpuBlockPool(2 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, keep_clean=False, pin_memory=False)
     assert reserve_and_commit(pool, 0)
     assert pool.contains(key(0))  # findable while it waits for the disk
     pool.done_pending("disk", [b.key for b in pool.take_pending("disk", 1, timeout=0)])
@@ -159,14 +159,14 @@ def test_a_staging_pool_lets_a_block_go_once_written():
 
 
 def test_commit_of_a_key_already_there_frees_the_slot():
-    pool = CpuBlockPool(2 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES)
+    pool = CpuBlockPool(2 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, pin_memory=False)
     assert reserve_and_commit(pool, 0, pending=())
     assert not reserve_and_commit(pool, 0, pending=())
     assert pool.num_evictable() == 2 and pool.stats().entries == 1
 
 
 def test_the_slab_is_one_allocation_of_whole_slots():
-    pool = CpuBlockPool(10 * BLOCK_BYTES + 5, block_nbytes=BLOCK_BYTES)
+    pool = CpuBlockPool(10 * BLOCK_BYTES + 5, block_nbytes=BLOCK_BYTES, pin_memory=False)
     assert tuple(pool.slab.shape) == (10, BLOCK_BYTES) and pool.slab.is_contiguous()
 
 
@@ -181,7 +181,7 @@ def test_invalid_construction():
 
 
 def test_eviction_takes_the_highest_priority_value_first_then_the_least_recent():
-    pool = CpuBlockPool(4 * BLOCK_BYTES)
+    pool = CpuBlockPool(4 * BLOCK_BYTES, pin_memory=False)
     for i, priority in enumerate([5, 0, -1, 5]):
         assert pool.put(key(i), block(i), priority=priority)
     pool.get(key(0))  # 0 is now the more recent of the two at 5
@@ -192,7 +192,7 @@ def test_eviction_takes_the_highest_priority_value_first_then_the_least_recent()
 
 
 def test_a_newcomer_never_evicts_a_block_that_matters_more():
-    pool = CpuBlockPool(2 * BLOCK_BYTES)
+    pool = CpuBlockPool(2 * BLOCK_BYTES, pin_memory=False)
     pool.put(key(0), block(0), priority=-1)
     pool.put(key(1), block(1), priority=0)
     assert not pool.put(key(2), block(2), priority=1)  # only more important blocks to evict
@@ -204,7 +204,7 @@ def test_a_newcomer_never_evicts_a_block_that_matters_more():
 
 
 def test_pending_and_read_blocks_stay_whatever_their_priority():
-    pool = CpuBlockPool(3 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES)
+    pool = CpuBlockPool(3 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, pin_memory=False)
     kv = block(0).kv
     for i, pending in enumerate([("disk",), (), ()]):
         slot = pool.reserve()
@@ -223,7 +223,7 @@ def test_pending_and_read_blocks_stay_whatever_their_priority():
 
 
 def test_batched_acquire_and_release_keep_the_counts_and_the_eviction_order():
-    pool = CpuBlockPool(4 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES)
+    pool = CpuBlockPool(4 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, pin_memory=False)
     for i in range(3):
         assert reserve_and_commit(pool, i, pending=("disk",) if i == 2 else ())
     slots = pool.acquire_slots([key(1), key(9), key(0), key(2), key(1)])
@@ -241,7 +241,7 @@ def test_batched_acquire_and_release_keep_the_counts_and_the_eviction_order():
 
 
 def test_a_staging_pool_frees_a_read_block_when_its_last_reader_lets_go():
-    pool = CpuBlockPool(2 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, keep_clean=False)
+    pool = CpuBlockPool(2 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, keep_clean=False, pin_memory=False)
     slot = pool.reserve()
     kv = block(0).kv
     assert pool.commit(key(0), slot, kv.dtype, tuple(kv.shape), None, (0,), hold=True)
@@ -253,7 +253,7 @@ def test_a_staging_pool_frees_a_read_block_when_its_last_reader_lets_go():
 def test_batched_reserve_stops_at_the_first_block_without_a_slot_and_commit_files_each():
     from storage.cpu_pool import Commit
 
-    pool = CpuBlockPool(3 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES)
+    pool = CpuBlockPool(3 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, pin_memory=False)
     assert reserve_and_commit(pool, 0, pending=()) and pool.num_evictable() == 3
     slots = pool.reserve_many([0, 0, -1, 0])  # the free two, then block 0 matters no more
     assert len(slots) == 3 and not pool.contains(key(0))
@@ -277,7 +277,7 @@ def test_batched_reserve_stops_at_the_first_block_without_a_slot_and_commit_file
 def test_a_commit_with_an_invalid_key_raises_before_taking_any_slot():
     from storage.cpu_pool import Commit
 
-    pool = CpuBlockPool(2 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES)
+    pool = CpuBlockPool(2 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, pin_memory=False)
     slots = pool.reserve_many([0, 0])
     kv = block(1).kv
     bad = BlockKey(b"short", key(2).block_hash)

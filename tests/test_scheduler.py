@@ -18,7 +18,7 @@ STORED = list(range(200, 212))  # 3 blocks; the connector can supply the first 2
 def scheduler(
     num_blocks: int = 64, connector: MemoryConnector | None = None, **config
 ) -> Scheduler:
-    defaults = dict(block_size=BS, max_model_len=64, max_num_batched_tokens=16)
+    defaults = dict(device="cpu", block_size=BS, max_model_len=64, max_num_batched_tokens=16)
     cfg = EngineConfig(**{**defaults, **config}).resolve(4096)
     bm = BlockManager(
         num_blocks,

@@ -14,7 +14,7 @@ import pytest
 from engine import AsyncLLM
 from engine.models.tiny import tiny_model_path
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
-from server_testing import BLOCK, MAX_MODEL_LEN, client
+from server_testing import BLOCK, CPU_ONLY, MAX_MODEL_LEN, client
 from test_server_process import free_port
 
 ORIGIN = "https://chat.example.com"
@@ -32,7 +32,7 @@ def test_a_vllm_command_line_serves(tmp_path):
         "--served-model-name", model, "alias", "--disable-uvicorn-access-log",
         "--port", str(port), "--kv-cache-dir", str(tmp_path / "kv"), "--kv-offloading-size", "0.01",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "0"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "0", **CPU_ONLY}
     proc = subprocess.Popen(args, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:

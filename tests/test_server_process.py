@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from server_testing import ServerProcess, free_port
+from server_testing import CPU_ONLY, ServerProcess, free_port
 
 API_KEY = "test-key"
 ADMIN_KEY = "test-admin-key"
@@ -167,7 +167,7 @@ def test_a_remote_tier_without_a_secret_is_one_line_and_exit_two(tmp_path):
         [sys.executable, "-c", "from tiered_kv.cli import main; main()", "serve",
          "--port", str(free_port()), "--kv-cache-dir", str(tmp_path / "kv"),
          "--kv-remote-url", "redis://127.0.0.1:1/0", "--max-model-len", "256"],
-        capture_output=True, text=True, env=env | {"OMP_NUM_THREADS": "1"}, timeout=120,
+        capture_output=True, text=True, env=env | {"OMP_NUM_THREADS": "1", **CPU_ONLY}, timeout=120,
     )
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]

@@ -70,7 +70,7 @@ RECORD_BYTES = _record(0).nbytes
 
 
 def make_cpu(tmp_path, capacity_blocks: int) -> Tier:
-    return Tier(CpuBlockPool(capacity_blocks * BLOCK_BYTES), _host_block, _same_host)
+    return Tier(CpuBlockPool(capacity_blocks * BLOCK_BYTES, pin_memory=False), _host_block, _same_host)
 
 
 def make_disk(tmp_path, capacity_blocks: int) -> Tier:
