@@ -154,6 +154,28 @@ def test_a_save_retried_after_others_keeps_its_own_wait(monkeypatch):
     s.close()
 
 
+def test_a_retry_takes_only_as_many_waiting_saves_as_slots_are_free(monkeypatch):
+    """The pool drains a slot at a time under a long backlog: each retry looks at the oldest
+    waiting saves that could get a slot, not at the whole queue, and the order holds."""
+    s = Saves(slots=2)
+    s.saver.save([saved(0), saved(1)])  # both slots hold blocks not yet written
+    s.saver.save([saved(i) for i in range(2, 12)])  # ten wait
+    looked_at = []
+    offload = s.saver._offload
+    monkeypatch.setattr(s.saver, "_offload", lambda blocks, **kw: (
+        looked_at.append([b.block_id for b, _ in blocks]), offload(blocks, **kw))[1])
+    s.saver.retry_deferred()  # no slot: nothing is looked at
+    for _ in range(3):
+        taken = s.pool.take_pending("remote", 1, timeout=0)  # a writer stores one block
+        s.pool.done_pending("remote", [block.key for block in taken])
+        s.saver.retry_deferred()
+    assert looked_at == [[2], [3], [4]]
+    assert s.reported == [0, 1, 2, 3, 4] and s.saver.busy()
+    s.saver.release_deferred()
+    assert s.reported == [0, 1, 2, 3, 4, *range(5, 12)] and s.dropped() == 7
+    s.close()
+
+
 def test_closing_drops_what_waits_and_refuses_new_saves():
     s = Saves(slots=1)
     s.saver.save([saved(0), saved(1)])

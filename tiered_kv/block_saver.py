@@ -117,17 +117,20 @@ class BlockSaver:
                 self._offload([(block, now) for block in blocks])
 
     def retry_deferred(self) -> None:
-        """Offload the saves that found no slot, as far as slots are free now (from the
-        engine's poll, or from a flush while the engine is idle)."""
+        """Offload the oldest saves that found no slot, as many as slots could be had now
+        (from the engine's poll, or from a flush while the engine is idle). Only those are
+        looked at: while the writers drain a full pool a few slots at a time, the engine
+        thread retries step after step, and going over every deferred block each time cost
+        it time in proportion to the backlog."""
         if not self._deferred:
             return
         with self._deferred_lock:
             self._drop_deferred(time.monotonic())
-            if not self._deferred or self._pool.num_evictable() == 0:
+            room = min(len(self._deferred), self._pool.num_evictable())
+            if room == 0:
                 return
-            waiting = list(self._deferred)  # each keeps the time it has waited since
-            self._deferred.clear()
-            self._offload(waiting)
+            # each keeps the time it has waited since; those that find no slot go back in front
+            self._offload([self._deferred.popleft() for _ in range(room)], retried=True)
 
     def release_deferred(self) -> None:
         """The engine is short of blocks: offload the deferred saves that find a slot now
@@ -158,10 +161,12 @@ class BlockSaver:
             self._save_watcher.join()
         self._drops.close()
 
-    def _offload(self, blocks: list[tuple[SavedBlock, float]]) -> None:
+    def _offload(self, blocks: list[tuple[SavedBlock, float]], *, retried: bool = False) -> None:
         """Reserve a slot for each ``(block, monotonic time its save began)``, oldest first,
         and start one batched copy; blocks that find no slot wait in ``_deferred`` (their
-        GPU blocks stay held), each with its own start, so the queue stays oldest first."""
+        GPU blocks stay held), each with its own start, so the queue stays oldest first:
+        behind the blocks already waiting, or (``retried``, the oldest taken from it) in
+        front of them."""
         keys = [BlockKey(self._namespace, block.block_hash) for block, _ in blocks]
         present = self._pool.contains_many(keys)
         # already below (e.g. loaded from there): nothing to copy
@@ -171,7 +176,11 @@ class BlockSaver:
         slots = self._pool.reserve_many([priority(block.cache_salt) for _, (block, _) in todo])
         commits = [(key, slot, block) for (key, (block, _)), slot in zip(todo, slots)]
         if len(slots) < len(todo):  # the rest wait for slots (their GPU blocks stay held)
-            self._deferred.extend(item for _, item in todo[len(slots):])
+            waiting = [item for _, item in todo[len(slots):]]
+            if retried:
+                self._deferred.extendleft(reversed(waiting))
+            else:
+                self._deferred.extend(waiting)
             self._drop_deferred(time.monotonic())
         if done:
             self._on_saved(done)
