@@ -9,6 +9,7 @@ import torch
 from storage.base import BlockKey
 from storage.cpu_pool import CpuBlockPool
 from tiered_kv.metrics import TierMetrics
+from tiered_kv import tier_lookup
 from tiered_kv.tier_lookup import TierLookup
 
 NAMESPACE = bytes(32)
@@ -108,3 +109,33 @@ def test_forget_drops_what_a_request_matched_and_its_remote_answer():
     assert lookup.num_matched("r", HASHES, 0) is None  # asked again
     lookup.close()
     assert len(remote.asked) == 2
+
+
+def test_a_long_chain_is_walked_a_chunk_at_a_time_across_tiers_and_stops_at_its_first_miss():
+    """Runs held across chunk boundaries, in the pool and on disk, are counted whole; the
+    pool is asked only up to the chunk of the first block neither tier holds, so a cold
+    long prompt costs one chunk of keys."""
+    chunk = tier_lookup.LOOKUP_CHUNK
+    hashes = [i.to_bytes(32, "big") for i in range(1, 4 * chunk + 1)]
+    keys = [BlockKey(NAMESPACE, h) for h in hashes]
+    in_pool = set(range(chunk + 5)) | set(range(chunk + 9, 2 * chunk + 3))  # a gap: on disk
+    pool = CpuBlockPool((len(in_pool) + 1) * 64, block_nbytes=64, pin_memory=False)
+    for i in sorted(in_pool):
+        pool.commit(keys[i], pool.reserve(), torch.float32, (16,), None, (i,))
+    asked: list[int] = []
+    contains_many = pool.contains_many
+    pool.contains_many = lambda ks: (asked.append(len(ks)), contains_many(ks))[1]
+    disk = Disk(set())
+    disk.held = {keys[i] for i in range(chunk + 5, chunk + 9)}
+    metrics = TierMetrics(("cpu", "disk"), lambda: {}, lambda: None)
+    lookup = TierLookup(NAMESPACE, pool, disk, None, metrics, count_cpu=True, on_answer=lambda: None)
+    assert lookup.num_matched("r", hashes, 0) == 2 * chunk + 3
+    assert asked == [chunk] * 3  # the third chunk holds the first miss: the fourth is not asked
+    tiers = [w.tier for w in lookup.wanted("r", hashes[: 2 * chunk + 3], list(range(2 * chunk + 3)))]
+    assert tiers == ["cpu"] * (chunk + 5) + ["disk"] * 4 + ["cpu"] * (chunk - 6)
+    counters = metrics.counters()
+    assert (counters["cpu"].lookups, counters["disk"].lookups) == (2 * chunk + 4, 5)
+    asked.clear()
+    assert lookup.num_matched("cold", [bytes([7]) * 32] + hashes, 0) == 0
+    assert asked == [chunk]
+    lookup.close()
