@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import time
 
+import numpy as np
 import torch
 
 from engine.hashing import hash_blocks
@@ -69,6 +70,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # of the full blocks of token_ids, as far as needed
+        # the block manager's last prefix-cache hit for it: (block ids, their versions then)
+        self.prefix_hit: tuple[np.ndarray, np.ndarray] | None = None
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None  # set when first scheduled
         self.num_preemptions = 0

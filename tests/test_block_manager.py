@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from engine.block_manager import BlockManager
@@ -94,6 +96,44 @@ def test_freed_blocks_stay_findable_until_reused_in_lru_order():
     assert b.block_table[-1] == 1
     assert evictions == [[a.block_hashes[1]]]
     assert bm.find_cached_prefix(make_seq(range(9), "x", block_size=BS), 2) == [0]
+
+
+def test_a_waiting_requests_kept_hit_follows_reuse_of_its_blocks():
+    """Requests looked up step after step (they wait for blocks) get what a fresh lookup
+    would, while others' allocations reuse cached blocks, their hits' among them, and new
+    blocks are cached after their hits."""
+    rng = random.Random(0)
+    bm, _ = manager(num_blocks=24)
+    prompts = [list(range(40)), list(range(24)) + [99] * 16, list(range(12)) + [7] * 28]
+    waiting = [make_seq(p + [1, 2], f"w{i}", block_size=BS) for i, p in enumerate(prompts)]
+    others: list = []
+    lengths: list[list[int]] = [[] for _ in waiting]
+    for step in range(200):
+        if others and rng.random() < 0.4:
+            bm.free(others.pop(rng.randrange(len(others))))
+        elif len(others) < 4:
+            seq = make_seq(rng.choice(prompts)[: rng.randrange(4, 41)], block_size=BS)
+            if bm.can_allocate(seq, seq.num_tokens):
+                computed(bm, seq, seq.num_tokens)
+                others.append(seq)
+        for w, seen in zip(waiting, lengths):
+            hit = bm.find_cached_prefix(w, 10)
+            assert hit == bm.find_cached_prefix(make_seq(w.token_ids, block_size=BS), 10), step
+            seen.append(len(hit))
+    # hits grew and shrank along the way
+    assert any(b > a for seen in lengths for a, b in zip(seen, seen[1:]))
+    assert any(b < a for seen in lengths for a, b in zip(seen, seen[1:]))
+
+
+def test_a_kept_hit_is_not_checked_token_by_token_again():
+    bm, _ = manager(num_blocks=8)
+    computed(bm, make_seq(range(12), block_size=BS), 12)  # 3 blocks cached
+    waiting = make_seq(list(range(12)) + [5] * 9, "w", block_size=BS)
+    assert len(bm.find_cached_prefix(waiting, 5)) == 3
+    checked: list[int] = []
+    tokens = waiting.block_tokens
+    waiting.block_tokens = lambda i: (checked.append(i), tokens(i))[1]
+    assert len(bm.find_cached_prefix(waiting, 5)) == 3 and checked == []
 
 
 def test_a_hit_takes_the_block_out_of_the_free_queue():
