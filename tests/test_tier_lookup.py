@@ -111,7 +111,9 @@ def test_forget_drops_what_a_request_matched_and_its_remote_answer():
     assert len(remote.asked) == 2
 
 
-def test_a_long_chain_is_walked_a_chunk_at_a_time_across_tiers_and_stops_at_its_first_miss():
+def test_a_long_chain_is_walked_a_chunk_at_a_time_across_tiers_and_stops_at_its_first_miss(
+    monkeypatch,
+):
     """Runs held across chunk boundaries, in the pool and on disk, are counted whole; the
     pool is asked only up to the chunk of the first block neither tier holds, so a cold
     long prompt costs one chunk of keys."""
@@ -138,4 +140,15 @@ def test_a_long_chain_is_walked_a_chunk_at_a_time_across_tiers_and_stops_at_its_
     asked.clear()
     assert lookup.num_matched("cold", [bytes([7]) * 32] + hashes, 0) == 0
     assert asked == [chunk]
+    made: list[bytes] = []
+
+    class CountedKey(BlockKey):
+        def __new__(cls, namespace, block_hash):
+            made.append(block_hash)
+            return super().__new__(cls, namespace, block_hash)
+
+    monkeypatch.setattr(tier_lookup, "BlockKey", CountedKey)
+    # asked again (the request waits for blocks): its keys are not made again
+    assert lookup.num_matched("r", hashes, 0) == 2 * chunk + 3 and made == []
+    assert lookup.num_matched("r", hashes, 1) == 2 * chunk + 2 and len(made) == 3 * chunk
     lookup.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 
@@ -37,6 +38,9 @@ class _Lookup:
     hashes: tuple[bytes, ...]
     first: int  # index of the first block the lookup was asked about
     tiers: tuple[str, ...]  # tier of hashes[first + i], for the matched run
+    # the keys of hashes[first:] made so far: the lookup asked again (the request waits for
+    # blocks) reuses them, as making a key costs more than asking the pool about it
+    keys: list[BlockKey] = dataclasses.field(default_factory=list)
 
     def wanted(
         self,
@@ -116,7 +120,8 @@ class TierLookup:
         )
         if not wanted:
             return 0
-        tiers, cpu_lookups, disk_lookups = self._local_run(wanted)
+        keys = previous.keys if repeated else []
+        tiers, cpu_lookups, disk_lookups = self._local_run(wanted, keys)
         remote_lookups = 0
         if self._remote is not None and len(tiers) < len(wanted):
             rest = tuple(BlockKey(self._namespace, h) for h in wanted[len(tiers):])
@@ -125,7 +130,9 @@ class TierLookup:
             if run is None:
                 return None  # the engine asks again at a later step
             tiers += ["remote"] * run
-        self._lookups[request_id] = _Lookup(tuple(block_hashes), num_computed_blocks, tuple(tiers))
+        self._lookups[request_id] = _Lookup(
+            tuple(block_hashes), num_computed_blocks, tuple(tiers), keys
+        )
         if not repeated:
             if self._count_cpu:
                 self._metrics.add("cpu", lookups=cpu_lookups)
@@ -135,27 +142,32 @@ class TierLookup:
                 self._metrics.add("remote", lookups=remote_lookups)
         return len(tiers)
 
-    def _local_run(self, hashes: Sequence[bytes]) -> tuple[list[str], int, int]:
+    def _local_run(self, hashes: Sequence[bytes], made: list[BlockKey]) -> tuple[list[str], int, int]:
         """The tier (``cpu`` or ``disk``) of each leading block of ``hashes`` the pool or the
-        disk holds, and how many blocks each was asked about. The pool is asked
+        disk holds, and how many blocks each was asked about. ``made``: the keys of the first
+        ``hashes`` made already; extended with those made here. The pool is asked
         :data:`LOOKUP_CHUNK` keys at a time, so the first block neither holds ends the walk
         (a cold 32K-token prompt cost ~1 ms a lookup when every key was made and asked)."""
         tiers: list[str] = []
-        cpu_lookups = disk_lookups = 0
+        disk_lookups = 0
         for start in range(0, len(hashes), LOOKUP_CHUNK):
-            keys = [BlockKey(self._namespace, h) for h in hashes[start : start + LOOKUP_CHUNK]]
-            for key, pool_hit in zip(keys, self._pool.contains_many(keys)):
-                cpu_lookups += 1
-                if pool_hit:
-                    tiers.append("cpu")
-                    continue
-                if self._disk is None:
-                    return tiers, cpu_lookups, disk_lookups
-                disk_lookups += 1
-                if not self._disk.contains(key):
-                    return tiers, cpu_lookups, disk_lookups
+            stop = min(start + LOOKUP_CHUNK, len(hashes))
+            if len(made) < stop:
+                made += map(BlockKey, itertools.repeat(self._namespace), hashes[len(made) : stop])
+            keys = made[start:stop]
+            in_pool = self._pool.contains_many(keys)
+            i = 0
+            while i < len(keys):  # a run the pool holds, then a block the disk may hold
+                end = in_pool.index(False, i) if False in in_pool[i:] else len(keys)
+                tiers += ["cpu"] * (end - i)
+                if end == len(keys):
+                    break
+                disk_lookups += self._disk is not None
+                if self._disk is None or not self._disk.contains(keys[end]):
+                    return tiers, len(tiers) + 1, disk_lookups
                 tiers.append("disk")
-        return tiers, cpu_lookups, disk_lookups
+                i = end + 1
+        return tiers, len(tiers), disk_lookups
 
     def wanted(
         self,
