@@ -35,6 +35,7 @@ from engine.kv_events import KVEventLog
 from engine.sequence import Sequence
 
 NULL_BLOCK = 0  # with a kv_window: stands in for a sequence's given-back blocks
+KEPT_HIT_MIN_BLOCKS = 16  # a shorter prefix-cache hit is not kept on its request
 
 
 class Block:
@@ -134,7 +135,9 @@ class BlockManager:
             if block_id is None or self.blocks[block_id].token_ids != tuple(seq.block_tokens(i)):
                 break
             hit.append(block_id)
-        if kept is None or len(hit) != found or found != len(kept[0]):
+        if len(hit) < KEPT_HIT_MIN_BLOCKS:  # checked again faster than kept
+            seq.prefix_hit = None
+        elif kept is None or len(hit) != found or found != len(kept[0]):
             ids = np.array(hit, dtype=np.int64)
             seq.prefix_hit = (ids, self._versions[ids])
         return hit
@@ -230,13 +233,15 @@ class BlockManager:
 
     def release(self, block_ids: Seq[int]) -> None:
         """Drop holds taken by :meth:`hold`. A block left unreferenced joins the free queue's
-        tail, still findable by its hash. Raises ``ValueError`` (changing nothing) for a
-        block not held that many times."""
+        tail, still findable by its hash; ``block_ids`` in a chain's order (a sequence's
+        saves) join it last to first, as :meth:`free` gives them back, so that the chain's
+        tail is reused first and its cached prefix is not cut at its head. Raises
+        ``ValueError`` (changing nothing) for a block not held that many times."""
         holds, blocks = self._holds, self.blocks
         for block_id, count in Counter(block_ids).items():
             if holds.get(block_id, 0) < count:
                 raise ValueError(f"block {block_id} is released more often than it is held")
-        for block_id in block_ids:
+        for block_id in reversed(block_ids):
             left = holds[block_id] - 1
             if left:
                 holds[block_id] = left

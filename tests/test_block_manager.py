@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from engine.block_manager import BlockManager
+from engine.block_manager import KEPT_HIT_MIN_BLOCKS, BlockManager
 from engine_testing import make_seq
 
 BS = 4
@@ -103,37 +103,39 @@ def test_a_waiting_requests_kept_hit_follows_reuse_of_its_blocks():
     would, while others' allocations reuse cached blocks, their hits' among them, and new
     blocks are cached after their hits."""
     rng = random.Random(0)
-    bm, _ = manager(num_blocks=24)
-    prompts = [list(range(40)), list(range(24)) + [99] * 16, list(range(12)) + [7] * 28]
+    bm, _ = manager(num_blocks=72)
+    n = 100  # tokens: 25 blocks, past KEPT_HIT_MIN_BLOCKS
+    prompts = [list(range(n)), list(range(80)) + [99] * 20, list(range(70)) + [7] * 30]
     waiting = [make_seq(p + [1, 2], f"w{i}", block_size=BS) for i, p in enumerate(prompts)]
     others: list = []
     lengths: list[list[int]] = [[] for _ in waiting]
-    for step in range(200):
+    for step in range(300):
         if others and rng.random() < 0.4:
             bm.free(others.pop(rng.randrange(len(others))))
         elif len(others) < 4:
-            seq = make_seq(rng.choice(prompts)[: rng.randrange(4, 41)], block_size=BS)
+            seq = make_seq(rng.choice(prompts)[: rng.randrange(4, n + 1)], block_size=BS)
             if bm.can_allocate(seq, seq.num_tokens):
                 computed(bm, seq, seq.num_tokens)
                 others.append(seq)
         for w, seen in zip(waiting, lengths):
-            hit = bm.find_cached_prefix(w, 10)
-            assert hit == bm.find_cached_prefix(make_seq(w.token_ids, block_size=BS), 10), step
+            hit = bm.find_cached_prefix(w, n // BS)
+            assert hit == bm.find_cached_prefix(make_seq(w.token_ids, block_size=BS), n // BS), step
             seen.append(len(hit))
-    # hits grew and shrank along the way
-    assert any(b > a for seen in lengths for a, b in zip(seen, seen[1:]))
-    assert any(b < a for seen in lengths for a, b in zip(seen, seen[1:]))
+    # hits grew and shrank along the way, long enough to be kept
+    assert any(b > a >= KEPT_HIT_MIN_BLOCKS for seen in lengths for a, b in zip(seen, seen[1:]))
+    assert any(a > b >= KEPT_HIT_MIN_BLOCKS for seen in lengths for a, b in zip(seen, seen[1:]))
 
 
 def test_a_kept_hit_is_not_checked_token_by_token_again():
-    bm, _ = manager(num_blocks=8)
-    computed(bm, make_seq(range(12), block_size=BS), 12)  # 3 blocks cached
-    waiting = make_seq(list(range(12)) + [5] * 9, "w", block_size=BS)
-    assert len(bm.find_cached_prefix(waiting, 5)) == 3
+    n = KEPT_HIT_MIN_BLOCKS
+    bm, _ = manager(num_blocks=2 * n)
+    computed(bm, make_seq(range(n * BS), block_size=BS), n * BS)  # n blocks cached
+    waiting = make_seq(list(range(n * BS)) + [5] * 9, "w", block_size=BS)
+    assert len(bm.find_cached_prefix(waiting, n + 2)) == n
     checked: list[int] = []
     tokens = waiting.block_tokens
     waiting.block_tokens = lambda i: (checked.append(i), tokens(i))[1]
-    assert len(bm.find_cached_prefix(waiting, 5)) == 3 and checked == []
+    assert len(bm.find_cached_prefix(waiting, n + 2)) == n and checked == []
 
 
 def test_a_hit_takes_the_block_out_of_the_free_queue():
@@ -212,6 +214,22 @@ def test_a_held_block_is_not_reused_until_released():
     # Released blocks join the free queue's tail: block 2 goes first, nothing is evicted.
     d = make_seq(range(50, 54), "d", block_size=BS)
     assert bm.allocate(d, 4) and d.block_table == [2] and evictions == []
+
+
+def test_a_finished_sequences_saved_blocks_are_reused_tail_first():
+    """A request that ends while its blocks are held (saves in flight) gives them back when
+    the saves end, as free() does: its last block is reused first, so its cached prefix
+    is cut at the tail, not at the head (which would leave no hit at all)."""
+    bm, evictions = manager(num_blocks=3)
+    a = make_seq(range(12), "a", block_size=BS)
+    computed(bm, a, 12)  # blocks 0, 1, 2
+    saving = list(a.block_table)
+    bm.hold(saving)
+    bm.free(a)
+    bm.release(saving)
+    assert bm.allocate(make_seq(range(50, 54), "b", block_size=BS), 4)
+    assert evictions == [[a.block_hashes[2]]]
+    assert bm.find_cached_prefix(make_seq(range(12), "c", block_size=BS), 3) == [0, 1]
 
 
 def test_holds_nest_and_a_bad_release_changes_nothing():
