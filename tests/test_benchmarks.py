@@ -75,6 +75,15 @@ def test_engine_host_measures_each_batch_and_prompt(tmp_path):
     assert got["runner"] and got["rows"][0]["ms_per_step"] > 0
 
 
+def test_waiting_host_times_each_kind_of_waiting_request(tmp_path):
+    """The script itself fails if the long request got in (it must wait) or the batch was
+    preempted (the pool was sized wrong)."""
+    got = run("waiting_host.py", "--batch", "2", "--waiting", "512", "--steps", "24",
+              out=tmp_path / "waiting.json")
+    assert [r["case"] for r in got["rows"]] == ["nothing waits", "cold", "gpu hit", "cpu hit"]
+    assert all(r["ms_per_step"] > 0 for r in got["rows"])
+
+
 def test_hit_profile_times_a_miss_and_a_hit_of_the_whole_prefix(tmp_path):
     got = run("hit_profile.py", "--quick", "--prefix", "64", out=tmp_path / "hit.json")
     miss, hit = got["rows"]
