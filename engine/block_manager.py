@@ -148,6 +148,13 @@ class BlockManager:
         reclaimed = sum(1 for b in prefix if self.blocks[b].ref_count == 0)
         return max(new, 0) + reclaimed
 
+    def num_blocks_to_grow(self, seqs: Seq[Sequence]) -> int:
+        """New blocks ``seqs`` need for all their tokens: :meth:`num_blocks_to_allocate` of
+        each at its length, without a prefix (one pass: it runs over every running sequence
+        at each step that a request waits)."""
+        bs = self.block_size
+        return sum(max(-(-len(s.token_ids) // bs) - len(s.block_table), 0) for s in seqs)
+
     def can_allocate(self, seq: Sequence, num_tokens: int, prefix: Seq[int] = ()) -> bool:
         return self.num_blocks_to_allocate(seq, num_tokens, prefix) <= len(self._free)
 

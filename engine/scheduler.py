@@ -143,7 +143,7 @@ class Scheduler:
             return True
         seq, bm = self.waiting.peek(), self.block_manager
         # the running sequences' next tokens are given blocks first
-        decoding = sum(bm.num_blocks_to_allocate(r, r.num_tokens) for r in self.running)
+        decoding = bm.num_blocks_to_grow(self.running)
         free = bm.num_free_blocks - decoding
         if -(-min(seq.num_tokens, budget) // self.block_size) <= free:
             return True  # it fits without a hit: no need to look its prefix up

@@ -36,6 +36,15 @@ def test_allocate_covers_the_tokens_and_free_returns_blocks():
     assert seq.block_table == [] and bm.num_free_blocks == 8
 
 
+def test_blocks_to_grow_are_each_sequences_blocks_to_allocate_at_its_length():
+    bm, _ = manager(num_blocks=16)
+    seqs = [make_seq(range(n), f"s{n}", block_size=BS) for n in (1, 4, 5, 9, 13)]
+    for seq, have in zip(seqs, (1, 1, 1, 2, 2)):  # blocks held: 0, 0, 1, 1 and 2 short
+        assert bm.allocate(seq, have * BS)
+    assert bm.num_blocks_to_grow(seqs) == sum(bm.num_blocks_to_allocate(s, s.num_tokens) for s in seqs)
+    assert bm.num_blocks_to_grow(seqs) == 0 + 0 + 1 + 1 + 2
+
+
 def test_allocation_that_does_not_fit_changes_nothing():
     bm, _ = manager(num_blocks=4)
     a, b = make_seq(range(12), "a", block_size=BS), make_seq(range(8), "b", block_size=BS)
