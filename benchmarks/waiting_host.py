@@ -36,12 +36,17 @@ PROMPT = 32  # tokens of each decoding request
 CASES = ("nothing waits", "cold", "gpu hit", "cpu hit")
 
 
+def growth(batch: int, steps: int) -> int:
+    """Blocks the decoding batch takes while it is timed (and a margin)."""
+    return batch * (-(-steps // BLOCK) + 2)
+
+
 def ms_per_step(case: str, batch: int, waiting: int, steps: int) -> float:
     long_blocks = -(-waiting // BLOCK)
-    growth = batch * (-(-steps // BLOCK) + 2)  # blocks the batch takes while it is timed
+    grows = growth(batch, steps)
     engine = dict(device="cpu", max_model_len=waiting + 64, max_num_seqs=batch + 1,
                   max_num_batched_tokens=max(2048, waiting + 64), async_scheduling=True,
-                  num_gpu_blocks_override=batch * (PROMPT // BLOCK + 1) + growth + 2 * long_blocks,
+                  num_gpu_blocks_override=batch * (PROMPT // BLOCK + 1) + grows + 2 * long_blocks,
                   enable_prefix_caching=case != "cpu hit")
     long_prompt = [(11 * j) % 200 + 3 for j in range(waiting)]
     with build_llm("tiny", TierConfig(cpu_bytes=64 << 20), **engine) as llm:
@@ -60,7 +65,7 @@ def ms_per_step(case: str, batch: int, waiting: int, steps: int) -> float:
         # Other work holds the rest of the pool: what is left is the batch's growth, or (gpu
         # hit) the long prompt's cached blocks, which the batch's growth then takes over.
         # Either way the waiting request never fits, and is looked up at every step.
-        left = long_blocks if case == "gpu hit" else growth
+        left = long_blocks if case == "gpu hit" else grows
         others = Sequence("others", [0] * BLOCK * (core.block_manager.num_free_blocks - left),
                           SamplingParams(), block_size=BLOCK, root_hash=bytes(32), generator=None)
         if not core.block_manager.allocate(others, others.num_tokens):
@@ -94,7 +99,7 @@ def main() -> None:
     if args.batch < 1 or not BLOCK <= args.waiting <= 4000 or args.steps < CHUNKS:
         sys.exit(f"--batch >= 1, --waiting in [{BLOCK}, 4000] (the tiny model's context), "
                  f"--steps >= {CHUNKS}")
-    if args.batch * (-(-args.steps // BLOCK) + 2) >= args.waiting // BLOCK:
+    if growth(args.batch, args.steps) >= args.waiting // BLOCK:
         sys.exit("the batch would take more blocks while timed than the waiting request needs "
                  "(it would fit): lower --batch or --steps, or raise --waiting")
     print(f"engine host work per decode step, batch {args.batch}, a {args.waiting}-token "
