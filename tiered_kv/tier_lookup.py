@@ -124,7 +124,8 @@ class TierLookup:
         tiers, cpu_lookups, disk_lookups = self._local_run(wanted, keys)
         remote_lookups = 0
         if self._remote is not None and len(tiers) < len(wanted):
-            rest = tuple(BlockKey(self._namespace, h) for h in wanted[len(tiers):])
+            self._make_keys(keys, wanted, len(wanted))
+            rest = tuple(keys[len(tiers):])
             remote_lookups = len(rest)
             run = self._remote_run(request_id, rest)
             if run is None:
@@ -152,8 +153,7 @@ class TierLookup:
         disk_lookups = 0
         for start in range(0, len(hashes), LOOKUP_CHUNK):
             stop = min(start + LOOKUP_CHUNK, len(hashes))
-            if len(made) < stop:
-                made += map(BlockKey, itertools.repeat(self._namespace), hashes[len(made) : stop])
+            self._make_keys(made, hashes, stop)
             keys = made[start:stop]
             in_pool = self._pool.contains_many(keys)
             i = 0
@@ -168,6 +168,10 @@ class TierLookup:
                 tiers.append("disk")
                 i = end + 1
         return tiers, len(tiers), disk_lookups
+
+    def _make_keys(self, made: list[BlockKey], hashes: Sequence[bytes], stop: int) -> None:
+        """Extend ``made`` (the keys of the first ``hashes``) to the first ``stop``."""
+        made += map(BlockKey, itertools.repeat(self._namespace), hashes[len(made) : stop])
 
     def wanted(
         self,
