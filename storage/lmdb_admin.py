@@ -137,7 +137,7 @@ class Admin:
             checked += 1
             nbytes += len(data)
             try:
-                decode_record(data, self.seal_key, BlockKey.from_bytes(kb))
+                decode_record(data, self.seal_key, BlockKey.from_bytes(kb), parallel_mac=True)
                 ok += 1
             except RecordError as e:
                 bad.append((kb, e, data))
@@ -429,7 +429,7 @@ def _copy_verified(
             continue  # had already, or (found by scanning) an entry of another db
         try:
             key = BlockKey.from_bytes(kb)  # a damaged page can hold a key of any length
-            record = decode_record(value or b"", source_key, key)  # None: unreadable
+            record = decode_record(value or b"", source_key, key, parallel_mac=True)
         except (ValueError, RecordError):
             failed.add(kb)
             continue

@@ -175,10 +175,15 @@ def sealing_key_id(buf: bytes | memoryview) -> bytes | None:
 
 
 def decode_record(
-    buf: bytes | memoryview, seal_key: SealKey, expected_key: BlockKey | None = None
+    buf: bytes | memoryview,
+    seal_key: SealKey,
+    expected_key: BlockKey | None = None,
+    *,
+    parallel_mac: bool = False,
 ) -> Record:
     """Parse and verify ``buf`` against ``seal_key``. The returned payload is a view of
-    ``buf`` (no copy).
+    ``buf`` (no copy). ``parallel_mac``: verify a large record on BLAKE3's worker threads
+    (for a caller checking one record at a time; see :data:`storage.seal.PARALLEL_MAC_BYTES`).
 
     Raises :class:`RecordError` if anything is wrong: size, magic, version, the seal (key
     id and MAC), header fields, or (when ``expected_key`` is given) a key that is not the
@@ -204,7 +209,9 @@ def decode_record(
         raise RecordError(
             "keyid", f"record sealed under key {key_id.hex()}, not this key ({seal_key.name})"
         )
-    if not seal_key.check(view[sealed + KEY_ID_SIZE :], view[: sealed + KEY_ID_SIZE]):
+    if not seal_key.check(
+        view[sealed + KEY_ID_SIZE :], view[: sealed + KEY_ID_SIZE], parallel=parallel_mac
+    ):
         raise RecordError("mac", "record MAC mismatch (altered, or sealed without the key)")
 
     (_, _, flags, header_len, payload_len, created_ns, namespace, block_hash, parent, dtype_code,

@@ -609,9 +609,9 @@ def test_a_corrupt_record_replaced_while_it_was_checked_is_not_quarantined(
     check = decode_record
 
     with LmdbStore(path, 16 << 20) as store:
-        def decode_then_replace(data, seal_key, k):
+        def decode_then_replace(data, seal_key, k, **kwargs):
             try:
-                return check(data, seal_key, k)
+                return check(data, seal_key, k, **kwargs)
             except RecordError:
                 if k == key(2):
                     assert put(store, 2) and store.flush()  # the rewrite commits meanwhile

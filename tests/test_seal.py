@@ -79,14 +79,34 @@ def test_an_unreadable_secret_file_is_a_clear_error(tmp_path):
         load_key_file(locked)
 
 
-def test_a_large_mac_on_blake3_threads_is_the_same_mac():
-    """Records from the threshold on are MACed on BLAKE3's worker threads: the MAC must be
-    the keyed hash of the whole input, whichever side of the threshold and however split."""
+def test_a_parallel_mac_on_blake3_threads_is_the_same_mac():
+    """A large ``parallel`` MAC runs on BLAKE3's worker threads: it must be the keyed hash of
+    the whole input, whichever side of the threshold, however split, parallel or not."""
     key = SealKey(b"s" * 32)
     mac_key = blake3(b"s" * 32, derive_key_context=seal._MAC_CONTEXT).digest()
-    data = bytes(range(256)) * ((seal.THREADED_MAC_BYTES * 3) // 256 + 7)
-    for size in (seal.THREADED_MAC_BYTES - 1, seal.THREADED_MAC_BYTES, len(data)):
+    data = bytes(range(256)) * ((seal.PARALLEL_MAC_BYTES * 3) // 256 + 7)
+    for size in (seal.PARALLEL_MAC_BYTES - 1, seal.PARALLEL_MAC_BYTES, len(data)):
         expected = blake3(data[:size], key=mac_key, max_threads=1).digest()
-        assert key.mac(data[:size]) == expected
-        assert key.mac(data[:100], memoryview(data)[100:size]) == expected
-        assert key.check(expected, data[:size])
+        for parallel in (False, True):
+            assert key.mac(data[:size], parallel=parallel) == expected
+            assert key.mac(data[:100], memoryview(data)[100:size], parallel=parallel) == expected
+            assert key.check(expected, data[:size], parallel=parallel)
+
+
+def test_only_a_parallel_mac_of_a_large_input_asks_for_worker_threads(monkeypatch):
+    """The engine's readers and writers MAC side by side, one per thread: their MACs must not
+    ask BLAKE3 for worker threads; an admin scan's large ones do."""
+    asked = []
+
+    def recording(*args, max_threads=1, **kwargs):
+        asked.append(max_threads)
+        return blake3(*args, max_threads=max_threads, **kwargs)
+
+    recording.AUTO = blake3.AUTO
+    key = SealKey(b"s" * 32)
+    monkeypatch.setattr(seal, "blake3", recording)
+    large, small = bytes(seal.PARALLEL_MAC_BYTES), bytes(seal.PARALLEL_MAC_BYTES - 1)
+    key.mac(large)
+    key.mac(small, parallel=True)
+    key.mac(large, parallel=True)
+    assert asked == [1, 1, blake3.AUTO]

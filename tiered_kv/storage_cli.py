@@ -211,7 +211,7 @@ def list_namespaces(path: Dir, as_json: AsJson = False) -> None:
                 bar.advance(task)
                 row = rows[key.namespace.hex()]
                 try:
-                    record = decode_record(data, store.seal_key, key)
+                    record = decode_record(data, store.seal_key, key, parallel_mac=True)
                 except RecordError:
                     row["unreadable"] += 1
                     continue

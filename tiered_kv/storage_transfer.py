@@ -57,7 +57,7 @@ def export(
             for key, data in store.raw_records(ns):
                 bar.advance(task)
                 try:
-                    decode_record(data, store.seal_key, key)
+                    decode_record(data, store.seal_key, key, parallel_mac=True)
                 except RecordError:
                     bad += 1
                     continue
@@ -136,7 +136,7 @@ def import_(
                         present += 1  # not a failure: the store keeps its own copy
                         continue
                     try:
-                        batch.append((key, decode_record(data, archive_key, key)))
+                        batch.append((key, decode_record(data, archive_key, key, parallel_mac=True)))
                     except RecordError as e:
                         skipped[e.reason] += 1
                     if len(batch) >= PUT_BATCH:

@@ -53,7 +53,7 @@ def _read_tree(store: LmdbStore, namespace: bytes) -> tuple[list[_Node], int, in
         for key, data in store.raw_records(namespace):
             bar.advance(task)
             try:
-                record = decode_record(data, store.seal_key, key)
+                record = decode_record(data, store.seal_key, key, parallel_mac=True)
             except RecordError:
                 bad += 1
                 continue
