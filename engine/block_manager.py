@@ -180,8 +180,16 @@ class BlockManager:
             block.ref_count += 1
         seq.block_table.extend(prefix)
         evicted: list[bytes] = []
-        for _ in range(-(-num_tokens // self.block_size) - len(seq.block_table)):
-            seq.block_table.append(self._take_free(evicted))
+        take = self._take_free
+        num_new = -(-num_tokens // self.block_size) - len(seq.block_table)
+        if num_new == 1:
+            seq.block_table.append(take(evicted))
+        elif num_new > 1:
+            # The least recently used blocks, as always, but in the order of their ids: a
+            # freed sequence's blocks return to the queue last block first, and taken as they
+            # come they would run backwards. In order, consecutive blocks go to consecutive
+            # slots of the CPU pool as one copy each way (offload and restore), not one each.
+            seq.block_table.extend(sorted([take(evicted) for _ in range(num_new)]))
         if evicted and self._on_evict is not None:
             self._on_evict(evicted)
         if evicted and self._events is not None:

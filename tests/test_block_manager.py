@@ -309,3 +309,21 @@ def test_without_a_window_every_block_is_kept():
     computed(bm, seq, 20)
     assert bm.allocate(seq, 21)
     assert seq.block_table == [0, 1, 2, 3, 4, 5] and bm.num_free_blocks == 2
+
+
+def test_blocks_taken_together_are_the_least_recently_used_in_the_order_of_their_ids():
+    """A freed sequence's blocks return to the queue last block first. A new sequence that
+    takes several at once gets the same (least recently used) blocks, evicted tail first
+    as before, but in ascending order: consecutive blocks then meet consecutive CPU-pool
+    slots, and move as one copy."""
+    bm, evictions = manager(num_blocks=8)
+    a = make_seq(range(16), "a", block_size=BS)
+    computed(bm, a, 16)  # blocks 0..3
+    bm.free(a)  # the queue: 4, 5, 6, 7, then 3, 2, 1, 0
+    b = make_seq(range(100, 124), "b", block_size=BS)
+    assert bm.allocate(b, 24)
+    assert b.block_table == [2, 3, 4, 5, 6, 7]
+    assert evictions == [[a.block_hashes[3], a.block_hashes[2]]]  # tail first, as before
+    assert bm.find_cached_prefix(make_seq(range(16), "c", block_size=BS), 4) == [0, 1]
+    c = make_seq(range(200, 204), "c2", block_size=BS)
+    assert bm.allocate(c, 4) and c.block_table == [1]  # one block: the queue's head
