@@ -158,10 +158,29 @@ def row(run: Run, prefix: int, case: str, codec: str | None, ttft_s: float,
                 cached_tokens=cached_tokens, **extra)
 
 
+class CopyCounter:
+    """Counts the mover's copy calls (one DMA each on CUDA) and the blocks they move, so a
+    restore's blocks per copy shows whether its runs were long or block by block."""
+
+    def __init__(self) -> None:
+        self.calls = self.rows = 0
+        self._move = block_mover._move
+        block_mover._move = self
+
+    def __call__(self, dst, src, runs, cuda) -> None:
+        self.calls += len(runs)
+        self.rows += sum(n for _, _, n in runs)
+        self._move(dst, src, runs, cuda)
+
+
+COPIES = CopyCounter()
+
+
 def hits(llm: LLM, run: Run, prefix: int, tier: str) -> dict:
     """``run.repeats`` requests on prefix 0 with new suffixes; TTFTs and what ``tier`` loaded."""
     manager = llm.engine.connector
     times, cached, loads = [], [], []
+    calls, rows = COPIES.calls, COPIES.rows
     for suffix in range(1, run.repeats + 1):
         before = manager.stats()[tier]
         t, c = timed(llm, run.prompt(prefix, 0, suffix))
@@ -173,7 +192,8 @@ def hits(llm: LLM, run: Run, prefix: int, tier: str) -> dict:
     rates = [b / s for b, s in loads if s > 0]
     return dict(first_s=times[0], ttft_s=statistics.median(times), cached_tokens=min(cached),
                 restored_bytes=sum(b for b, _ in loads), restore_s=sum(s for _, s in loads),
-                restore_Bps=statistics.median(rates) if rates else 0.0)  # 0: no load
+                restore_Bps=statistics.median(rates) if rates else 0.0,  # 0: no load
+                blocks_per_copy=(COPIES.rows - rows) / max(COPIES.calls - calls, 1))
 
 
 # ---------------------------------------------------------------- TTFT scenarios

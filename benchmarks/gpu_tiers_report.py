@@ -36,8 +36,15 @@ def restore_rows(r: dict) -> list[dict]:
         out.append(dict(shape=t["shape"], prefix=t["prefix"], tier=tier, codec=t["codec"],
                         case=t["case"],
                         restore_Bps=bps, reference=name, reference_Bps=ref_bps,
+                        blocks_per_copy=t.get("blocks_per_copy"),
                         ratio=None if ref_bps is None else bps / ref_bps))
     return out
+
+
+def per_copy(value: float | None) -> str:
+    """Blocks moved per copy call over a case's hits (a disk hit's copies include its
+    slot-to-cache ones; a run older than the counter has none)."""
+    return "" if value is None else f"{value:.1f}"
 
 
 def find(rows: list[dict], **match) -> dict | None:
@@ -105,15 +112,15 @@ def print_report(r: dict) -> None:
     print("\nRestore bandwidth (KV bytes loaded / the manager's load seconds, median over the "
           "hits) against a reference on the same bytes:")
     print("| shape | block KiB | prefix | tier | codec | restore GB/s | reference | ref GB/s "
-          "| ratio |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| ratio | blocks per copy |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for x in restore_rows(r):
         kib = SHAPES[x["shape"]].block_nbytes >> 10
         ratio = "" if x["ratio"] is None else f"{x['ratio']:.2f}"
         tier = x["tier"] + (" (staged DMA)" if x["case"] == STAGED_CPU_HIT else "")
         print(f"| {x['shape']} | {kib} | {x['prefix']} | {tier} | {x['codec'] or ''} | "
               f"{gbs(x['restore_Bps'])} | {x['reference'] or ''} | {gbs(x['reference_Bps'])} "
-              f"| {ratio} |")
+              f"| {ratio} | {per_copy(x['blocks_per_copy'])} |")
     print("\nFull prompt blocks on disk after flush (default settings, write-through):")
     print("| shape | codec | prefix | on disk / full blocks | share | dropped | flushed |")
     print("|---|---|---|---|---|---|---|")

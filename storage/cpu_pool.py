@@ -164,7 +164,11 @@ class CpuBlockPool(BlockStore[HostBlock]):
 
     def reserve_many(self, priorities: Iterable[int]) -> list[int]:
         """:meth:`reserve` for new blocks of ``priorities`` in order, under one lock: their
-        slots, stopping at the first block that gets none."""
+        slots, stopping at the first block that gets none. The slots come in ascending
+        order (whichever block's priority freed which, they are all the batch's), so that
+        consecutive blocks meet consecutive slots and move as one copy: slots given back
+        one by one return to the free list in the order they left it, and would otherwise
+        be handed out backwards."""
         slots: list[int] = []
         with self._lock:
             self._check_open()
@@ -173,6 +177,7 @@ class CpuBlockPool(BlockStore[HostBlock]):
                 if slot is None:
                     break
                 slots.append(slot)
+        slots.sort()
         return slots
 
     def commit(

@@ -190,3 +190,26 @@ def test_a_decode_that_fails_unexpectedly_gives_its_slot_back(tmp_path, monkeypa
     assert pool.num_evictable() == pool.num_slots
     loader.close()
     store.close()
+
+
+def test_a_chunk_read_from_disk_goes_to_ascending_slots(tmp_path):
+    """The reader threads take each chunk's slots at once, in ascending order: from a fresh
+    pool a chunk of consecutive blocks restores as one copy, not a copy per block (threads
+    taking a slot per block interleaved them), and slots given back in any order come out
+    ascending again."""
+    loader, pool, store, cache, source, wanted = make(tmp_path)
+    moves = []
+    restore = loader._mover._restore
+    loader._mover._restore = lambda pairs: (moves.append([s for _, s in pairs]), restore(pairs))[1]
+    loads = []
+    for _ in range(2):  # the second load takes the slots the first one gave back
+        cache.zero_()
+        result = loader.run("r", wanted)
+        assert result.loaded == BLOCKS and torch.equal(cache[3 : BLOCKS + 3], source)
+        loads.append(moves[:])
+        moves.clear()
+    for slots in loads[0]:
+        assert slots == list(range(slots[0], slots[0] + len(slots)))
+    for slots in loads[1]:
+        assert slots == sorted(slots)
+    assert pool.num_evictable() == pool.num_slots

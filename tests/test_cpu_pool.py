@@ -288,3 +288,14 @@ def test_a_commit_with_an_invalid_key_raises_before_taking_any_slot():
     for slot in slots:
         pool.unreserve(slot)
     assert pool.num_evictable() == 2
+
+
+def test_slots_reserved_together_come_in_ascending_order_after_being_given_back():
+    """Slots given back one by one return to the free list in the order they left it; taken
+    again together they come ascending, so consecutive blocks meet consecutive slots."""
+    pool = CpuBlockPool(8 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, pin_memory=False)
+    first = pool.reserve_many([0] * 6)
+    assert first == [0, 1, 2, 3, 4, 5]
+    for slot in first:
+        pool.unreserve(slot)
+    assert pool.reserve_many([0] * 6) == [0, 1, 2, 3, 4, 5]  # the free list pops 5, 4, ... 0

@@ -220,10 +220,28 @@ class BlockLoader:
             got.by_tier["cpu"] = got.by_tier.get("cpu", 0) + len(chunk)
             return
         got.held += [w.key for w, s in zip(chunk, slots) if s is not None]
-        missing = {
-            tier: [w for w, s in zip(chunk, slots) if s is None and self._source(w) == tier]
-            for tier in self._stores
-        }
+        absent = [w for w, s in zip(chunk, slots) if s is None]
+        missing = {tier: [w for w in absent if self._source(w) == tier] for tier in self._stores}
+        # The chunk's new slots, taken at once: consecutive slots for consecutive blocks
+        # (one copy each way, where readers taking slots one at a time interleave), and the
+        # pool's lock once. Those a short chunk does not use go back.
+        fresh = collections.deque(self._pool.reserve_many([w.priority for w in absent]))
+        try:
+            self._read_chunk(chunk, slots, missing, fresh, got)
+        finally:
+            for slot in fresh:
+                self._pool.unreserve(slot)
+
+    def _read_chunk(
+        self,
+        chunk: list[WantedBlock],
+        slots: list[int | None],
+        missing: dict[str, list[WantedBlock]],
+        fresh: collections.deque[int],
+        got: _Chunk,
+    ) -> None:
+        """Read ``chunk``'s blocks the pool lacks (``missing``, by store) and promote them
+        into the ``fresh`` slots, in order; stops at the first that cannot be served."""
         with contextlib.ExitStack() as reads:  # payloads may view a store's memory until exit
             records: dict[BlockKey, Record | None] = {}
             for tier, wanted in missing.items():
@@ -235,7 +253,10 @@ class BlockLoader:
                 if slot is None:
                     tier = self._source(want) or want.tier
                     record = records.get(want.key)
-                    slot = None if record is None else self._promote_record(want, tier, record)
+                    if record is not None and not fresh:
+                        logger.warning("CPU pool has no free slot for a %s hit; recomputing", tier)
+                    elif record is not None:
+                        slot = self._promote_record(want, tier, record, fresh.popleft())
                     if slot is None:
                         self._metrics.add(tier, load_failures=1)
                         # the pool's blocks after it are not needed: let them go
@@ -254,13 +275,9 @@ class BlockLoader:
         # evicted from the pool since the lookup: the disk may still have it
         return "disk" if "disk" in self._stores else next(iter(self._stores), None)
 
-    def _promote_record(self, want: WantedBlock, tier: str, record: Record) -> int | None:
-        """Decode ``record`` into a new pool slot and commit it there, held; the slot, or
-        ``None`` if the record is bad or the pool has no slot to spare."""
-        slot = self._pool.reserve(want.priority)
-        if slot is None:
-            logger.warning("CPU pool has no free slot for a %s hit; recomputing", tier)
-            return None
+    def _promote_record(self, want: WantedBlock, tier: str, record: Record, slot: int) -> int | None:
+        """Decode ``record`` into ``slot`` (reserved) and commit it there, held; the slot it
+        is held in, or ``None`` if the record is bad (``slot`` is given back either way)."""
         out = self._slots[slot]
         try:
             self._decode_into(record, want.parent, out)
