@@ -82,6 +82,43 @@ class RecordMeta(NamedTuple):
     priority: int  # the eviction priority it was put with (0 in a version-1 store)
 
 
+class VerifiedRecord(NamedTuple):
+    """A committed record that passed verification."""
+
+    key: BlockKey
+    record: Record  # its payload a view of ``data``
+    data: bytes  # the record as stored, sealed under the store's key
+
+
+class VerifiedRecords:
+    """One pass over a store's committed records (all, or one namespace's) in key order,
+    yielding those that pass verification; the keys of those that fail are collected in
+    ``unreadable``. ``progress(1)`` is called for every record read, good or bad.
+
+    Each record is verified on its own, so its MAC runs on BLAKE3's worker threads.
+    """
+
+    def __init__(
+        self, store: Admin, namespace: bytes | None, progress: Callable[[int], None] | None
+    ) -> None:
+        self._store = store
+        self._namespace = namespace
+        self._progress = progress
+        self.unreadable: list[BlockKey] = []
+
+    def __iter__(self) -> Iterator[VerifiedRecord]:
+        seal_key = self._store.seal_key
+        for key, data in self._store.raw_records(self._namespace):
+            if self._progress is not None:
+                self._progress(1)
+            try:
+                record = decode_record(data, seal_key, key, parallel_mac=True)
+            except RecordError:
+                self.unreadable.append(key)
+                continue
+            yield VerifiedRecord(key, record, data)
+
+
 class RepairResult(NamedTuple):
     """What :func:`repair` salvaged."""
 
@@ -207,6 +244,13 @@ class Admin:
         self._check_open()
         for kb, data in self._committed_records(namespace):
             yield BlockKey.from_bytes(kb), data
+
+    def verified_records(
+        self, namespace: bytes | None = None, progress: Callable[[int], None] | None = None
+    ) -> VerifiedRecords:
+        """Committed records that pass verification, read as :meth:`raw_records` reads
+        them; the ones that fail are skipped and counted (:class:`VerifiedRecords`)."""
+        return VerifiedRecords(self, namespace, progress)
 
     def _committed_records(self, namespace: bytes | None) -> Iterator[tuple[bytes, bytes]]:
         """Committed records in key order, each value read from the cursor at its key (a

@@ -132,6 +132,21 @@ def test_ls_counts_the_blocks_at_each_priority(store_dir: Path):
     assert rows[NS_B.hex()]["priorities"] == {"-3": 2, "0": 1}
 
 
+def test_ls_counts_the_priorities_of_the_listed_blocks_only(store_dir: Path):
+    with LmdbStore(store_dir) as store:
+        assert store.put_many([(key(NS_B, i), store.get(key(NS_B, i))) for i in (0, 1)],
+                              priorities=[-3, -3]) == [True, True]
+    stored(store_dir, key(NS_B, 0), forge)  # one block at -3 fails its seal
+    stored(store_dir, key(NS_A, 2), forge)
+    result = run("ls", store_dir, "--json")
+    assert result.exit_code == 0, result.output
+    rows = {r["namespace"]: r for r in json.loads(result.stdout)}
+    assert rows[NS_A.hex()]["priorities"] == {"0": 4}
+    assert rows[NS_B.hex()]["priorities"] == {"-3": 1, "0": 1}
+    for row in rows.values():
+        assert sum(row["priorities"].values()) == row["blocks"] and row["unreadable"] == 1
+
+
 def test_verify_clean_store_exits_zero(store_dir: Path):
     result = run("verify", store_dir, "--json")
     assert result.exit_code == 0, result.output

@@ -42,7 +42,6 @@ from rich.table import Table
 
 from storage.base import StoreError
 from storage.lmdb_store import DamagedStore, LmdbStore, StoreInfo
-from storage.record import RecordError, decode_record
 from storage.seal import KEY_FILE_NAME
 from tiered_kv.storage_errors import CommandError, StorageGroup
 from tiered_kv.storage_errors import fail as _fail
@@ -207,14 +206,9 @@ def list_namespaces(path: Dir, as_json: AsJson = False) -> None:
         total = store.stats().entries
         with _progress("reading records", total) as bar:
             task = bar.add_task("", total=total)
-            for key, data in store.raw_records():
-                bar.advance(task)
+            records = store.verified_records(progress=lambda n: bar.advance(task, n))
+            for key, record, _ in records:
                 row = rows[key.namespace.hex()]
-                try:
-                    record = decode_record(data, store.seal_key, key, parallel_mac=True)
-                except RecordError:
-                    row["unreadable"] += 1
-                    continue
                 row["blocks"] += 1
                 row["bytes"] += record.nbytes
                 row["codecs"].add(record.codec)
@@ -224,8 +218,12 @@ def list_namespaces(path: Dir, as_json: AsJson = False) -> None:
         by_priority: dict[str, collections.Counter[int]] = collections.defaultdict(
             collections.Counter
         )
+        failed = set(records.unreadable)
+        for key in failed:
+            rows[key.namespace.hex()]["unreadable"] += 1
         for meta in store.metadata():  # no record read: the meta db alone
-            by_priority[meta.key.namespace.hex()][meta.priority] += 1
+            if meta.key not in failed:  # the listed blocks' priorities only
+                by_priority[meta.key.namespace.hex()][meta.priority] += 1
     for ns, row in rows.items():
         row["priorities"] = {str(p): n for p, n in sorted(by_priority[ns].items())}
     result = [

@@ -47,27 +47,16 @@ def export(
     """
     if archive.exists():
         raise _fail(f"{archive} exists; refusing to overwrite it")
-    bad = 0
     with _open(path) as store:
         ns = _resolve_namespace(store, namespace) if namespace is not None else None  # "": refused
         total = sum(1 for _ in store.metadata(ns)) if ns is not None else store.stats().entries
-
-        def verified(bar: Progress, task):
-            nonlocal bad
-            for key, data in store.raw_records(ns):
-                bar.advance(task)
-                try:
-                    decode_record(data, store.seal_key, key, parallel_mac=True)
-                except RecordError:
-                    bad += 1
-                    continue
-                yield key, data
-
         try:
             with _progress("exporting", total) as bar:
+                task = bar.add_task("", total=total)
+                records = store.verified_records(ns, progress=lambda n: bar.advance(task, n))
                 summary = write_archive(
-                    archive, verified(bar, bar.add_task("", total=total)),
-                    store.seal_key.key_id, compress=compress,
+                    archive, ((r.key, r.data) for r in records), store.seal_key.key_id,
+                    compress=compress,
                 )
         except OSError as e:  # the reason alone: the file it names is the temporary one
             raise _fail(f"cannot write {archive}: {e.strerror or e}") from None
@@ -79,7 +68,7 @@ def export(
         "records": summary.records,
         "record_bytes": summary.record_bytes,
         "archive_bytes": archive.stat().st_size,
-        "skipped_corrupt": bad,
+        "skipped_corrupt": len(records.unreadable),
         "compressed": compress,
         "key_id": summary.key_id.hex(),
     }

@@ -11,7 +11,6 @@ from rich.markup import escape
 from rich.tree import Tree
 
 from storage.lmdb_store import LmdbStore
-from storage.record import RecordError, decode_record
 from tiered_kv.storage_cli import (
     AsJson, Dir, Namespace, _fail, _open, _progress, _resolve_namespace, app, out,
 )
@@ -46,17 +45,11 @@ def _load_tokenizer(spec: str):
 def _read_tree(store: LmdbStore, namespace: bytes) -> tuple[list[_Node], int, int]:
     """The roots of the namespace's prefix tree, how many blocks it has, how many were bad."""
     nodes: dict[bytes, _Node] = {}
-    bad = 0
     total = sum(1 for _ in store.metadata(namespace))
     with _progress(f"reading {namespace.hex()[:16]}", total) as bar:
         task = bar.add_task("", total=total)
-        for key, data in store.raw_records(namespace):
-            bar.advance(task)
-            try:
-                record = decode_record(data, store.seal_key, key, parallel_mac=True)
-            except RecordError:
-                bad += 1
-                continue
+        records = store.verified_records(namespace, progress=lambda n: bar.advance(task, n))
+        for key, record, data in records:
             nodes[key.block_hash] = _Node(
                 key.block_hash, record.parent_hash, record.token_ids, record.codec,
                 str(record.dtype).removeprefix("torch."), len(data), record.created_ns,
@@ -68,7 +61,7 @@ def _read_tree(store: LmdbStore, namespace: bytes) -> tuple[list[_Node], int, in
     for node in nodes.values():
         node.children.sort(key=_oldest_first)
     roots.sort(key=_oldest_first)
-    return roots, len(nodes), bad
+    return roots, len(nodes), len(records.unreadable)
 
 
 def _oldest_first(node: _Node) -> tuple[int, bytes]:
