@@ -92,6 +92,7 @@ def test_config_file_from_environment_and_its_errors(tmp_path):
         ({"kv_offload": "none"}, "--kv-offload"),
         ({"kv_write_policy": "write-back", "kv_offloading_size": 0}, "write-back"),
         ({"kv_codec": "gzip"}, "codec"),
+        ({"device": "tpu"}, "--device"),
         ({"api_key": ""}, "--api-key"),
         ({"kv_remote_url": "http://cache:6379"}, "--kv-remote-url"),
         ({"kv_remote_url": "redis://c", "kv_remote_write_policy": "x"}, "--kv-remote-write-policy"),
@@ -235,9 +236,10 @@ def test_the_hugging_face_cache_comes_from_its_environment_variables():
 def test_vllm_engine_flags_reach_the_engine():
     c = ServeConfig.load({
         "kv_cache_dtype": "fp8_e4m3", "enable_chunked_prefill": False, "enforce_eager": True,
-        "scheduling_policy": "priority", "tensor_parallel_size": "1",
+        "scheduling_policy": "priority", "tensor_parallel_size": "1", "device": "cpu",
     }, environ={})
     config = c.engine_config()
+    assert config.device == "cpu" and config.torch_device.type == "cpu"
     assert (config.kv_cache_dtype, config.enable_chunked_prefill, config.enforce_eager) == ("fp8", False, True)
     assert config.scheduling_policy == "priority"
     with pytest.raises(ValueError, match="fp8_e5m2 is not supported: the engine stores fp8 KV as e4m3"):

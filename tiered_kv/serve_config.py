@@ -147,6 +147,10 @@ class ServeConfig:
         "defaults, e.g. '{\"temperature\": 0.5}'.", SERVER, metavar="JSON",
     )
     # the engine (vLLM's names)
+    device: str = option(
+        "auto", "Where the model and its KV pool live: `auto` (the GPU if there is one), "
+        "`cpu`, `cuda` or `cuda:N`.", ENGINE,
+    )
     dtype: str = option(
         "auto", "Weights and activations: `auto` (float32 on the CPU, the checkpoint's dtype on "
         "a GPU) or a floating-point type.", ENGINE, choices=("auto", *DTYPES),
@@ -368,6 +372,7 @@ class ServeConfig:
     def engine_kwargs(self) -> dict[str, Any]:
         """The :class:`engine.EngineConfig` fields (without ``model``)."""
         return dict(
+            device=self.device,
             dtype=self.dtype,
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
