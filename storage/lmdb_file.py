@@ -7,7 +7,7 @@ end, and a damaged page can send a read anywhere. So the file is checked here fi
 - :func:`check_data_file`: the two meta pages and the file size; cheap, run by every open;
 - :func:`check_structure`: every page reachable from the committed meta; one read of the
   B-tree pages and of each overflow run's page header (not of the values), for admin tools
-  that read everything;
+  that read everything; a page two owners claim (:mod:`storage.lmdb_pages`) is damage too;
 - :func:`salvage`: the entries of a database that can still be read (repair).
 
 The on-disk format of LMDB 0.9 (64-bit, native byte order)::
@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from storage.base import KEY_SIZE, StoreError
+from storage.lmdb_pages import PageOwners
 
 DATA_NAME = "data.mdb"
 MAGIC = 0xBEEFC0DE
@@ -43,6 +44,7 @@ F_BIGDATA, F_SUBDATA = 0x01, 0x02
 P_INVALID = (1 << 64) - 1  # the root of an empty db
 MAX_DEPTH = 32  # LMDB's cursor stack
 MAX_KEY_SIZE = 511
+_MAX_PROBLEMS = 100
 _MIN_PAGE, _MAX_PAGE = 256, 0x8000
 
 _PAGE = struct.Struct("=QHHHH")  # pgno, pad, flags, lower, upper
@@ -239,10 +241,13 @@ def _walk_all(file: DataFile, meta: Meta) -> list[str]:
         if value is None:
             continue
         pages = struct.unpack_from(f"={len(value) // 8}Q", value)
+        listed = f"free db: the page list of txn {node.key.hex()}"
         if not pages or pages[0] != len(pages) - 1 or len(value) % 8:
-            walk.problem(f"free db: the page list of txn {node.key.hex()} is malformed")
+            walk.problem(f"{listed} is malformed")
         elif any(not 2 <= page < walk.next_page for page in pages[1:]):
-            walk.problem(f"free db: the page list of txn {node.key.hex()} names a bad page")
+            walk.problem(f"{listed} names a bad page")
+        elif (taken := walk.owners.claim_free(pages[1:])) is not None:
+            walk.overlap(f"{listed} names page {taken} of", taken)
     for name, db in walk.named_dbs(meta.main).items():
         previous: bytes | None = None
         for node in walk.leaves(name, db):
@@ -302,9 +307,8 @@ class Salvage:
         self.problems.append(f"the {self._name} db is damaged: scanning every page for entries")
         pages = self._file.size // self._page_size
         scan = _Walk(self._file, Meta(0, self._page_size, pages - 1, 0, _EMPTY, _EMPTY), [])
-        visited = walk.visited if walk is not None else set()
         for pgno in range(2, pages):
-            if pgno in visited:
+            if walk is not None and walk.owners.is_tree(pgno):
                 continue
             page = self._file.read(pgno * self._page_size, self._page_size)
             if page is None or _PAGE.unpack_from(page)[2] != P_LEAF:
@@ -316,18 +320,25 @@ class Salvage:
 
 class _Walk:
     """Walks B-trees from one meta page, checking every page before using it. What is
-    wrong goes to ``problems`` and the bad page or node is skipped."""
+    wrong goes to ``problems`` and the bad page or node is skipped. Each page met is
+    claimed in ``owners``: a tree page another owner holds is skipped (it may close a
+    cycle), a value on pages another owner holds is still read."""
 
     def __init__(self, file: DataFile, meta: Meta, problems: list[str] | None = None) -> None:
         self.file = file
         self.page_size = meta.page_size
         self.next_page = meta.last_page + 1
         self.problems = problems if problems is not None else []
-        self.visited: set[int] = set()
+        self.owners = PageOwners(min(self.next_page, file.size // self.page_size))
 
     def problem(self, text: str) -> None:
-        if len(self.problems) < 100:
+        if len(self.problems) < _MAX_PROBLEMS:
             self.problems.append(text)
+
+    def overlap(self, claimant: str, page: int) -> None:
+        """``claimant`` claims ``page``, which has an owner: the problem names both."""
+        if len(self.problems) < _MAX_PROBLEMS:  # naming the owner may search through a run
+            self.problems.append(f"{claimant} {self.owners.owner(page)}")
 
     def named_dbs(self, main: Db) -> dict[str, Db]:
         """The named databases listed in the main db."""
@@ -401,7 +412,9 @@ class _Walk:
 
         LMDB reads the value without looking at the run's page header, but frees as many
         pages as the header counts when the value is deleted or replaced: a count past the
-        last page would put pages that do not exist on the free list."""
+        last page would put pages that do not exist on the free list, and one over pages
+        another owner holds would hand them to the next write. Such a run is still read:
+        the value is where its node says, and its seal tells whether the bytes are its own."""
         end = run.page * self.page_size + _HEADER + run.size
         if run.page < 2 or end > min(self.file.size, self.next_page * self.page_size):
             self.problem(f"{name} db: the overflow value at page {run.page} runs past the file")
@@ -419,13 +432,20 @@ class _Walk:
                 "past the last page"
             )
             return False
+        taken = self.owners.claim_run(name, run.page, pages)
+        if taken is not None:
+            self.overlap(
+                f"{name} db: the overflow run at page {run.page} overlaps page {taken} of", taken
+            )
         return True
 
     def _page(self, name: str, pgno: int, depth: int, *, overflow: bool = False) -> bytes | None:
-        if not 2 <= pgno < self.next_page or pgno in self.visited or depth > MAX_DEPTH:
+        if not 2 <= pgno < self.next_page or depth > MAX_DEPTH:
             self.problem(f"{name} db: a link to page {pgno} leads outside the tree")
             return None
-        self.visited.add(pgno)
+        if not overflow and self.owners.owner(pgno) is not None:  # met again: maybe a cycle
+            self.overlap(f"{name} db: a link to page {pgno} leads into", pgno)
+            return None
         # An overflow page's header is all there is to check: its data is the value.
         page = self.file.read(pgno * self.page_size, _HEADER if overflow else self.page_size)
         if page is None:
@@ -435,6 +455,8 @@ class _Walk:
         if stored != pgno or flags not in ((P_OVERFLOW,) if overflow else (P_BRANCH, P_LEAF)):
             self.problem(f"{name} db: page {pgno} is not the page its link expects")
             return None
+        if not overflow:
+            self.owners.claim_tree(name, pgno)
         return page
 
 

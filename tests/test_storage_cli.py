@@ -4,6 +4,7 @@ import errno
 import hashlib
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -411,6 +412,39 @@ def test_repair_to_another_directory_leaves_the_source(store_dir: Path, tmp_path
     assert stats["entries"] == fields["salvaged"] and stats["capacity_bytes"] == 8 << 20
     again = run("repair", store_dir, "--out", tmp_path / "fixed")
     assert again.exit_code == 2 and "not empty" in again.output
+
+
+@pytest.mark.parametrize("target", ["run", "leaf"])
+def test_a_value_pointed_at_pages_another_owner_holds_is_damage(big_store: Path, tmp_path: Path, target):
+    """One value's node edited to name another value's run, or a leaf page: two owners for
+    the same pages. verify refuses the store, naming both; repair salvages the rest."""
+    with LmdbStore(big_store, readonly=True) as store:
+        raw = dict(store.raw_records())
+    data = (big_store / "data.mdb").read_bytes()
+    first_page = {k: (data.find(v) - 16) // 4096 for k, v in raw.items() if len(v) > 4096}
+    (a, a_page), (b, b_page) = list(first_page.items())[:2]  # same size: one run holds either
+    leaf = next(p for p in range(2, len(data) // 4096) if data[p * 4096 + 10] == 0x02)
+    node = a.to_bytes() + struct.pack("=Q", a_page)  # the key, then the run's first page
+    assert data.count(node) >= 1  # the live leaf, and older copies of it on free pages
+    edited = a.to_bytes() + struct.pack("=Q", b_page if target == "run" else leaf)
+    (big_store / "data.mdb").write_bytes(data.replace(node, edited))
+
+    problem = {
+        "run": f"records db: the overflow run at page {b_page} overlaps page {b_page} of "
+        f"the records db's overflow run at page {b_page}",
+        "leaf": f"records db: page {leaf} is not the page its link expects",
+    }[target]
+    result = run("verify", big_store, "--json")
+    assert result.exit_code == 2
+    error = json.loads(result.stdout)["error"]
+    assert f"is damaged: {problem}" in error and "storage repair" in error, error
+    result = run("repair", big_store, "--out", tmp_path / "fixed", "--json")
+    assert result.exit_code == 0, result.output
+    fields = json.loads(result.stdout)
+    assert fields["first_problem"] == problem and fields["salvaged"] >= len(raw) - 1
+    with LmdbStore(tmp_path / "fixed", readonly=True) as fixed:
+        assert fixed.get(b) is not None
+    assert json.loads(run("verify", tmp_path / "fixed", "--json").stdout)["corrupt"] == 0
 
 
 def test_repair_refuses_a_store_a_server_holds(store_dir: Path):
