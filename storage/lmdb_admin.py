@@ -19,7 +19,6 @@ import lmdb
 
 from storage.base import KEY_SIZE, BlockKey, StoreError
 from storage.lmdb_committer import QUARANTINE_HEAD
-from storage.lmdb_file import Found, salvage
 from storage.lmdb_directory import (
     copy_key_file, fsync_dir, lock_writer, make_file_private, replace_aside, store_key,
 )
@@ -27,6 +26,7 @@ from storage.lmdb_layout import (
     DATA_NAME, DB_META, DB_QUARANTINE, DB_RECORDS, DESCRIPTOR_NAME, KEYS_CHUNK, StoreDescriptor,
 )
 from storage.lmdb_meta import unpack_meta
+from storage.lmdb_salvage import Found, salvage
 from storage.priority_lru import DEFAULT_PRIORITY
 from storage.record import MAGIC, Record, RecordError, decode_record
 from storage.seal import KEY_FILE_NAME, SealKey
@@ -380,7 +380,7 @@ class Admin:
         """Salvage the readable records of a (damaged) store into a fresh one.
 
         ``source``'s data file is read page by page with ``pread``, never mapped (see
-        :class:`storage.lmdb_file.Salvage`); every record found is checked against its key
+        :class:`storage.lmdb_salvage.Salvage`); every record found is checked against its key
         and the seal of ``source``'s key, and what cannot be read or fails is skipped; the
         rest is re-sealed under the fresh store's own new key, each record at the priority
         ``source``'s ``meta`` db still gives it (the default, 0, where that cannot be read:

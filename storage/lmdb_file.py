@@ -7,8 +7,10 @@ end, and a damaged page can send a read anywhere. So the file is checked here fi
 - :func:`check_data_file`: the two meta pages and the file size; cheap, run by every open;
 - :func:`check_structure`: every page reachable from the committed meta; one read of the
   B-tree pages and of each overflow run's page header (not of the values), for admin tools
-  that read everything; a page two owners claim (:mod:`storage.lmdb_pages`) is damage too;
-- :func:`salvage`: the entries of a database that can still be read (repair).
+  that read everything; a page two owners claim (:mod:`storage.lmdb_pages`) is damage too.
+
+Salvaging the entries of a damaged file that can still be read (repair) is
+:mod:`storage.lmdb_salvage`.
 
 The on-disk format of LMDB 0.9 (64-bit, native byte order)::
 
@@ -33,7 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-from storage.base import KEY_SIZE, StoreError
+from storage.base import StoreError
 from storage.lmdb_pages import PageOwners
 
 DATA_NAME = "data.mdb"
@@ -47,8 +49,8 @@ MAX_KEY_SIZE = 511
 _MAX_PROBLEMS = 100
 _MIN_PAGE, _MAX_PAGE = 256, 0x8000
 
-_PAGE = struct.Struct("=QHHHH")  # pgno, pad, flags, lower, upper
-_HEADER = _PAGE.size
+PAGE = struct.Struct("=QHHHH")  # pgno, pad, flags, lower, upper
+_HEADER = PAGE.size
 _NODE = struct.Struct("=HHHH")  # lo, hi, flags, key size
 _META = struct.Struct("=II8xQ")  # magic, version, (address), map size
 _DB = struct.Struct("=IHH24xQQ")  # pad, flags, depth, (page counts), entries, root
@@ -82,15 +84,6 @@ class Meta(NamedTuple):
 class _Overflow(NamedTuple):
     page: int
     size: int
-
-
-class Found(NamedTuple):
-    """An entry :class:`Salvage` found. ``value`` is None when its bytes cannot be read;
-    ``scanned`` when it was found by scanning pages, so it may belong to another db."""
-
-    key: bytes
-    value: bytes | None
-    scanned: bool
 
 
 class _Node(NamedTuple):
@@ -129,7 +122,7 @@ class DataFile:
         raw = self.read(page * page_size, _META_END)
         if raw is None:
             return f"meta page {page} lies past the end of the file"
-        pgno, _, flags, _, _ = _PAGE.unpack_from(raw)
+        pgno, _, flags, _, _ = PAGE.unpack_from(raw)
         magic, version, _ = _META.unpack_from(raw, _HEADER)
         if not flags & P_META or pgno != page:
             return f"page {page} is not a meta page"
@@ -235,7 +228,7 @@ def check_structure(path: str | os.PathLike[str]) -> list[str] | None:
 
 
 def _walk_all(file: DataFile, meta: Meta) -> list[str]:
-    walk = _Walk(file, meta)
+    walk = Walk(file, meta)
     for node in walk.leaves("free", meta.free):
         value = walk.value("free", node)
         if value is None:
@@ -261,64 +254,7 @@ def _walk_all(file: DataFile, meta: Meta) -> list[str]:
     return walk.problems
 
 
-@contextlib.contextmanager
-def salvage(path: str | os.PathLike[str], db: bytes) -> Iterator[Salvage]:
-    """The entries of database ``db`` in a damaged ``<path>/data.mdb``, read defensively
-    (see :class:`Salvage`)."""
-    with DataFile.open(Path(path)) as file:
-        yield Salvage(file, db.decode("ascii"))
-
-
-class Salvage:
-    """Finds the entries of one named database that can still be read.
-
-    First the tree of the newest meta page that leads to the database; if that tree or a
-    meta page was damaged (an older meta page leads to an older tree), then every other
-    leaf page of the file, for entries with block keys (64 bytes). The scan may find
-    older copies of records and records deleted since: still valid KV for their keys.
-    ``expected`` is what the db claims to hold (``None`` if unknown); ``problems`` fills
-    as :meth:`entries` goes.
-    """
-
-    def __init__(self, file: DataFile, name: str) -> None:
-        self._file = file
-        self._name = name
-        metas, self.problems = file.metas()
-        self._walk: _Walk | None = None
-        self._db: Db | None = None
-        for meta in metas:
-            walk = _Walk(file, meta, self.problems)
-            db = walk.named_dbs(meta.main).get(name)
-            if db is not None:
-                self._walk, self._db = walk, db
-                break
-        self.expected = self._db.entries if self._db is not None else None
-        self._page_size = metas[0].page_size if metas else 4096
-
-    def entries(self) -> Iterator[Found]:
-        """Keys with their values (None when the bytes cannot be read). A scan may find a
-        key again (another db's entry, an older copy): the caller keeps the one it wants."""
-        walk = self._walk
-        if walk is not None and self._db is not None:
-            for node in walk.leaves(self._name, self._db):
-                yield Found(node.key, walk.value(self._name, node), scanned=False)
-            if not self.problems:
-                return
-        self.problems.append(f"the {self._name} db is damaged: scanning every page for entries")
-        pages = self._file.size // self._page_size
-        scan = _Walk(self._file, Meta(0, self._page_size, pages - 1, 0, _EMPTY, _EMPTY), [])
-        for pgno in range(2, pages):
-            if walk is not None and walk.owners.is_tree(pgno):
-                continue
-            page = self._file.read(pgno * self._page_size, self._page_size)
-            if page is None or _PAGE.unpack_from(page)[2] != P_LEAF:
-                continue
-            for node in scan.nodes("scan", pgno, page, leaf=True):
-                if len(node.key) == KEY_SIZE:
-                    yield Found(node.key, scan.value("scan", node), scanned=True)
-
-
-class _Walk:
+class Walk:
     """Walks B-trees from one meta page, checking every page before using it. What is
     wrong goes to ``problems`` and the bad page or node is skipped. Each page met is
     claimed in ``owners``: a tree page another owner holds is skipped (it may close a
@@ -365,7 +301,7 @@ class _Walk:
             page = self._page(name, pgno, depth)
             if page is None:
                 continue
-            if _PAGE.unpack_from(page)[2] == P_BRANCH:
+            if PAGE.unpack_from(page)[2] == P_BRANCH:
                 children = [node.data for node in self.nodes(name, pgno, page, leaf=False)]
                 stack.extend((child, depth + 1) for child in reversed(children))
             else:
@@ -373,7 +309,7 @@ class _Walk:
 
     def nodes(self, name: str, pgno: int, page: bytes, *, leaf: bool) -> Iterator[_Node]:
         """The nodes of one page whose header, key and inline data lie within it."""
-        _, _, _, lower, upper = _PAGE.unpack_from(page)
+        _, _, _, lower, upper = PAGE.unpack_from(page)
         if not _HEADER <= lower <= upper <= self.page_size or (lower - _HEADER) % 2:
             self.problem(f"{name} db: page {pgno} has bounds {lower}..{upper}")
             return
@@ -451,16 +387,13 @@ class _Walk:
         if page is None:
             self.problem(f"{name} db: page {pgno} lies past the end of the file")
             return None
-        stored, _, flags, _, _ = _PAGE.unpack_from(page)
+        stored, _, flags, _, _ = PAGE.unpack_from(page)
         if stored != pgno or flags not in ((P_OVERFLOW,) if overflow else (P_BRANCH, P_LEAF)):
             self.problem(f"{name} db: page {pgno} is not the page its link expects")
             return None
         if not overflow:
             self.owners.claim_tree(name, pgno)
         return page
-
-
-_EMPTY = Db(0, 0, 0, P_INVALID, 0)
 
 
 def _db(raw: bytes, at: int) -> Db:

@@ -3,11 +3,12 @@
 :class:`LmdbStore` is the store API and its LRU index. Its other parts live beside it:
 
 - :mod:`storage.lmdb_layout`: the directory, descriptor, writer lock and LMDB options;
-- :mod:`storage.lmdb_file`: ``data.mdb`` checked (and salvaged) without mapping it;
+- :mod:`storage.lmdb_file`: ``data.mdb`` checked without mapping it;
 - :mod:`storage.lmdb_committer`: pending operations and the writer thread;
 - :mod:`storage.lmdb_meta`: the ``meta`` db's values;
 - :mod:`storage.lmdb_recovery`: a full map, a full or failing disk;
-- :mod:`storage.lmdb_admin`: verify, quarantine, listings, compaction, repair.
+- :mod:`storage.lmdb_admin`: verify, quarantine, listings, compaction, repair;
+- :mod:`storage.lmdb_salvage`: what repair salvages from a damaged ``data.mdb``.
 
 Sub-databases: ``records`` (key → encoded :class:`~storage.record.Record`), ``meta`` (key →
 last access, size, created, priority), ``quarantine`` (key → reason and the head of a

@@ -891,11 +891,11 @@ def test_replace_damaged_moves_the_store_aside_and_starts_empty(path: Path) -> N
 
 def damage_root_page(path: Path, db: str) -> None:
     """Make the root page of ``db`` neither a branch nor a leaf page."""
-    from storage.lmdb_file import DataFile, _Walk
+    from storage.lmdb_file import DataFile, Walk
 
     with DataFile.open(path) as f:
         metas, _ = f.metas()
-        root = _Walk(f, metas[0]).named_dbs(metas[0].main)[db].root
+        root = Walk(f, metas[0]).named_dbs(metas[0].main)[db].root
         page_size = metas[0].page_size
     data = bytearray((path / "data.mdb").read_bytes())
     struct.pack_into("=H", data, root * page_size + 10, 0)  # the page's flags
@@ -986,11 +986,11 @@ def test_full_check_reads_every_page_before_mapping(path: Path) -> None:
 
 def overflow_run_of(path: Path, k: BlockKey) -> int:
     """The first page of the run of overflow pages that holds ``k``'s record."""
-    from storage.lmdb_file import DataFile, _Overflow, _Walk
+    from storage.lmdb_file import DataFile, Walk, _Overflow
 
     with DataFile.open(path) as f:
         metas, _ = f.metas()
-        walk = _Walk(f, metas[0])
+        walk = Walk(f, metas[0])
         records = walk.named_dbs(metas[0].main)["records"]
         (run,) = [n.data for n in walk.leaves("records", records) if n.key == k.to_bytes()]
     assert isinstance(run, _Overflow)
@@ -1029,11 +1029,11 @@ def test_a_damaged_overflow_page_header_is_damage(path: Path, tmp_path: Path, fi
 def pages_of(path: Path) -> tuple[dict[int, int], set[int], set[int]]:
     """A sound file's overflow runs (first page: the page count in its header), B-tree pages
     and free pages."""
-    from storage.lmdb_file import DataFile, _Overflow, _Walk
+    from storage.lmdb_file import DataFile, Walk, _Overflow
 
     with DataFile.open(path) as f:
         meta = f.committed()
-        walk = _Walk(f, meta)
+        walk = Walk(f, meta)
         nodes = [("free", node) for node in walk.leaves("free", meta.free)]
         for name, db in walk.named_dbs(meta.main).items():
             nodes += [(name, node) for node in walk.leaves(name, db)]
@@ -1140,19 +1140,19 @@ def test_repair_scans_the_pages_when_no_meta_page_is_left(path: Path, tmp_path: 
 
 def test_repair_skips_an_entry_whose_key_is_not_a_block_key(path: Path, tmp_path: Path, monkeypatch) -> None:
     """A damaged page can yield a key of any length: the entry is skipped, never a crash."""
-    from storage import lmdb_file
+    from storage import lmdb_salvage
     from storage.record import MAGIC
 
     with LmdbStore(path, 16 << 20) as store:
         for i in range(5):
             put(store, i, size=200)
-    entries = lmdb_file.Salvage.entries
+    entries = lmdb_salvage.Salvage.entries
 
     def with_a_bad_key(self):
-        yield lmdb_file.Found(b"\x01" * 40, MAGIC + bytes(100), False)
+        yield lmdb_salvage.Found(b"\x01" * 40, MAGIC + bytes(100), False)
         yield from entries(self)
 
-    monkeypatch.setattr(lmdb_file.Salvage, "entries", with_a_bad_key)
+    monkeypatch.setattr(lmdb_salvage.Salvage, "entries", with_a_bad_key)
     result = LmdbStore.repair(path, tmp_path / "fixed")
     assert (result.salvaged, result.skipped) == (5, 1)
 
