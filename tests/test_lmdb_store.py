@@ -607,7 +607,7 @@ def test_a_corrupt_record_replaced_while_it_was_checked_is_not_quarantined(
         put(store, 1)
         put(store, 2)
     corrupt_stored(path, key(2), flip)
-    module = "storage.lmdb_admin" if via == "verify" else "storage.lmdb_store"
+    module = "storage.lmdb_admin" if via == "verify" else "storage.lmdb_reader"
     check = decode_record
 
     with LmdbStore(path, 16 << 20) as store:
