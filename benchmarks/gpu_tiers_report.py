@@ -106,7 +106,9 @@ def print_report(r: dict) -> None:
     partial = [t for t in r["ttft"] if "hit" in t["case"] and t["cached_tokens"] < t["prefix"]]
     if partial:
         print(f"note: {len(partial)} hit cases served less than their prefix (cached / prefix); "
-              "the rest of their prompt was recomputed")
+              "the rest of their prompt was recomputed (a disk or remote hit on an idle "
+              "engine recomputes the head of its prefix while the rest loads, when loading "
+              "all of it would take longer: an overlapped load)")
     for note in r["notes"]:
         print(f"note: {note}")
     print("\nRestore bandwidth (KV bytes loaded / the manager's load seconds, median over the "

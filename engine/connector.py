@@ -124,6 +124,14 @@ class KVConnector(abc.ABC):
         work queued on the current stream when this is called (an event recorded here).
         """
 
+    def estimate_load_seconds(self, request_id: str, num_blocks: int) -> float | None:
+        """Expected seconds to load the first ``num_blocks`` of the blocks the last
+        :meth:`get_num_matched_blocks` matched for ``request_id``; ``None`` (the default)
+        if unknown. With an estimate, an engine that has nothing else to run recomputes
+        the head of a long hit while the rest loads (the ``start_load`` then names the
+        tail only), so that a slow tier and the GPU share the work."""
+        return None
+
     @abc.abstractmethod
     def save_blocks(self, blocks: Sequence[SavedBlock]) -> None:
         """Offered after each step: the blocks that became full and were written in it.

@@ -101,6 +101,12 @@ class LLMEngine:
             limit = min(config.max_model_len - 1, config.max_num_batched_tokens)
             kv_scales = self.model_runner.calibrate_fp8_scales(calibration[:limit])
         draft_bytes = draft_kv_spec(draft, config.block_size).bytes_per_block if draft else 0
+        # what a prefill costs sizes the head an overlapped load recomputes (engine.scheduler)
+        prefill_cost = None
+        if self.device.type == "cuda" and kv_connector is not None:
+            prefill_cost = self.model_runner.time_prefill(kv_scales)
+            logger.info("prefill step: %.2f ms + %.2f us a token",
+                        prefill_cost.fixed_s * 1e3, prefill_cost.per_token_s * 1e6)
         num_blocks = self._num_blocks(spec, kv_scales, draft_bytes)
         kv_cache = self.model_runner.init_kv_cache(num_blocks, kv_scales)
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -147,6 +153,7 @@ class LLMEngine:
             kv_window=mc.kv_window,  # every layer windowed: blocks behind it are given back
         )
         self.scheduler = Scheduler(config, self.block_manager, self._stats, kv_connector)
+        self.scheduler.prefill_cost = prefill_cost
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, config.max_model_len)
         self._ahead_held: list[int] = []  # blocks a forward launched ahead may still write
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)

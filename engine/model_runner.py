@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Sequence as Seq
 
 import numpy as np
@@ -17,6 +18,7 @@ from engine.host_staging import to_device, upload
 from engine.lookahead import Lookahead
 from engine.sampler import Sample, SampleError, Sampler, SamplingRow
 from engine.scheduler import ScheduledSequence, SchedulerOutput
+from engine.scheduler_loads import PrefillCost
 from engine.sequence import Sequence
 from engine.spec_decode.rejection import VerifyRow, verifiable, verify_step
 from engine.spec_decode.speculator import place_drafts
@@ -335,6 +337,26 @@ class ModelRunner:
         cache = self._forward_on_fresh_cache([[0] * n for n in lengths], self.spec, kv_scales)
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device) - cache.numel() * cache.element_size()
+
+    @torch.inference_mode()
+    def time_prefill(self, kv_scales: list[KVScales] | None) -> PrefillCost:
+        """What a prefill step costs on CUDA, fixed seconds plus seconds per token, from one
+        prompt of ``max_num_batched_tokens`` and one of a sixteenth of that (each the second
+        of two runs: the first compiles its kernels)."""
+        big = min(self.config.max_num_batched_tokens, self.config.max_model_len - 1)
+        small = max(1, big // 16)
+        seconds = {}
+        for length in (small, big):
+            for _ in range(2):
+                torch.cuda.synchronize(self.device)
+                start = time.perf_counter()
+                self._forward_on_fresh_cache([[0] * length], self.spec, kv_scales)
+                torch.cuda.synchronize(self.device)
+                seconds[length] = time.perf_counter() - start
+        if big == small:
+            return PrefillCost(0.0, seconds[big] / big)
+        per_token = max(seconds[big] - seconds[small], 0.0) / (big - small)
+        return PrefillCost(max(seconds[small] - per_token * small, 0.0), per_token)
 
     @torch.inference_mode()
     def calibrate_fp8_scales(self, token_ids: list[int]) -> list[KVScales]:

@@ -18,11 +18,9 @@ Each step the scheduler hands out up to ``max_num_batched_tokens`` tokens:
    the rest — at least its last token, whose logits it needs. Without chunked prefill its
    whole remainder must fit the budget.
 
-A load ends when the connector's ``poll`` reports it (:meth:`Scheduler.apply_transfers`):
-the blocks it filled count as computed and enter the prefix cache, and the sequence joins
-the running ones; blocks that did not load are recomputed (in chunks if the budget says so,
-even without chunked prefill). Loading sequences count toward ``max_num_seqs``, so a
-finished load always finds a running slot. ::
+Loads (:mod:`engine.scheduler_loads`) end when the connector's ``poll`` reports them; a
+long hit on an idle engine may be split, its head recomputed while its tail loads. A
+sequence whose tail loads is never preempted. ::
 
     waiting --admit---------------------------> running --finish / abort--> finished
       |  ^                                       |   ^
@@ -43,26 +41,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.connector import FinishedTransfers, KVConnector, SavedBlock
+from engine.connector import KVConnector, SavedBlock
 from engine.request_queue import make_waiting_queue, priority_key
+from engine.scheduler_loads import Load, Loads, PrefillCost, left_queue
 from engine.sequence import Sequence, SequenceStatus
 from engine.stats import StatsCollector
 
 logger = logging.getLogger(__name__)
-
-
-class _Load(NamedTuple):
-    """A load in flight: ``seq``'s blocks ``first .. first + num_blocks - 1``."""
-
-    seq: Sequence
-    first: int
-    num_blocks: int
 
 
 class ScheduledSequence(NamedTuple):
@@ -87,7 +77,7 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-class Scheduler:
+class Scheduler(Loads):
     """Decides what runs in each step. Single-threaded: the engine thread owns it."""
 
     def __init__(
@@ -106,8 +96,12 @@ class Scheduler:
         self.connector = connector
         self.waiting = make_waiting_queue(config.scheduling_policy)
         self.running: list[Sequence] = []
-        self.loading: dict[str, _Load] = {}  # request id -> its load in flight
-        self._aborted_loads: dict[str, _Load] = {}  # of finished requests, still in flight
+        self.loading: dict[str, Load] = {}  # request id -> its load in flight
+        self.tail_loads: dict[str, Load] = {}  # of running sequences recomputing their head
+        # measured by the engine (on CUDA, with a connector); with the connector's estimate
+        # it sizes the head an overlapped load recomputes (engine.scheduler_loads)
+        self.prefill_cost: PrefillCost | None = None
+        self._aborted_loads: dict[str, Load] = {}  # of finished requests, still in flight
         self._lookups_pending = False  # the last schedule left requests the connector looks up
         self._requests: dict[str, Sequence] = {}
         self._hashing = config.enable_prefix_caching or connector is not None
@@ -123,6 +117,7 @@ class Scheduler:
         """Loads not yet reported (also of aborted requests) or blocks held for saves."""
         return bool(
             self.loading
+            or self.tail_loads
             or self._aborted_loads
             or self.block_manager.num_held_blocks
             or self._lookups_pending
@@ -189,6 +184,11 @@ class Scheduler:
                 seq.keep_drafts(budget - 1)
                 num_drafts = len(seq.spec_token_ids)
             num_new = min(len(seq.token_ids) - computed, budget) + num_drafts
+            if seq.compute_limit is not None:  # the rest of its hit is loading
+                num_new = min(num_new, seq.compute_limit - computed)
+                if num_new <= 0:  # its head is done: it waits for the load
+                    i += 1
+                    continue
             allocated = allocate(seq, computed + num_new)
             if not allocated and num_drafts:  # no blocks for the drafts: one token
                 seq.keep_drafts(0)
@@ -204,6 +204,9 @@ class Scheduler:
                 i += 1
             else:
                 victim = self._pick_victim()
+                if victim is None:  # only sequences whose tail loads: it waits for blocks
+                    i += 1
+                    continue
                 index = running.index(victim)
                 del running[index]
                 if index < i:  # scheduled earlier in this step: take it back
@@ -232,11 +235,19 @@ class Scheduler:
                 looking.append(self.waiting.pop_first())
                 continue
             if num_external:
-                if not self._start_load(seq, gpu_hit, num_external):
+                head = self._head_to_recompute(seq, num_external)
+                if not self._start_load(seq, gpu_hit, num_external, head):
                     waits_for_held = self.block_manager.num_held_only_blocks > 0
                     break
                 if seq.status is SequenceStatus.LOADING:
                     self.waiting.pop_first()
+                    continue
+                if seq.compute_limit is not None:  # recomputes its head while the rest loads
+                    self.waiting.pop_first()
+                    self.running.append(seq)
+                    num_new = min(seq.compute_limit - seq.num_computed_tokens, budget)
+                    scheduled.append(ScheduledSequence(seq, num_new))
+                    budget -= num_new
                     continue
             remaining = seq.num_tokens - len(gpu_hit) * self.block_size
             if not self.config.enable_chunked_prefill and remaining > budget:
@@ -264,12 +275,15 @@ class Scheduler:
         tokens: none is registered or offered. A sequence that stopped before the end of its
         accepted tokens counts only the tokens it kept."""
         saved: list[SavedBlock] = []
+        heads_done: list[Sequence] = []  # recomputed their head while the rest loads
         bs, hashing = self.block_size, self._hashing
         for k, (seq, num_new) in enumerate(output.scheduled):
             start = seq.num_computed_tokens
             rejected = num_rejected[k] if num_rejected else 0
             computed = min(start + num_new - rejected, len(seq.token_ids))
             seq.num_computed_tokens = computed
+            if computed == seq.compute_limit:
+                heads_done.append(seq)
             done = min(computed, seq.num_prompt_tokens)
             if done > seq.prompt_tokens_counted:  # each prompt token once a request
                 self.stats.num_prompt_tokens += done - max(start, seq.prompt_tokens_counted)
@@ -288,27 +302,18 @@ class Scheduler:
             except Exception:
                 logger.exception("KV connector could not start saving %d blocks", len(saved))
                 self.block_manager.release(block_ids)
-
-    def apply_transfers(self, finished: FinishedTransfers) -> None:
-        """Take in what :meth:`KVConnector.poll` reported: release the saved blocks; a loaded
-        sequence has its loaded blocks computed and cached, and joins the running ones.
-        Raises ``ValueError`` for a report that breaks the connector's contract."""
-        if finished.saved:
-            self.block_manager.release(finished.saved)
-        for request_id, num_loaded in finished.loaded.items():
-            if request_id in self.loading:
-                self._end_load(self.loading.pop(request_id), num_loaded, aborted=False)
-            elif request_id in self._aborted_loads:
-                self._end_load(self._aborted_loads.pop(request_id), num_loaded, aborted=True)
-            else:
-                raise ValueError(f"the KV connector reported a load {request_id!r} never started")
+        for seq in heads_done:
+            self._join_tail(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End ``seq`` (running, waiting or loading) with ``reason`` and release its blocks
         (a loading one's once its load is reported: the connector may still write them)."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-            self.block_manager.free(seq)
+            if seq.request_id in self.tail_loads:  # freed once the load is reported
+                self._aborted_loads[seq.request_id] = self.tail_loads.pop(seq.request_id)
+            else:
+                self.block_manager.free(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
             self.block_manager.free(seq)
@@ -323,22 +328,6 @@ class Scheduler:
         if self.connector is not None:
             self.connector.request_finished(seq.request_id)
 
-    def _num_external(self, seq: Sequence, num_hit_blocks: int, max_hit_blocks: int) -> int | None:
-        """How many blocks after the GPU hit to load through the connector; None while the
-        connector is still looking."""
-        if (
-            self.connector is None
-            or num_hit_blocks >= max_hit_blocks
-            or seq.request_id in self._aborted_loads  # its id would name two loads at once
-        ):
-            return 0
-        matched = self.connector.get_num_matched_blocks(
-            seq.request_id, seq.hashes_of_full_blocks(), num_hit_blocks
-        )
-        if matched is None:
-            return None
-        return max(0, min(matched, max_hit_blocks - num_hit_blocks))
-
     def _admit(self, seq: Sequence, gpu_hit: list[int], num_new: int) -> int | None:
         """Give a waiting ``seq`` its cached prefix and the blocks for ``num_new`` tokens
         after it; ``num_new``, or None if the pool is short."""
@@ -346,40 +335,12 @@ class Scheduler:
         if not self.block_manager.allocate(seq, num_hit_tokens + num_new, prefix=gpu_hit):
             return None
         seq.status = SequenceStatus.RUNNING
-        _left_queue(seq)
+        left_queue(seq)
         seq.num_computed_tokens = num_hit_tokens
         self._count_queries(seq, num_hit_tokens)
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = min(num_hit_tokens, seq.num_prompt_tokens)
         return num_new
-
-    def _start_load(self, seq: Sequence, gpu_hit: list[int], num_external: int) -> bool:
-        """Give ``seq`` blocks for its GPU hit and the ``num_external`` blocks after it and
-        start loading those: ``seq`` is LOADING. False (and no change) if the pool is short.
-        If the connector fails to start the load, ``seq`` is left WAITING without blocks."""
-        first = len(gpu_hit)
-        if not self.block_manager.allocate(
-            seq, (first + num_external) * self.block_size, prefix=gpu_hit
-        ):
-            return False
-        try:
-            self.connector.start_load(
-                seq.request_id,
-                seq.hashes_of_full_blocks()[first : first + num_external],
-                seq.block_table[first : first + num_external],
-                seq.cache_salt,
-            )
-        except Exception:
-            logger.exception("KV connector failed to start a load for %s", seq.request_id)
-            self.stats.connector_load_failures += 1
-            self.block_manager.free(seq)
-            return True
-        seq.status = SequenceStatus.LOADING
-        _left_queue(seq)
-        seq.num_computed_tokens = first * self.block_size
-        self._count_queries(seq, seq.num_computed_tokens)
-        self.loading[seq.request_id] = _Load(seq, first, num_external)
-        return True
 
     def _count_queries(self, seq: Sequence, num_hit_tokens: int) -> None:
         """``seq`` left the queue with ``num_hit_tokens`` found in the GPU prefix cache. As in
@@ -391,33 +352,16 @@ class Scheduler:
         if self.connector is not None:
             self.stats.connector_queries += seq.num_tokens
 
-    def _end_load(self, load: _Load, num_loaded: int, aborted: bool) -> None:
-        """The first ``num_loaded`` blocks of ``load`` are in place: cache them, and run the
-        sequence (or, for an aborted one, free its blocks)."""
-        seq, first, num_blocks = load
-        if not 0 <= num_loaded <= num_blocks:
-            raise ValueError(
-                f"the KV connector reported {num_loaded} blocks loaded for {seq.request_id!r}, "
-                f"which asked for {num_blocks}"
-            )
-        self.block_manager.cache_blocks(seq, first, first + num_loaded)
-        if aborted:
-            self.block_manager.free(seq)
-            return
-        if not seq.num_preemptions:
-            self.stats.connector_hits += num_loaded * self.block_size
-        if num_loaded < num_blocks:
-            self.stats.connector_load_failures += 1
-        seq.status = SequenceStatus.RUNNING
-        seq.num_computed_tokens = (first + num_loaded) * self.block_size
-        if seq.num_cached_tokens is None:
-            seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
-        self.running.append(seq)
-
-    def _pick_victim(self) -> Sequence:
+    def _pick_victim(self) -> Sequence | None:
+        """The running sequence to preempt; never one whose tail loads into its blocks."""
+        running = self.running
+        if self.tail_loads:
+            running = [s for s in running if s.request_id not in self.tail_loads]
+            if not running:
+                return None
         if self.config.scheduling_policy == "priority":
-            return max(reversed(self.running), key=priority_key)  # ties: the newest
-        return self.running[-1]
+            return max(reversed(running), key=priority_key)  # ties: the newest
+        return running[-1]
 
     @staticmethod
     def _unschedule(scheduled: list[ScheduledSequence], seq: Sequence) -> int:
@@ -447,12 +391,6 @@ class Scheduler:
             is_prompt=(index + 1) * self.block_size <= seq.num_prompt_tokens,
             cache_salt=seq.cache_salt,
         )
-
-
-def _left_queue(seq: Sequence) -> None:
-    """Stamp the first time ``seq`` leaves the waiting queue (a preempted one keeps it)."""
-    if seq.scheduled_time is None:
-        seq.scheduled_time = time.perf_counter()
 
 
 def _max_hit_blocks(seq: Sequence, block_size: int) -> int:

@@ -73,6 +73,10 @@ class Sequence:
         # the block manager's last prefix-cache hit for it: (block ids, their versions then)
         self.prefix_hit: tuple[np.ndarray, np.ndarray] | None = None
         self.num_computed_tokens = 0
+        # while the rest of a hit loads, the head is recomputed up to this position; then
+        # computing resumes at ``tail_end`` (the end of what loaded), once that is reported
+        self.compute_limit: int | None = None
+        self.tail_end: int | None = None
         self.num_cached_tokens: int | None = None  # set when first scheduled
         self.num_preemptions = 0
         # prompt tokens before this position were computed, cached or loaded once already:

@@ -94,6 +94,7 @@ class MemoryConnector(KVConnector):
     lookup answers ``None`` (still looking) before it answers. ``load_limit`` caps how many blocks a load fills (the
     rest keep the garbage); ``fail_loads`` fills none. ``defer_saves``: a save waits (as for
     room below) until :meth:`release_held` gives it up, unstored (``released``).
+    ``load_seconds_per_block``: what :meth:`estimate_load_seconds` answers, per block.
     """
 
     def __init__(
@@ -106,6 +107,7 @@ class MemoryConnector(KVConnector):
         save_delay_polls: int = 0,
         lookup_delay_steps: int = 0,
         defer_saves: bool = False,
+        load_seconds_per_block: float | None = None,
     ) -> None:
         self.store: dict[tuple[bytes, bytes], tuple[SavedBlock, torch.Tensor]] = (
             {} if store is None else store
@@ -117,6 +119,7 @@ class MemoryConnector(KVConnector):
         self.lookups_asked: dict[str, int] = {}
         self.save_delay_polls = save_delay_polls
         self.defer_saves = defer_saves
+        self.load_seconds_per_block = load_seconds_per_block
         self._deferred: list[SavedBlock] = []
         self.released: list[int] = []  # block ids of deferred saves given up
         self.kv_cache: torch.Tensor | None = None
@@ -152,6 +155,10 @@ class MemoryConnector(KVConnector):
             count += 1
         self.queries.append((request_id, len(block_hashes), num_computed_blocks))
         return count
+
+    def estimate_load_seconds(self, request_id, num_blocks) -> float | None:
+        per_block = self.load_seconds_per_block
+        return None if per_block is None else per_block * num_blocks
 
     def start_load(self, request_id, block_hashes, block_ids, cache_salt=None) -> None:
         load = (request_id, list(block_hashes), list(block_ids))

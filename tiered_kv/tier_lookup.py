@@ -191,6 +191,11 @@ class TierLookup:
             return None
         return lookup.wanted(self._namespace, block_hashes, block_ids, priority)
 
+    def matched_tiers(self, request_id: str) -> tuple[str, ...]:
+        """The tier of each block the request's last lookup matched, in order."""
+        lookup = self._lookups.get(request_id)
+        return () if lookup is None else lookup.tiers
+
     def forget(self, request_id: str) -> None:
         """The request finished: drop what its lookups found."""
         self._lookups.pop(request_id, None)

@@ -59,6 +59,7 @@ from tiered_kv.block_loader import BlockLoader, LoadResult
 from tiered_kv.block_mover import BlockMover
 from tiered_kv.block_saver import BlockSaver
 from tiered_kv.config import TierConfig, remote_seal_key
+from tiered_kv.load_clock import LoadClock
 from tiered_kv.metrics import QueueStats, TierMetrics
 from tiered_kv.pool_writer import PoolWriter
 from tiered_kv.tier_lookup import TierLookup
@@ -123,6 +124,7 @@ class TierManager(KVConnector):
         self._block_shape: tuple[int, ...] = ()  # [L, 2, T, H, D]
         self._block_nbytes = 0
         self._lookup: TierLookup | None = None  # set by register_kv_cache, as the saver
+        self._load_clock: LoadClock | None = None
         self._saver: BlockSaver | None = None
         self._dropped_at_flush = 0  # blocks the tiers had dropped at the last flush
         self._loads_in_flight: set[concurrent.futures.Future[LoadResult]] = set()
@@ -244,6 +246,7 @@ class TierManager(KVConnector):
         self._block_size = block_size
         self._block_shape = (num_layers, 2, block_size, heads, head_dim)
         self._block_nbytes = kv_cache[0].numel() * kv_cache.element_size()
+        self._load_clock = LoadClock(self._block_nbytes)
         self._namespace = self.storage_namespace(namespace, config.codec)
         # A slot holds a block in the codec's tensor stage (a KIVI payload is smaller).
         slot_nbytes = self._codec.stage.payload_size(kv_cache.dtype, self._block_shape)
@@ -319,6 +322,12 @@ class TierManager(KVConnector):
             return 0
         return self._lookup.num_matched(request_id, block_hashes, num_computed_blocks)
 
+    def estimate_load_seconds(self, request_id: str, num_blocks: int) -> float | None:
+        if self._lookup is None or self._closed:
+            return None
+        tiers = self._lookup.matched_tiers(request_id)[:num_blocks]
+        return self._load_clock.estimate(tiers) if len(tiers) == num_blocks else None
+
     def start_load(
         self,
         request_id: str,
@@ -388,6 +397,10 @@ class TierManager(KVConnector):
                     tier = self._first_lower_tier()
                 self.metrics.observe_load(
                     tier, result.seconds, blocks, self._block_size, blocks * self._block_nbytes
+                )
+            if result.by_tier:
+                self._load_clock.observe(
+                    max(result.by_tier, key=result.by_tier.get), result.seconds, result.loaded
                 )
         finally:  # the request must not wait forever
             self._report(loaded={result.request_id: result.loaded})
