@@ -8,6 +8,7 @@ from typing import NamedTuple
 from bench_common import SHAPES
 
 STAGED_CPU_HIT = "CPU-pool hit, staged DMA"
+WHOLE_DISK_HIT = "disk hit, whole load"  # on CUDA: the same hit, no head recomputed
 
 
 class Verdict(NamedTuple):
@@ -22,6 +23,7 @@ def restore_rows(r: dict) -> list[dict]:
     out = []
     for t in r["ttft"]:
         tier = {"CPU-pool hit": "cpu", STAGED_CPU_HIT: "cpu", "disk hit": "disk",
+                WHOLE_DISK_HIT: "disk",
                 "remote hit": "remote"}.get(t["case"])
         if tier is None:
             continue
@@ -68,7 +70,9 @@ def verdicts(r: dict) -> list[Verdict]:
         check(f"{shape}@{judged}: CPU restore / {ref}", cpu and cpu["ratio"], f">= {goal:.2f}",
               lambda v, g=goal: v >= g)
         if cuda:
-            disk = find(restore, shape=shape, prefix=judged, tier="disk", codec="raw")
+            # a whole load's rate where there is one: an overlapped hit loads only its tail
+            disk = (find(restore, shape=shape, prefix=judged, case=WHOLE_DISK_HIT, codec="raw")
+                    or find(restore, shape=shape, prefix=judged, tier="disk", codec="raw"))
             check(f"{shape}@{judged}: disk restore / pread", disk and disk["ratio"], ">= 0.50",
                   lambda v: v >= 0.50)
     if cuda:
@@ -119,7 +123,8 @@ def print_report(r: dict) -> None:
     for x in restore_rows(r):
         kib = SHAPES[x["shape"]].block_nbytes >> 10
         ratio = "" if x["ratio"] is None else f"{x['ratio']:.2f}"
-        tier = x["tier"] + (" (staged DMA)" if x["case"] == STAGED_CPU_HIT else "")
+        tier = x["tier"] + {STAGED_CPU_HIT: " (staged DMA)", WHOLE_DISK_HIT: " (whole load)"}.get(
+            x["case"], "")
         print(f"| {x['shape']} | {kib} | {x['prefix']} | {tier} | {x['codec'] or ''} | "
               f"{gbs(x['restore_Bps'])} | {x['reference'] or ''} | {gbs(x['reference_Bps'])} "
               f"| {ratio} | {per_copy(x['blocks_per_copy'])} |")
