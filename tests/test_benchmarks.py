@@ -110,3 +110,12 @@ def test_the_gpu_session_script_passes_only_flags_its_benchmarks_take():
         ).stdout
         for flag in re.findall(r"(?<!\S)--[a-z][a-z-]*", args):
             assert flag in shown, (name, flag)
+
+
+def test_overlapped_load_serves_each_hit_whole_or_split(tmp_path):
+    got = run("overlapped_load.py", "--quick", "--slowdowns", "3", out=tmp_path / "overlap.json")
+    (row,) = got["rows"]
+    assert got["prefill_per_token_s"] > 0
+    assert row["whole_cached_tokens"] == got["prefix_tokens"]  # loaded whole
+    assert 0 < row["overlapped_cached_tokens"] < got["prefix_tokens"]  # its head recomputed
+    assert row["whole_s"] > 0 and row["overlapped_s"] > 0 and row["recompute_s"] > 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 PRIOR_BYTES_PER_S = {"cpu": 20e9, "disk": 2e9, "remote": 1e9}
-WEIGHT = 0.25  # of the newest load in the average
+WEIGHT = 0.5  # of the newest load in the average: loads are large, priors are guesses
 
 
 class LoadClock:
