@@ -153,20 +153,11 @@ class Loads:
     def _end_load(self, load: Load, num_loaded: int, aborted: bool) -> None:
         """The first ``num_loaded`` blocks of ``load`` are in place: cache them, and run the
         sequence (or, for an aborted one, free its blocks)."""
-        seq, first, num_blocks = load
-        if not 0 <= num_loaded <= num_blocks:
-            raise ValueError(
-                f"the KV connector reported {num_loaded} blocks loaded for {seq.request_id!r}, "
-                f"which asked for {num_blocks}"
-            )
-        self.block_manager.cache_blocks(seq, first, first + num_loaded)
+        seq, first, _ = load
+        self._cache_loaded(load, num_loaded, count=not aborted)
         if aborted:
             self.block_manager.free(seq)
             return
-        if not seq.num_preemptions:
-            self.stats.connector_hits += num_loaded * self.block_size
-        if num_loaded < num_blocks:
-            self.stats.connector_load_failures += 1
         seq.status = SequenceStatus.RUNNING
         seq.num_computed_tokens = (first + num_loaded) * self.block_size
         if seq.num_cached_tokens is None:
@@ -176,6 +167,19 @@ class Loads:
     def _end_tail_load(self, load: Load, num_loaded: int) -> None:
         """A running sequence's tail load is reported: cache what it filled, and resume
         past it once the head is recomputed (now, or in :meth:`complete_step`)."""
+        seq, first, _ = load
+        self._cache_loaded(load, num_loaded, count=True)
+        seq.tail_end = (first + num_loaded) * self.block_size
+        seq.num_cached_tokens = min(
+            (seq.num_cached_tokens or 0) + num_loaded * self.block_size, seq.num_prompt_tokens
+        )
+        if seq.num_computed_tokens == seq.compute_limit:
+            self._join_tail(seq)
+
+    def _cache_loaded(self, load: Load, num_loaded: int, *, count: bool) -> None:
+        """Check a reported count against ``load`` and enter the blocks it filled in the
+        prefix cache; ``count``: in the stats too (a preempted request's return, which
+        finds its own blocks, counts no hits)."""
         seq, first, num_blocks = load
         if not 0 <= num_loaded <= num_blocks:
             raise ValueError(
@@ -183,15 +187,12 @@ class Loads:
                 f"which asked for {num_blocks}"
             )
         self.block_manager.cache_blocks(seq, first, first + num_loaded)
-        self.stats.connector_hits += num_loaded * self.block_size
+        if not count:
+            return
+        if not seq.num_preemptions:
+            self.stats.connector_hits += num_loaded * self.block_size
         if num_loaded < num_blocks:
             self.stats.connector_load_failures += 1
-        seq.tail_end = (first + num_loaded) * self.block_size
-        seq.num_cached_tokens = min(
-            (seq.num_cached_tokens or 0) + num_loaded * self.block_size, seq.num_prompt_tokens
-        )
-        if seq.num_computed_tokens == seq.compute_limit:
-            self._join_tail(seq)
 
     @staticmethod
     def _join_tail(seq: Sequence) -> None:
