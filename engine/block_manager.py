@@ -211,8 +211,12 @@ class BlockManager:
         first = max(0, seq.num_computed_tokens - self.kv_window + 1)
         table = seq.block_table
         i = min(first // self.block_size, len(table)) - 1
+        if i < 0 or table[i] == NULL_BLOCK:  # earlier ones went in earlier calls
+            return 0
+        # a new list: a table list only ever grows in place (engine.decode_inputs mirrors it)
+        seq.block_table = table = list(table)
         freed = 0
-        while i >= 0 and table[i] != NULL_BLOCK:  # earlier ones went in earlier calls
+        while i >= 0 and table[i] != NULL_BLOCK:
             self._unref(table[i])
             table[i] = NULL_BLOCK
             freed += 1

@@ -73,19 +73,19 @@ class DecodeGraphs:
         device = kv_cache.device
         b, width = self.buckets[-1], -(-max_model_len // block_size)
         pin = device.type == "cuda"
-        # Device buffers every graph reads; rows past a step's batch hold padding.
-        self.input_ids = torch.zeros(b, dtype=torch.int64, device=device)  # [B]
-        self.positions = torch.zeros(b, dtype=torch.int64, device=device)  # [B]
+        # Device buffers every graph reads; rows past a step's batch hold padding. The int64
+        # ones are the rows of one [3, B] buffer (ids, positions, slots): one copy a step.
+        self._device_rows = torch.zeros(3, b, dtype=torch.int64, device=device)  # [3, B]
+        self._device_rows[2] = scratch_block * block_size
+        self.input_ids, self.positions, self.slot_mapping = self._device_rows  # [B] each
         self.seq_lens = torch.ones(b, dtype=torch.int32, device=device)  # [B]
-        self.slot_mapping = torch.full(  # [B]
-            (b,), scratch_block * block_size, dtype=torch.int64, device=device
-        )
         self.block_tables = torch.full(  # [B, max_blocks]
             (b, width), scratch_block, dtype=torch.int32, device=device
         )
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)  # [B+1]
-        # Host staging of one step's rows: [4, B] (ids, positions, seq_lens, slots).
-        self._host_rows = torch.zeros(4, b, dtype=torch.int64, pin_memory=pin)
+        # Host staging of one step's rows, in the device buffers' layouts.
+        self._host_rows = torch.zeros(3, b, dtype=torch.int64, pin_memory=pin)  # [3, B]
+        self._host_seq_lens = torch.ones(b, dtype=torch.int32, pin_memory=pin)  # [B]
         self._host_tables = torch.zeros(b, width, dtype=torch.int32, pin_memory=pin)
         # Recorded after a step's copies out of the staging rows: the next step rewrites them
         # only once those copies ran (a caller need not sync between two runs).
@@ -146,21 +146,19 @@ class DecodeGraphs:
             raise ValueError(f"block tables of {width} blocks exceed max_model_len")
         if self._rows_copied is not None:
             self._rows_copied.synchronize()  # host sync: the last step's copies have read the rows
-        rows = self._host_rows[:, :b].numpy()
-        rows[0, :n], rows[1, :n], rows[2, :n], rows[3, :n] = input_ids, positions, positions + 1, slots
-        rows[0, n:], rows[1, n:], rows[2, n:] = 0, 0, 1
-        rows[3, n:] = self.scratch_block * self.block_size
+        rows, seq_lens = self._host_rows.numpy(), self._host_seq_lens.numpy()
+        rows[0, :n], rows[1, :n], rows[2, :n], seq_lens[:n] = input_ids, positions, slots, positions + 1
+        rows[0, n:b], rows[1, n:b], seq_lens[n:b] = 0, 0, 1
+        rows[2, n:b] = self.scratch_block * self.block_size
         # [b, width] packed at the front of the pinned buffer: a contiguous source, so the
         # copy below is one asynchronous DMA (a strided one goes through pageable memory)
         packed = self._host_tables.view(-1)[: b * width].view(b, width)
         host_tables = packed.numpy()
         host_tables[:n] = tables
         host_tables[n:] = self.scratch_block
-        staged = self._host_rows[:, :b]
-        self.input_ids[:b].copy_(staged[0], non_blocking=True)
-        self.positions[:b].copy_(staged[1], non_blocking=True)
-        self.seq_lens[:b].copy_(staged[2], non_blocking=True)
-        self.slot_mapping[:b].copy_(staged[3], non_blocking=True)
+        # all B columns of the rows: a contiguous source (the rows past b are read by no graph)
+        self._device_rows.copy_(self._host_rows, non_blocking=True)
+        self.seq_lens[:b].copy_(self._host_seq_lens[:b], non_blocking=True)
         self.block_tables[:b, :width].copy_(packed, non_blocking=True)
         if device_ids is not None:
             self.input_ids[:n].copy_(device_ids, non_blocking=True)
@@ -172,7 +170,7 @@ class DecodeGraphs:
             return self._outputs[b][:n]
         # No graph: the same buffers, run eagerly with the real host lengths (the torch
         # attention path plans from them).
-        meta = self._meta(b, rows[2].tolist())
+        meta = self._meta(b, seq_lens[:b].tolist())
         out = self.forward(self.input_ids[:b], self.positions[:b], self.kv_cache, meta)
         return out[:n]
 

@@ -31,7 +31,7 @@ from engine.kv_cache import (
     num_blocks_for_budget,
 )
 from engine.kv_events import KVEventLog, ZmqEventPublisher
-from engine.lookahead import NOTHING, reserve
+from engine.lookahead import NOTHING, held_by_both, reserve
 from engine.model_runner import ModelRunner, StepResult
 from engine.models import LoadedModel, load_model
 from engine.output_processor import OutputProcessor
@@ -294,12 +294,13 @@ class LLMEngine:
         results = self._run(plan)
         self._stats.observe_iteration(plan.num_batched_tokens)
         now = time.perf_counter()
-        num_rejected = [0] * len(plan.scheduled)
+        num_rejected = [  # the drafts each sequence had rejected; none without a speculator
+            self.speculator.verified(seq, result) if len(seq.spec_token_ids) else 0
+            for (seq, _), result in zip(plan.scheduled, results)
+        ] if self.speculator is not None else []
         done: list[tuple[Sequence, str | None, Exception | None]] = []  # (seq, reason, error)
         append, final_only = self._append, RequestOutputKind.FINAL_ONLY  # per request below
-        for k, ((seq, _), result) in enumerate(zip(plan.scheduled, results)):
-            if len(seq.spec_token_ids):
-                num_rejected[k] = self.speculator.verified(seq, result)
+        for (seq, _), result in zip(plan.scheduled, results):
             if result is None:
                 continue
             if isinstance(result, SampleError):
@@ -340,15 +341,19 @@ class LLMEngine:
         reserved = NOTHING
         if self.config.async_scheduling:
             reserved = reserve(plan, self.scheduler, self.block_manager, self.config)
-        previous, self._ahead_held = self._ahead_held, reserved.held
+        previous = self._ahead_held
+        both = held_by_both(previous, reserved.held)  # held already: they stay held
+        added = [b for b in reserved.held if b not in both] if both else reserved.held
+        self.block_manager.hold(added)
+        self._ahead_held = reserved.held
         try:
             results = self.model_runner.run(plan, reserved.seqs)
         except BaseException:
-            self._ahead_held = previous + reserved.held
+            self._ahead_held = previous + added
             self._end_lookahead(sync=True)
             raise
         # run() waited for the forward launched in the step before: its blocks can go
-        self.block_manager.release(previous)
+        self.block_manager.release([b for b in previous if b not in both] if both else previous)
         if self.model_runner.lookahead is None and reserved.held:  # not launched after all
             self.block_manager.release(reserved.held)
             self._ahead_held = []

@@ -30,7 +30,9 @@ A launched forward writes the KV of one position per sequence in a block the eng
 reserved for it (:func:`reserve`). The engine holds those blocks until that forward is
 known to have run: a sequence that stops meanwhile gives its blocks back, and a block
 given back could otherwise be handed to a connector load, whose copies run on another
-stream, while the forward may still write into it.
+stream, while the forward may still write into it. A sequence writes the same block for
+``block_size`` steps: a block that the forward in flight and the next one both write is
+held once for both (:func:`held_by_both`), not released and held again at every step.
 """
 from __future__ import annotations
 
@@ -56,6 +58,18 @@ class Lookahead(NamedTuple):
 
     def rows_for(self, items: Seq[ScheduledSequence]) -> list[int] | None:
         """The rows of the step's sequences, or None when the step is not what was launched."""
+        seqs = [seq for seq, _ in items]
+        if seqs == self.seqs:  # the usual step: every launched sequence in its order
+            # (a Sequence compares by identity), checked a list at a time
+            positions = self.positions
+            if (
+                [n for _, n in items].count(1) == len(items)
+                and [seq.num_computed_tokens for seq in seqs] == positions
+                and [len(seq.token_ids) - 1 for seq in seqs] == positions
+                and not any([len(seq.spec_token_ids) for seq in seqs])
+            ):
+                return list(range(len(seqs)))
+            return None
         rows = []
         row_of, positions = self.rows.get, self.positions
         for seq, num_new in items:
@@ -76,7 +90,7 @@ class Lookahead(NamedTuple):
 
 class Reserved(NamedTuple):
     seqs: list[Sequence]  # to launch ahead, in the step's order
-    held: list[int]  # the blocks their launched forward writes, held by the engine
+    held: list[int]  # the blocks their launched forward writes, for the engine to hold
 
 
 NOTHING = Reserved([], [])
@@ -86,7 +100,7 @@ def reserve(
     plan: SchedulerOutput, scheduler: Scheduler, block_manager: BlockManager, config: EngineConfig
 ) -> Reserved:
     """The sequences of a decode step to launch a step ahead, each with a block for the
-    position it computes then, and those blocks held; :data:`NOTHING` when the step is not
+    position it computes then (for the engine to hold); :data:`NOTHING` when the step is not
     a plain decode step, or the next step would not be one (a waiting request could join:
     one that waits for blocks does not stop the launch).
 
@@ -94,30 +108,37 @@ def reserve(
     stop ends is launched, and its row is wasted."""
     if plan.preempted or not plan.scheduled:
         return NOTHING
-    seqs = []
+    seqs, positions = [], []
     max_model_len = config.max_model_len
     for seq, num_new in plan.scheduled:  # one pass: a plain decode step, and who goes on
         num_tokens = len(seq.token_ids)
         if num_new != 1 or len(seq.spec_token_ids) or seq.num_computed_tokens + 1 != num_tokens:
             return NOTHING
-        if _continues(seq, num_tokens, max_model_len):
+        # left out: one that the token it samples now ends by length
+        max_tokens = seq.params.max_tokens
+        if num_tokens + 1 < max_model_len and (
+            max_tokens is None or num_tokens - seq.num_prompt_tokens + 1 < max_tokens
+        ):
             seqs.append(seq)
-    allocate = block_manager.allocate
-    for seq in seqs:  # what the next step's schedule would allocate, a step early
-        if not allocate(seq, len(seq.token_ids) + 1):
+            positions.append(num_tokens)
+    # what the next step's schedule would allocate, a step early; no call while the last
+    # block has room (without a window, which allocate applies at every call)
+    allocate, bs = block_manager.allocate, config.block_size
+    windowed = block_manager.kv_window is not None
+    held = []
+    for seq, position in zip(seqs, positions):
+        if (windowed or position >= len(seq.block_table) * bs) and not allocate(seq, position + 1):
             return NOTHING
+        held.append(seq.block_table[position // bs])
     if scheduler.may_admit():
         return NOTHING
-    bs = config.block_size
-    held = [seq.block_table[len(seq.token_ids) // bs] for seq in seqs]
-    block_manager.hold(held)
     return Reserved(seqs, held)
 
 
-def _continues(seq: Sequence, num_tokens: int, max_model_len: int) -> bool:
-    """Whether ``seq`` (``num_tokens`` long) outlives the token it samples now, as far as its
-    length tells."""
-    max_tokens = seq.params.max_tokens
-    if max_tokens is not None and num_tokens - seq.num_prompt_tokens + 1 >= max_tokens:
-        return False
-    return num_tokens + 1 < max_model_len
+def held_by_both(in_flight: Seq[int], to_launch: Seq[int]) -> set[int]:
+    """The blocks that both the forward in flight and the one to launch write, to hold once
+    for both; none when either list names a block twice (each is then held in full)."""
+    flight, launch = set(in_flight), set(to_launch)
+    if len(flight) != len(in_flight) or len(launch) != len(to_launch):
+        return set()
+    return flight & launch

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from collections.abc import Sequence as Seq
 
@@ -13,6 +12,7 @@ from engine import prompt_logprobs
 from engine.attention import AttentionMetadata, KVScales
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
+from engine.decode_inputs import DecodeInputs
 from engine.kv_cache import KVCacheSpec, fp8_scales_from_cache
 from engine.host_staging import to_device, upload
 from engine.lookahead import Lookahead
@@ -59,6 +59,7 @@ class ModelRunner:
         self._full_cache: torch.Tensor | None = None  # kv_cache and the scratch block after it
         self.kv_scales: list[KVScales] | None = None
         self.decode_graphs: DecodeGraphs | None = None
+        self._decode_inputs: DecodeInputs | None = None  # with the decode graphs
         self.lookahead: Lookahead | None = None  # the decode forward launched a step ahead
         self.num_lookahead_used = 0  # steps that took the forward launched for them
         self.num_lookahead_wasted = 0  # launched forwards no step took
@@ -86,6 +87,8 @@ class ModelRunner:
             scratch_block=self._full_cache.shape[0] - 1,
             capture=capture,
         )
+        max_blocks = -(-self.config.max_model_len // self.block_size)
+        self._decode_inputs = DecodeInputs(self.decode_graphs.max_batch, max_blocks, self.block_size)
         with torch.inference_mode():
             self.decode_graphs.capture_all()
         return self.decode_graphs
@@ -95,7 +98,7 @@ class ModelRunner:
         device (the caching allocator would otherwise keep it from the next engine in this
         process). Whoever else held a view of the cache must have dropped it first."""
         self.drop_lookahead()
-        self.decode_graphs = None
+        self.decode_graphs = self._decode_inputs = None
         self.kv_cache = None
         self._full_cache = None
         if self.device.type == "cuda":
@@ -131,7 +134,8 @@ class ModelRunner:
         graphs = self.decode_graphs
         decode = all(n == 1 and m == 1 for (_, n), m in zip(items, num_logits))
         if graphs is not None and len(items) <= graphs.max_batch and decode:
-            hidden = self._run_decode_graph(graphs, [seq for seq, _ in items])
+            rows = self._decode_inputs.build([seq for seq, _ in items], ahead=False)
+            hidden = graphs.run(rows.input_ids, rows.positions, rows.slots, rows.tables)
             return self._sample_decode(items, self.model.compute_logits(hidden), ahead)
         if ahead and decode:
             return self._sample_decode(items, self.forward(self._step_inputs(output, num_logits)), ahead)
@@ -250,15 +254,17 @@ class ModelRunner:
     ) -> list[StepResult]:
         """Sample a decode step's ``logits`` (``[B, vocab]``); with ``ahead``, launch their
         next forward on the drawn ids before the host waits for them."""
-        pending = self.sampler.launch(logits, [self._sampling_row(seq) for seq, _ in items])
+        # a sequence's row once it is kept, without a call per sequence per step
+        sampling_rows = [seq.sampling_row or self._sampling_row(seq) for seq, _ in items]
+        pending = self.sampler.launch(logits, sampling_rows)
         if ahead and pending.token_ids is not None:
-            ahead_ids = pending.token_ids
-            if len(ahead) != len(items) or any(a is not s for a, (s, _) in zip(ahead, items)):
+            ahead, ahead_ids = list(ahead), pending.token_ids
+            if ahead != [seq for seq, _ in items]:  # (a Sequence compares by identity)
                 index = {id(seq): b for b, (seq, _) in enumerate(items)}
                 rows = to_device([index[id(seq)] for seq in ahead], torch.int64, logits.device)
                 ahead_ids = ahead_ids.index_select(0, rows)
             # else every sequence of the step, in its order: the drawn ids as they are
-            self.lookahead = self._launch_ahead(list(ahead), ahead_ids)
+            self.lookahead = self._launch_ahead(ahead, ahead_ids)
         samples = pending.samples()
         if pending.drawn is None and self.lookahead is not None:
             # redrawn row by row after the launch: not the ids the launched forward computes
@@ -273,19 +279,20 @@ class ModelRunner:
         ``[B]`` on the device) at its next position."""
         graphs = self.decode_graphs
         if graphs is not None and len(seqs) <= graphs.max_batch:
-            hidden = self._run_decode_graph(graphs, seqs, input_ids)
+            rows = self._decode_inputs.build(seqs, ahead=True)
+            hidden = graphs.run(rows.input_ids, rows.positions, rows.slots, rows.tables, input_ids)
             logits = self.model.compute_logits(hidden)
+            positions = rows.positions.tolist()
         else:
-            starts = [seq.num_tokens for seq in seqs]
-            batch = self.prepare(None, starts, [1] * len(seqs), [s.block_table for s in seqs], [1] * len(seqs))
+            positions = [len(seq.token_ids) for seq in seqs]
+            batch = self.prepare(None, positions, [1] * len(seqs), [s.block_table for s in seqs], [1] * len(seqs))
             batch.input_ids = input_ids
             logits = self.forward(batch)
         done = None
         if logits.is_cuda:
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(logits.device))
-        rows = {id(seq): b for b, seq in enumerate(seqs)}
-        return Lookahead(seqs, [len(seq.token_ids) for seq in seqs], logits, done, rows)
+        return Lookahead(seqs, positions, logits, done, dict(zip(map(id, seqs), range(len(seqs)))))
 
     def drop_lookahead(self) -> None:
         """Forget the forward launched ahead, once it ran (its blocks can be given back then)."""
@@ -293,37 +300,6 @@ class ModelRunner:
         if launched is not None:
             self.num_lookahead_wasted += 1
             launched.wait()
-
-    def _run_decode_graph(
-        self, graphs: DecodeGraphs, seqs: Seq[Sequence], ahead_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """One new token per sequence through the decode graphs; hidden states ``[B, hidden]``.
-        With ``ahead_ids`` (``[B]`` on the device) the tokens are those being sampled now, one
-        position past each sequence's last."""
-        bs, n = self.block_size, len(seqs)
-        shift = 0 if ahead_ids is None else 1
-        positions = np.fromiter((len(seq.token_ids) - 1 + shift for seq in seqs), np.int64, n)  # [B]
-        if ahead_ids is None:
-            input_ids = np.fromiter((seq.token_ids[-1] for seq in seqs), np.int64, n)
-        else:
-            input_ids = np.zeros(n, dtype=np.int64)  # placeholders until the copy below
-        used = positions // bs + 1  # [B] blocks each context covers
-        width = int(used.max())
-        # every row's first used[b] block ids, flattened in one pass, then laid out in the
-        # row-major order a boolean mask assigns in (one numpy call, not one per row)
-        counts = used.tolist()
-        flat = np.fromiter(
-            itertools.chain.from_iterable(
-                seq.block_table if len(seq.block_table) == u else seq.block_table[:u]
-                for seq, u in zip(seqs, counts)
-            ),
-            np.int32,
-            sum(counts),
-        )
-        tables = np.zeros((n, width), dtype=np.int32)  # [B, width]
-        tables[np.arange(width) < used[:, None]] = flat
-        slots = tables[np.arange(n), used - 1].astype(np.int64) * bs + positions % bs
-        return graphs.run(input_ids, positions, slots, tables, ahead_ids)
 
     @torch.inference_mode()
     def profile_peak_memory(self, kv_scales: list[KVScales] | None) -> int:

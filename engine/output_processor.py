@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence as Seq
 
-from engine.outputs import PromptLogprob, RequestOutput, RequestTimes
+from engine.outputs import PromptLogprob, RequestOutput, RequestTimes, frozen
 from engine.sampler import SamplingParams
 from engine.sequence import Sequence
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -29,11 +29,20 @@ class _TextState:
     detokenizer: IncrementalDetokenizer
     prompt_token_ids: list[int]  # every output of the request shares this one list
     stop_ids: tuple[int, ...] = ()  # the request's stop_token_ids, and the eos ids unless ignore_eos
-    text: str = ""
+    # the text in pieces, joined when read (text()): one string grown by each token's piece
+    # was copied whole per token, and a request that neither has stop strings nor streams
+    # reads its text once
+    pieces: list[str] = dataclasses.field(default_factory=list)
     num_sent_chars: int = 0
     stop_reason: str | int | None = None
     # [None, *entries] once the prompt's entries are complete: every output shares it
     prompt_logprobs: list[PromptLogprob | None] | None = None
+
+    def text(self) -> str:
+        """The text so far (its pieces joined into one)."""
+        if len(self.pieces) != 1:
+            self.pieces = ["".join(self.pieces)]
+        return self.pieces[0]
 
     def prompt_logprobs_of(self, seq: Sequence) -> list[PromptLogprob | None] | None:
         """The request's prompt logprobs so far, if it asked for them."""
@@ -99,26 +108,28 @@ class OutputProcessor:
                 reason = "length"
         if reason is not None:
             new_text += state.detokenizer.finish()
-        searched_from = len(state.text)
-        state.text += new_text
+        state.pieces.append(new_text)
         if params.stop and may_stop:
-            cut = _find_stop(state.text, params.stop, searched_from)
+            text = state.text()
+            cut = _find_stop(text, params.stop, len(text) - len(new_text))
             if cut is not None:
                 start, stop = cut
                 end = start + len(stop) if params.include_stop_str_in_output else start
-                state.text = state.text[:end]
+                state.pieces = [text[:end]]
                 reason, state.stop_reason = "stop", stop
         return reason
 
     def output(self, seq: Sequence) -> RequestOutput:
         """The request's output now: its text so far and the delta since the last output.
         A finished request's text state is dropped."""
-        state = self._texts.pop(seq.request_id) if seq.is_finished else self._texts[seq.request_id]
-        text = state.text
-        if not seq.is_finished and seq.params.stop:
-            text = text[: max(len(text) - max(map(len, seq.params.stop)) + 1, state.num_sent_chars)]
+        finished = seq.is_finished
+        state = self._texts.pop(seq.request_id) if finished else self._texts[seq.request_id]
+        text, stops = state.text(), seq.params.stop
+        if stops and not finished:
+            text = text[: max(len(text) - max(map(len, stops)) + 1, state.num_sent_chars)]
         delta, state.num_sent_chars = text[state.num_sent_chars :], len(text)
-        return RequestOutput(
+        return frozen(
+            RequestOutput,
             request_id=seq.request_id,
             prompt=seq.prompt,
             prompt_token_ids=state.prompt_token_ids,
@@ -143,7 +154,7 @@ class OutputProcessor:
             prompt=seq.prompt,
             prompt_token_ids=state.prompt_token_ids if state is not None else seq.prompt_token_ids,
             token_ids=seq.output_token_ids,
-            text=state.text[: state.num_sent_chars] if state is not None else "",
+            text=state.text()[: state.num_sent_chars] if state is not None else "",
             delta_text="",
             num_cached_tokens=seq.num_cached_tokens or 0,
             finish_reason="error",
@@ -164,7 +175,13 @@ class OutputProcessor:
 
 
 def _times(seq: Sequence) -> RequestTimes:
-    return RequestTimes(seq.arrival_time, seq.scheduled_time, seq.first_token_time, seq.last_token_time)
+    return frozen(
+        RequestTimes,
+        arrival=seq.arrival_time,
+        scheduled=seq.scheduled_time,
+        first_token=seq.first_token_time,
+        last_token=seq.last_token_time,
+    )
 
 
 def _find_stop(text: str, stops: Seq[str], searched_from: int) -> tuple[int, str] | None:

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class RequestOutputKind(enum.Enum):
@@ -69,3 +72,15 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def frozen(cls: type[T], **fields: Any) -> T:
+    """``cls(**fields)`` for a frozen dataclass, with every field given: the fields go into
+    the instance's dict at once, not through one ``object.__setattr__`` call each as the
+    frozen ``__init__`` does (2 µs of the 3 a :class:`RequestOutput` took; one is built
+    per request per step when streaming)."""
+    if fields.keys() != cls.__dataclass_fields__.keys():
+        raise TypeError(f"{cls.__name__} needs all of its fields, got {sorted(fields)}")
+    instance = object.__new__(cls)
+    instance.__dict__.update(fields)
+    return instance

@@ -15,6 +15,7 @@ from engine.penalties import TokenCounts, apply_penalties
 from engine.structured_output import GrammarState, StructuredOutputSpec, apply_token_masks
 
 _MAX_SEED = 2**63 - 1
+_new_tuple = tuple.__new__
 # Below this temperature sampling is greedy, as in vLLM: the distribution is one-hot in all
 # but name, and a temperature past float32's range (1e-40 is 0 there) would divide by zero.
 GREEDY_TEMPERATURE = 1e-5
@@ -336,7 +337,8 @@ def _stage(drawn: _Drawn) -> tuple[_Drawn, torch.cuda.Event | None]:
 
 def _to_host(drawn: _Drawn) -> list[Sample]:
     chosen = drawn.token_ids.tolist()  # on the host: the copy ran (_stage); or a CPU tensor
-    samples = [Sample(t, None, None) for t in chosen]
+    # tuples made as Sample's own __new__ (Python code, per row per step) would make them
+    samples = [_new_tuple(Sample, (t, None, None)) for t in chosen]
     if drawn.picked is not None:
         picked_list = drawn.picked.tolist()
         top = drawn.top

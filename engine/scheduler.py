@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence as Seq
+from itertools import repeat
 from typing import NamedTuple
 
 from engine.block_manager import BlockManager
@@ -53,6 +54,7 @@ from engine.sequence import Sequence, SequenceStatus
 from engine.stats import StatsCollector
 
 logger = logging.getLogger(__name__)
+_new_tuple = tuple.__new__
 
 
 class ScheduledSequence(NamedTuple):
@@ -174,8 +176,11 @@ class Scheduler(Loads):
         waits_for_held = False
 
         # the body runs for every running sequence each step (host time per decode step):
-        # names bound once, no keep_drafts call for a sequence without drafts
+        # names bound once, no keep_drafts call for a sequence without drafts, no allocate
+        # call while the last block has room (one that, without a window, changes nothing),
+        # no min() (its keyword parsing costs more than the rest of a line)
         running, allocate = self.running, self.block_manager.allocate
+        bs, windowed = self.block_size, self.block_manager.kv_window is not None
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
@@ -183,19 +188,22 @@ class Scheduler(Loads):
             if num_drafts:
                 seq.keep_drafts(budget - 1)
                 num_drafts = len(seq.spec_token_ids)
-            num_new = min(len(seq.token_ids) - computed, budget) + num_drafts
+            num_new = len(seq.token_ids) - computed
+            num_new = (num_new if num_new <= budget else budget) + num_drafts
             if seq.compute_limit is not None:  # the rest of its hit is loading
                 num_new = min(num_new, seq.compute_limit - computed)
                 if num_new <= 0:  # its head is done: it waits for the load
                     i += 1
                     continue
-            allocated = allocate(seq, computed + num_new)
+            allocated = (
+                not windowed and computed + num_new <= len(seq.block_table) * bs
+            ) or allocate(seq, computed + num_new)
             if not allocated and num_drafts:  # no blocks for the drafts: one token
                 seq.keep_drafts(0)
                 num_new = 1
                 allocated = allocate(seq, computed + 1)
-            if allocated:
-                scheduled.append(ScheduledSequence(seq, num_new))
+            if allocated:  # the tuple ScheduledSequence's own __new__ (Python code) makes
+                scheduled.append(_new_tuple(ScheduledSequence, (seq, num_new)))
                 budget -= num_new
                 i += 1
             elif self.block_manager.num_held_only_blocks:
@@ -277,17 +285,18 @@ class Scheduler(Loads):
         saved: list[SavedBlock] = []
         heads_done: list[Sequence] = []  # recomputed their head while the rest loads
         bs, hashing = self.block_size, self._hashing
-        for k, (seq, num_new) in enumerate(output.scheduled):
-            start = seq.num_computed_tokens
-            rejected = num_rejected[k] if num_rejected else 0
-            computed = min(start + num_new - rejected, len(seq.token_ids))
-            seq.num_computed_tokens = computed
+        rejected_counts = num_rejected or repeat(0, len(output.scheduled))
+        for (seq, num_new), rejected in zip(output.scheduled, rejected_counts, strict=True):
+            start, num_tokens = seq.num_computed_tokens, len(seq.token_ids)
+            computed = start + num_new - rejected  # no min(), per sequence per step
+            seq.num_computed_tokens = computed = computed if computed <= num_tokens else num_tokens
             if computed == seq.compute_limit:
                 heads_done.append(seq)
-            done = min(computed, seq.num_prompt_tokens)
-            if done > seq.prompt_tokens_counted:  # each prompt token once a request
-                self.stats.num_prompt_tokens += done - max(start, seq.prompt_tokens_counted)
-                seq.prompt_tokens_counted = done
+            if seq.prompt_tokens_counted < seq.num_prompt_tokens:  # each prompt token once a request
+                done = min(computed, seq.num_prompt_tokens)
+                if done > seq.prompt_tokens_counted:
+                    self.stats.num_prompt_tokens += done - max(start, seq.prompt_tokens_counted)
+                    seq.prompt_tokens_counted = done
             first, end = start // bs, computed // bs
             if not hashing or end <= first:
                 continue

@@ -7,7 +7,8 @@
                 |<- num_cached_tokens ->|       (prompt tokens found in a cache, not computed)
 
 ``num_computed_tokens`` only ever lags ``num_tokens``: the newest sampled token is fed to
-the model in the next step. ``block_table[i]`` holds tokens ``i*B .. i*B+B-1``.
+the model in the next step. ``block_table[i]`` holds tokens ``i*B .. i*B+B-1``; the list
+only grows in place, any other change to it replaces it (:mod:`engine.decode_inputs`).
 
 With speculative decoding a decoding sequence may carry draft tokens
 (``spec_token_ids``) past its tokens: the step computes the newest token and the drafts

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.lookahead import Lookahead
+from engine.lookahead import Lookahead, held_by_both
 from engine.scheduler import ScheduledSequence
 from engine_testing import MemoryConnector, make_seq, one_thread  # noqa: F401  (autouse fixture)
 
@@ -93,6 +93,37 @@ def test_a_step_takes_the_launched_rows_only_for_what_was_launched():
     b.num_computed_tokens = 8
     b.append_token(6)  # a step that did not take the launched forward
     assert launched.rows_for([ScheduledSequence(b, 1)]) is None
+
+
+def test_a_step_of_every_launched_sequence_in_order_is_checked_as_one_of_some():
+    def launched_pair():
+        a, b = (make_seq(range(1, 9), request_id=r) for r in "ab")
+        for seq in (a, b):
+            seq.num_computed_tokens = 7
+        launched = Lookahead([a, b], [8, 8], torch.zeros(2, 10), None, {id(a): 0, id(b): 1})
+        for seq in (a, b):
+            seq.append_token(5)
+            seq.num_computed_tokens = 8
+        return launched, a, b
+
+    launched, a, b = launched_pair()
+    assert launched.rows_for([ScheduledSequence(a, 1), ScheduledSequence(b, 1)]) == [0, 1]
+    assert launched.rows_for([ScheduledSequence(a, 1), ScheduledSequence(b, 2)]) is None
+    b.spec_token_ids = [3]
+    assert launched.rows_for([ScheduledSequence(a, 1), ScheduledSequence(b, 1)]) is None
+    launched, a, b = launched_pair()
+    b.num_computed_tokens = 0
+    assert launched.rows_for([ScheduledSequence(a, 1), ScheduledSequence(b, 1)]) is None
+    launched, a, b = launched_pair()
+    b.append_token(6)
+    b.num_computed_tokens = 9
+    assert launched.rows_for([ScheduledSequence(a, 1), ScheduledSequence(b, 1)]) is None
+
+
+def test_only_blocks_both_forwards_write_are_held_across_the_handover():
+    assert held_by_both([4, 7, 9], [7, 9, 12]) == {7, 9}
+    assert held_by_both([4, 7, 7], [7, 9]) == set()  # a block named twice: each list in full
+    assert held_by_both([], [3]) == set()
 
 
 def test_the_engine_generates_what_it_does_without_it(synchronous):

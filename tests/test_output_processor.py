@@ -1,11 +1,14 @@
 """OutputProcessor: detokenizing token by token, the stop conditions, and the outputs built."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from engine.models.tiny import END_ID, EOS_ID, write_tiny_tokenizer
 from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput, RequestTimes, frozen
 from engine.sampler import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from engine.tokenizer import Tokenizer
@@ -127,3 +130,17 @@ def test_a_duplicate_id_is_refused_and_the_first_request_keeps_its_text(proc):
     assert outputs[-1].text == "abc"
     proc.drop("r")
     assert proc.request_ids() == []
+
+
+def test_outputs_built_without_their_init_are_the_same_frozen_outputs():
+    fields = dict(request_id="r", prompt=None, prompt_token_ids=[1], token_ids=[2, 3], text="ab",
+                  delta_text="b", num_cached_tokens=0, finish_reason=None, stop_reason=None,
+                  logprobs=None, top_logprobs=None, prompt_logprobs=None,
+                  times=frozen(RequestTimes, arrival=1.0, scheduled=2.0, first_token=None,
+                               last_token=None))
+    out = frozen(RequestOutput, **fields)
+    assert out == RequestOutput(**fields) and out.times == RequestTimes(1.0, 2.0, None, None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        out.text = "c"
+    with pytest.raises(TypeError, match="needs all of its fields"):
+        frozen(RequestTimes, arrival=1.0)

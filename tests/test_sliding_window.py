@@ -114,3 +114,17 @@ def test_a_restored_prefix_gives_the_tokens_of_recompute(checkpoint):
         loaded = llm.generate(prompt, greedy(n))[0]
         assert llm.engine.stats().connector_hits == 40
     assert loaded.token_ids == recomputed
+
+
+def test_decode_from_the_graph_buffers_matches_transformers(checkpoint):
+    """The blocks given back behind the window change a decoding sequence's block table;
+    the decode inputs mirrored from it follow (engine/decode_inputs.py), with decode
+    forwards launched a step ahead."""
+    _, path, model = checkpoint
+    prompts, n = [prompt_of(6, seed=3), prompt_of(11, seed=4)], 40
+    with make_llm(path, async_scheduling=True) as llm:
+        llm.engine.model_runner.enable_decode_graphs(capture=False)
+        outputs = llm.generate(prompts, greedy(n))
+        assert llm.engine.model_runner.decode_graphs.num_replays >= n - 2
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == reference_tokens(model, prompt, n)
