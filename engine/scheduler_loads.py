@@ -145,6 +145,8 @@ class Loads:
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
             self.tail_loads[seq.request_id] = Load(seq, first + head, num_external - head)
+            self.stats.connector_overlapped_loads += 1
+            self.stats.connector_overlap_tokens += head * self.block_size
         else:
             seq.status = SequenceStatus.LOADING
             self.loading[seq.request_id] = Load(seq, first, num_external)

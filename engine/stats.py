@@ -35,6 +35,8 @@ class EngineStats:
     connector_queries: int  # prompt tokens of the requests admitted with a connector
     connector_hits: int  # prompt tokens loaded through the connector
     connector_load_failures: int  # loads that brought fewer blocks than asked (rest recomputed)
+    connector_overlapped_loads: int  # hits split: the head recomputed while the tail loads
+    connector_overlap_tokens: int  # prompt tokens of those heads, recomputed instead of loaded
     num_preemptions: int
     num_prompt_tokens: int  # prompt tokens computed (not cached)
     num_generated_tokens: int
@@ -78,6 +80,8 @@ class StatsCollector:
         self.connector_queries = 0
         self.connector_hits = 0
         self.connector_load_failures = 0
+        self.connector_overlapped_loads = 0
+        self.connector_overlap_tokens = 0
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0

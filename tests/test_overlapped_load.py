@@ -66,6 +66,7 @@ def test_the_head_is_recomputed_while_the_tail_loads(reference, saved_store):
     out = final[request_id]
     assert out.token_ids == reference and out.num_cached_tokens == 4 * BS
     assert stats.connector_hits == 4 * BS and stats.num_used_blocks == 0
+    assert (stats.connector_overlapped_loads, stats.connector_overlap_tokens) == (1, 4 * BS)
 
 
 def test_a_tail_that_loads_before_the_head_is_done_waits_for_it(reference, saved_store):
@@ -93,8 +94,10 @@ def test_without_both_timings_or_with_a_fast_tier_everything_loads(
     conn = MemoryConnector(dict(saved_store), load_seconds_per_block=load)
     with make_llm(conn, per_token=per_token) as llm:
         out = llm.generate(PROMPT, GREEDY)[0]
+        stats = llm.engine.stats()
     assert len(conn.loads[0][1]) == 8
     assert out.token_ids == reference and out.num_cached_tokens == 8 * BS
+    assert (stats.connector_overlapped_loads, stats.connector_overlap_tokens) == (0, 0)
 
 
 def test_a_step_whose_fixed_cost_outweighs_the_saving_is_not_taken(reference, saved_store):

@@ -63,6 +63,8 @@ def tier_report(state: ServerState) -> dict[str, Any]:
         "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
         "connector_hits": s.connector_hits,
         "connector_load_failures": s.connector_load_failures,
+        "connector_overlapped_loads": s.connector_overlapped_loads,
+        "connector_overlap_tokens": s.connector_overlap_tokens,
         "num_preemptions": s.num_preemptions,
         "num_prompt_tokens": s.num_prompt_tokens,
         "num_generated_tokens": s.num_generated_tokens,
