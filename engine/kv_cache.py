@@ -21,10 +21,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention import KVScales
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_HEADROOM = 2.0  # room for activations up to twice the calibration prompt's maximum
@@ -81,6 +86,33 @@ def cuda_kv_budget(device: torch.device, gpu_memory_utilization: float, peak_byt
     free, total = torch.cuda.mem_get_info(device)
     held_by_others = total - free - torch.cuda.memory_reserved(device)
     return int(total * gpu_memory_utilization) - held_by_others - peak_bytes
+
+
+def num_pool_blocks(
+    config: EngineConfig, spec: KVCacheSpec, peak_bytes: Callable[[], int], draft_bytes: int = 0
+) -> int:
+    """Blocks of the pool (see *Sizing* above; ``peak_bytes`` measures the warm-up forward's
+    peak on CUDA). With a draft model each block of the pool has one of the draft's pool
+    beside it (``draft_bytes`` each) within the same budget. Raises ``ValueError`` when
+    one sequence of ``max_model_len`` would not fit."""
+    share = spec.bytes_per_block / (spec.bytes_per_block + draft_bytes)
+    device = config.torch_device
+    if config.num_gpu_blocks_override is not None:
+        num_blocks = config.num_gpu_blocks_override
+    elif device.type == "cuda":
+        budget = cuda_kv_budget(device, config.gpu_memory_utilization, peak_bytes())
+        num_blocks = num_blocks_for_budget(spec, int(max(budget, 0) * share))
+    else:
+        num_blocks = num_blocks_for_budget(spec, int(config.cpu_kv_cache_bytes * share))
+    needed = -(-config.max_model_len // config.block_size)
+    if num_blocks < needed:
+        raise ValueError(
+            f"the KV cache has room for {num_blocks} blocks ({num_blocks * config.block_size} "
+            f"tokens), fewer than one sequence of max_model_len={config.max_model_len} needs "
+            f"({needed} blocks); lower max_model_len or give the cache more memory "
+            "(gpu_memory_utilization, cpu_kv_cache_bytes, num_gpu_blocks_override)"
+        )
+    return num_blocks
 
 
 def fp8_scale(amax: float) -> float:

@@ -18,18 +18,11 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from engine.attention import KVScales
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.connector import KVConnector
 from engine.hashing import KVNamespace, root_hash
-from engine.kv_cache import (
-    FP8_CALIBRATION_TEXT,
-    KVCacheSpec,
-    cuda_kv_budget,
-    kv_cache_dtype,
-    num_blocks_for_budget,
-)
+from engine.kv_cache import FP8_CALIBRATION_TEXT, KVCacheSpec, kv_cache_dtype, num_pool_blocks
 from engine.kv_events import KVEventLog, ZmqEventPublisher
 from engine.lookahead import NOTHING, held_by_both, reserve
 from engine.model_runner import ModelRunner, StepResult
@@ -37,6 +30,7 @@ from engine.models import LoadedModel, load_model
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput, RequestOutputKind
 from engine.penalties import TokenCounts
+from engine.request_checks import checked_request
 from engine.sampler import Sample, SampleError, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
@@ -107,7 +101,9 @@ class LLMEngine:
             prefill_cost = self.model_runner.time_prefill(kv_scales)
             logger.info("prefill step: %.2f ms + %.2f us a token",
                         prefill_cost.fixed_s * 1e3, prefill_cost.per_token_s * 1e6)
-        num_blocks = self._num_blocks(spec, kv_scales, draft_bytes)
+        num_blocks = num_pool_blocks(
+            config, spec, lambda: self.model_runner.profile_peak_memory(kv_scales), draft_bytes
+        )
         kv_cache = self.model_runner.init_kv_cache(num_blocks, kv_scales)
         if self.device.type == "cuda" and not config.enforce_eager:
             graphs = self.model_runner.enable_decode_graphs(capture=True)
@@ -181,32 +177,10 @@ class LLMEngine:
         if self._closed:
             raise RuntimeError("the engine is closed")
         params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
-        if request_id is not None and not (isinstance(request_id, str) and request_id):
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-        if cache_salt == "":  # it would hash as no salt: shared with every unsalted request
-            raise ValueError("cache_salt must not be empty (leave it out for no salt)")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        if isinstance(prompt, str):
-            if not _is_unicode(prompt):
-                raise ValueError("the prompt is not valid Unicode: it holds a lone surrogate")
-            text: str | None = prompt
-            token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        else:
-            text, token_ids = None, list(prompt)
-            vocab = self.model_config.vocab_size
-            if not _all_token_ids(token_ids, vocab):
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        outside = [t for t, _ in params.logit_bias if t >= vocab]
-        if outside:
-            raise ValueError(f"logit_bias has token ids outside the vocabulary [0, {vocab}): {outside[:5]}")
+        text, token_ids = checked_request(
+            prompt, params, request_id, cache_salt, priority,
+            self.tokenizer, self.model_config.vocab_size, add_special_tokens,
+        )
         number = next(self._counter)
         if request_id is None:
             request_id = str(number)
@@ -371,35 +345,7 @@ class LLMEngine:
             self.block_manager.release(held)
 
     def stats(self) -> EngineStats:
-        s, bm = self._stats, self.block_manager
-        return EngineStats(
-            num_blocks=bm.num_blocks,
-            num_used_blocks=bm.num_used_blocks,
-            num_cached_blocks=bm.num_cached_blocks,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_loading=len(self.scheduler.loading),
-            prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits,
-            connector_queries=s.connector_queries,
-            connector_hits=s.connector_hits,
-            connector_load_failures=s.connector_load_failures,
-            connector_overlapped_loads=s.connector_overlapped_loads,
-            connector_overlap_tokens=s.connector_overlap_tokens,
-            num_preemptions=s.num_preemptions,
-            num_prompt_tokens=s.num_prompt_tokens,
-            num_generated_tokens=s.num_generated_tokens,
-            num_finished_requests=s.num_finished_requests,
-            ttft_s=tuple(s.ttft_s),
-            itl_s=tuple(s.itl_s),
-            gpu_memory=self._telemetry.memory(),
-            spec_num_drafts=s.spec_num_drafts,
-            spec_num_draft_tokens=s.spec_num_draft_tokens,
-            spec_num_accepted_tokens=s.spec_num_accepted_tokens,
-            spec_accepted_per_pos=tuple(s.spec_accepted_per_pos),
-            iteration_tokens=tuple(s.iteration_tokens),
-            iteration_tokens_sum=s.iteration_tokens_sum,
-        )
+        return self._stats.snapshot(self.block_manager, self.scheduler, self._telemetry.memory())
 
     def close(self) -> None:
         """Abort what is left, release the connector and NVML and give the KV cache's memory
@@ -441,31 +387,6 @@ class LLMEngine:
             )
         return draft
 
-    def _num_blocks(
-        self, spec: KVCacheSpec, kv_scales: list[KVScales] | None, draft_bytes: int = 0
-    ) -> int:
-        """Blocks of the pool; with a draft model, each block of the pool has one of the
-        draft's pool beside it (``draft_bytes`` each) within the same budget."""
-        config = self.config
-        share = spec.bytes_per_block / (spec.bytes_per_block + draft_bytes)
-        if config.num_gpu_blocks_override is not None:
-            num_blocks = config.num_gpu_blocks_override
-        elif self.device.type == "cuda":
-            peak = self.model_runner.profile_peak_memory(kv_scales)
-            budget = cuda_kv_budget(self.device, config.gpu_memory_utilization, peak)
-            num_blocks = num_blocks_for_budget(spec, int(max(budget, 0) * share))
-        else:
-            num_blocks = num_blocks_for_budget(spec, int(config.cpu_kv_cache_bytes * share))
-        needed = -(-config.max_model_len // config.block_size)
-        if num_blocks < needed:
-            raise ValueError(
-                f"the KV cache has room for {num_blocks} blocks ({num_blocks * config.block_size} "
-                f"tokens), fewer than one sequence of max_model_len={config.max_model_len} needs "
-                f"({needed} blocks); lower max_model_len or give the cache more memory "
-                "(gpu_memory_utilization, cpu_kv_cache_bytes, num_gpu_blocks_override)"
-            )
-        return num_blocks
-
     def _append(self, seq: Sequence, sample: Sample, now: float, gap: float) -> str | None:
         """Append a sampled token and detokenize it; the finish reason if it ends the
         request (the caller finishes it). ``gap``: its inter-token latency, if it is not
@@ -500,26 +421,6 @@ def _use_device(device: torch.device) -> None:
     the current device, which is per thread and may have been set by another engine."""
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
-
-
-def _is_unicode(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _is_token_id(value: object, vocab_size: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
-
-
-def _all_token_ids(values: list, vocab_size: int) -> bool:
-    """``all(_is_token_id(v, vocab_size) for v in values)``, in C loops when every value is
-    a plain int (a 32K-token prompt took ~9 ms one call per token)."""
-    if set(map(type, values)) <= {int}:
-        return not values or (min(values) >= 0 and max(values) < vocab_size)
-    return all(_is_token_id(v, vocab_size) for v in values)
 
 
 def _derived_seed(engine_seed: int, number: int) -> int:

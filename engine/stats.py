@@ -5,9 +5,13 @@ import bisect
 import dataclasses
 import time
 from collections import deque
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.block_manager import BlockManager
+    from engine.scheduler import Scheduler
 
 DEFAULT_MAX_SAMPLES = 1000
 # Upper bounds of vLLM's ``vllm:iteration_tokens_total`` buckets (tokens per engine step);
@@ -94,6 +98,39 @@ class StatsCollector:
         self.itl_s: deque[float] = deque(maxlen=max_samples)
         self.iteration_tokens = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
         self.iteration_tokens_sum = 0
+
+    def snapshot(
+        self, bm: BlockManager, scheduler: Scheduler, gpu_memory: GpuMemory | None
+    ) -> EngineStats:
+        """The counters now, with the pool's and the queues' state."""
+        return EngineStats(
+            num_blocks=bm.num_blocks,
+            num_used_blocks=bm.num_used_blocks,
+            num_cached_blocks=bm.num_cached_blocks,
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_loading=len(scheduler.loading),
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            connector_queries=self.connector_queries,
+            connector_hits=self.connector_hits,
+            connector_load_failures=self.connector_load_failures,
+            connector_overlapped_loads=self.connector_overlapped_loads,
+            connector_overlap_tokens=self.connector_overlap_tokens,
+            num_preemptions=self.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generated_tokens=self.num_generated_tokens,
+            num_finished_requests=self.num_finished_requests,
+            ttft_s=tuple(self.ttft_s),
+            itl_s=tuple(self.itl_s),
+            gpu_memory=gpu_memory,
+            spec_num_drafts=self.spec_num_drafts,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+            spec_accepted_per_pos=tuple(self.spec_accepted_per_pos),
+            iteration_tokens=tuple(self.iteration_tokens),
+            iteration_tokens_sum=self.iteration_tokens_sum,
+        )
 
     def observe_iteration(self, num_tokens: int) -> None:
         """A step computed ``num_tokens`` tokens (prompt and generated, drafts included)."""

@@ -8,6 +8,7 @@ import time
 import pytest
 import valkey
 
+from storage import call_deadline
 from storage.call_deadline import MIN_RATE_BYTES_S, CallDeadline, _DeadlineSocket, connection_class
 
 
@@ -62,35 +63,63 @@ def test_reads_that_each_get_a_byte_in_time_still_end_at_the_deadline():
         peer.close()
 
 
-def test_a_large_reply_at_a_working_rate_is_not_cut_off():
-    """8 MiB at ~80 MiB/s takes ~0.1 s, longer than the call's 0.05 s: the bytes earn it time."""
+class _Clock:
+    """``time.monotonic`` for storage.call_deadline, moved by the test: a transfer's rate
+    is then exact, whatever else the machine runs."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def _read_at_rate(monkeypatch, rate_bytes_s: float, total: int) -> int:
+    """Read ``total`` bytes through a call with 0.05 s left, the clock moving as if they
+    arrived at ``rate_bytes_s``; the bytes read before the deadline cut the call."""
+    clock = _Clock()
+    monkeypatch.setattr(call_deadline, "time", clock)
     ours, peer = socket.socketpair()
+    ours.settimeout(5.0)
     deadline = CallDeadline()
-    ours.settimeout(1.0)
     sock = _DeadlineSocket(ours, deadline)
-    total, chunk = 8 << 20, b"x" * (256 << 10)
 
     def send() -> None:
         try:
-            for _ in range(total // len(chunk)):
-                peer.sendall(chunk)
-                time.sleep(len(chunk) / (80 << 20))
+            peer.sendall(b"x" * total)
         except OSError:  # the reader gave up and closed its end
             pass
 
     sender = threading.Thread(target=send)
     sender.start()
+    received = 0
     try:
-        deadline.at = time.monotonic() + 0.05
-        received = 0
+        deadline.at = clock.now + 0.05
         while received < total:
-            received += len(sock.recv(1 << 20))
-        assert received == total
-        assert deadline.at > time.monotonic() - 1  # moved by the bytes: about 0.125 s
+            try:
+                n = len(sock.recv(256 << 10))
+            except socket.timeout:
+                break
+            received += n
+            clock.now += n / rate_bytes_s
     finally:
         ours.close()
         peer.close()
         sender.join()
+    return received
+
+
+def test_a_large_reply_at_a_working_rate_is_not_cut_off(monkeypatch):
+    """8 MiB at 80 MiB/s takes 0.1 s, longer than the call's 0.05 s: the bytes earn it time."""
+    assert _read_at_rate(monkeypatch, 80 << 20, 8 << 20) == 8 << 20
+
+
+def test_a_large_reply_below_the_minimum_rate_is_cut_off(monkeypatch):
+    """At 32 MiB/s a call gains half a second per second: 8 MiB (0.25 s) overruns 0.05 s."""
+    received = _read_at_rate(monkeypatch, 32 << 20, 8 << 20)
+    assert 0 < received < 8 << 20
+    # cut when the clock, at 32 MiB/s, passed 0.05 s plus what the bytes earned at 64 MiB/s
+    assert received / (32 << 20) >= 0.05 + received / MIN_RATE_BYTES_S - (256 << 10) / (32 << 20)
 
 
 def test_the_bytes_moved_extend_the_deadline_by_their_share():
