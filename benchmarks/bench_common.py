@@ -1,4 +1,5 @@
-"""What several benchmarks share: the machine description and random Llama checkpoints."""
+"""What several benchmarks share: the machine description, random Llama checkpoints and the
+time to first token of one request."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,13 +8,20 @@ import math
 import os
 import platform
 import sys
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.config import DTYPES
+from engine.sampler import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.llm import LLM
 
 BLOCK = 16  # the engine's default block size
+ONE = SamplingParams(temperature=0.0, max_tokens=1)  # greedy, TTFT only
 
 
 def machine(**extra: str) -> dict:
@@ -110,6 +118,13 @@ def cover_vocabulary(tokenizer_json: Path, vocab_size: int) -> None:
     if known < vocab_size:
         tokenizer.add_tokens([f"<t{i}>" for i in range(known, vocab_size)])
         tokenizer.save(str(tokenizer_json))
+
+
+def timed(llm: LLM, prompt: list[int]) -> tuple[float, int]:
+    """Seconds to generate one token for ``prompt`` (its TTFT), and its cached tokens."""
+    start = time.perf_counter()
+    out = llm.generate(prompt, ONE)[0]
+    return time.perf_counter() - start, out.num_cached_tokens
 
 
 def write_json(path: Path, data: dict, *, quiet: bool = False) -> None:

@@ -29,25 +29,18 @@ from pathlib import Path
 
 import torch
 
-from bench_common import machine, write_json
-from engine import LLM, SamplingParams
+from bench_common import machine, timed, write_json
+from engine import LLM
 from engine.scheduler_loads import PrefillCost
 from tiered_kv import TierConfig, block_loader, build_llm
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = 16
 TEACHING_LOADS = 3  # leave an eighth of the prior in the load clock's estimate
-ONE = SamplingParams(temperature=0.0, max_tokens=1)
 
 
 def prompt_of(length: int, seed: int) -> list[int]:
     return [(7 * j + 13 * seed) % 250 + 3 for j in range(length)]
-
-
-def timed(llm: LLM, prompt: list[int]) -> tuple[float, int]:
-    start = time.perf_counter()
-    out = llm.generate(prompt, ONE)[0]
-    return time.perf_counter() - start, out.num_cached_tokens
 
 
 def prefill_cost(engine_kwargs: dict, length: int) -> PrefillCost:

@@ -5,6 +5,10 @@ on this machine, measured in the same run as the restore it is compared with.
   tensor on the device, what a CPU-pool restore is judged against;
 - :func:`pread_bandwidth`: ``preadv`` of a file in the page cache into a (pinned) slab, one
   call per block, what a disk restore is judged against.
+
+``ttft_tiers.py`` judges its restores on the CPU against :func:`memcpy_bandwidth` (``copy_``
+per block) and :func:`plain_read_bandwidth` (``pread`` per block, and ``preadv`` into
+preallocated buffers).
 """
 from __future__ import annotations
 
@@ -89,3 +93,52 @@ def pread_bandwidth(folder: Path, block_nbytes: int, blocks: int, pin: bool) -> 
         slab.close()
         path.unlink()
     return blocks * block_nbytes / statistics.median(times)
+
+
+def memcpy_bandwidth(
+    block_shape: torch.Size, dtype: torch.dtype, blocks: int, repeats: int = 5
+) -> dict:
+    """Bytes per second (median of ``repeats``, caches cold) of ``copy_`` of ``blocks``
+    blocks from a preallocated host slab into a preallocated block-major tensor, the
+    engine's KV-cache layout (where a restore has to put them)."""
+    src = torch.randn((blocks, *block_shape)).to(dtype)  # [N, L, 2, T, H, D]
+    contiguous = torch.empty_like(src)
+    times: list[float] = []
+    for _ in range(repeats):
+        evict_cpu_caches()
+        start = time.perf_counter()
+        for i in range(blocks):
+            contiguous[i].copy_(src[i])
+        times.append(time.perf_counter() - start)
+    nbytes = src.numel() * src.element_size()
+    return {"contiguous": nbytes / statistics.median(times)}
+
+
+def plain_read_bandwidth(folder: Path, block_nbytes: int, blocks: int, repeats: int = 5) -> dict:
+    """Bytes per second (median of ``repeats``, CPU caches cold) of reading ``blocks``
+    record-sized blocks of a freshly written file (in the page cache): ``pread`` (a new
+    buffer per block, as the store's reads) and ``preadv`` into one preallocated buffer
+    per block (no allocation: the fastest plain read)."""
+    path = write_plain_file(folder, block_nbytes, blocks)
+    into = [bytearray(block_nbytes) for _ in range(blocks)]
+    for buf in into:
+        buf[::4096] = bytes(len(buf[::4096]))  # fault the pages in once, outside the timing
+    times: dict[str, list[float]] = {"pread": [], "preadv_into": []}
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for _ in range(repeats):
+            evict_cpu_caches()
+            start = time.perf_counter()
+            got = [os.pread(fd, block_nbytes, i * block_nbytes) for i in range(blocks)]
+            times["pread"].append(time.perf_counter() - start)
+            assert sum(map(len, got)) == blocks * block_nbytes
+            del got
+            evict_cpu_caches()
+            start = time.perf_counter()
+            done = sum(os.preadv(fd, [into[i]], i * block_nbytes) for i in range(blocks))
+            times["preadv_into"].append(time.perf_counter() - start)
+            assert done == blocks * block_nbytes
+    finally:
+        os.close(fd)
+        path.unlink()
+    return {name: blocks * block_nbytes / statistics.median(t) for name, t in times.items()}

@@ -41,8 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -57,8 +55,10 @@ from engine.llm import LLM
 from engine.sampler import SamplingParams
 from tiered_kv.config import TierConfig
 from tiered_kv.tier_manager import build_llm
-from bench_common import machine, write_json, write_random_llama
-from reference_copies import evict_cpu_caches, write_plain_file
+from bench_common import ONE, machine, timed, write_json, write_random_llama
+from loopback_server import LoopbackServer
+from reference_copies import memcpy_bandwidth, plain_read_bandwidth
+from ttft_tiers_report import print_report, verdicts
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = 0
@@ -75,13 +75,6 @@ MODEL = dict(
     bos_token_id=256,
     eos_token_id=257,
 )
-TARGETS = {
-    "disk_hit_speedup": 10.0,  # recompute TTFT / disk-hit TTFT
-    "cpu_hit_speedup": 20.0,  # recompute TTFT / CPU-pool-hit TTFT
-    "restore_vs_plain_read": 0.70,  # restore bandwidth / plain read bandwidth, each tier
-    "offload_slowdown": 0.05,  # 1 - (tiers-on throughput / tiers-off throughput)
-}
-ONE = SamplingParams(temperature=0.0, max_tokens=1)
 GiB = 1 << 30
 
 
@@ -89,12 +82,6 @@ def random_tokens(count: int, length: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     vocab = MODEL["vocab_size"]
     return [torch.randint(300, vocab, (length,), generator=g).tolist() for _ in range(count)]
-
-
-def timed(llm: LLM, prompt: list[int]) -> tuple[float, int]:
-    start = time.perf_counter()
-    out = llm.generate(prompt, ONE)[0]
-    return time.perf_counter() - start, out.num_cached_tokens
 
 
 def engine_args(prefix_tokens: int, **extra) -> dict:
@@ -144,25 +131,6 @@ def cpu_hit(model: Path, prompts: list[list[int]], prefix_tokens: int, cache: Pa
     }
 
 
-def memcpy_bandwidth(
-    block_shape: torch.Size, dtype: torch.dtype, blocks: int, repeats: int = 5
-) -> dict:
-    """Bytes per second (median of ``repeats``, caches cold) of ``copy_`` of ``blocks``
-    blocks from a preallocated host slab into a preallocated block-major tensor, the
-    engine's KV-cache layout (where a restore has to put them)."""
-    src = torch.randn((blocks, *block_shape)).to(dtype)  # [N, L, 2, T, H, D]
-    contiguous = torch.empty_like(src)
-    times: list[float] = []
-    for _ in range(repeats):
-        evict_cpu_caches()
-        start = time.perf_counter()
-        for i in range(blocks):
-            contiguous[i].copy_(src[i])
-        times.append(time.perf_counter() - start)
-    nbytes = src.numel() * src.element_size()
-    return {"contiguous": nbytes / statistics.median(times)}
-
-
 def disk_hit(model: Path, prompts: list[list[int]], prefix_tokens: int, cache: Path) -> dict:
     """Runs :func:`disk_child` in a fresh process on ``cache``."""
     args = {
@@ -201,42 +169,12 @@ def disk_child(args: dict) -> None:
         "disk_restored_bytes": stats["loaded_bytes"],
         "disk_load_s": stats["load_seconds"],
         "disk_restore_bytes_per_s": stats["load_bytes_per_s"],
-        "disk_plain_bytes_per_s": pread_bandwidth(
+        "disk_plain_bytes_per_s": plain_read_bandwidth(
             cache.parent, record_nbytes, first_stats["hit_blocks"]
         ),
         "disk_corrupt": stats["corrupt"],
     }
     print(json.dumps(result))
-
-
-def pread_bandwidth(folder: Path, block_nbytes: int, blocks: int, repeats: int = 5) -> dict:
-    """Bytes per second (median of ``repeats``, CPU caches cold) of reading ``blocks``
-    record-sized blocks of a freshly written file (in the page cache): ``pread`` (a new
-    buffer per block, as the store's reads) and ``preadv`` into one preallocated buffer
-    per block (no allocation: the fastest plain read)."""
-    path = write_plain_file(folder, block_nbytes, blocks)
-    into = [bytearray(block_nbytes) for _ in range(blocks)]
-    for buf in into:
-        buf[::4096] = bytes(len(buf[::4096]))  # fault the pages in once, outside the timing
-    times: dict[str, list[float]] = {"pread": [], "preadv_into": []}
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        for _ in range(repeats):
-            evict_cpu_caches()
-            start = time.perf_counter()
-            got = [os.pread(fd, block_nbytes, i * block_nbytes) for i in range(blocks)]
-            times["pread"].append(time.perf_counter() - start)
-            assert sum(map(len, got)) == blocks * block_nbytes
-            del got
-            evict_cpu_caches()
-            start = time.perf_counter()
-            done = sum(os.preadv(fd, [into[i]], i * block_nbytes) for i in range(blocks))
-            times["preadv_into"].append(time.perf_counter() - start)
-            assert done == blocks * block_nbytes
-    finally:
-        os.close(fd)
-        path.unlink()
-    return {name: blocks * block_nbytes / statistics.median(t) for name, t in times.items()}
 
 
 def offload_overhead(
@@ -312,139 +250,6 @@ def remote_hit(model: Path, prompts: list[list[int]], prefix_tokens: int, url: s
         "remote_restore_bytes_per_s": stats["load_bytes_per_s"],
         "remote_corrupt": stats["corrupt"],
     }
-
-
-class LoopbackServer:
-    """A ``redis-server`` (or ``valkey-server``) on a free loopback port, no persistence."""
-
-    def __init__(self, workdir: Path) -> None:
-        binary = shutil.which("valkey-server") or shutil.which("redis-server")
-        if binary is None:
-            raise FileNotFoundError("no valkey-server or redis-server on PATH")
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(workdir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.close()
-                    raise RuntimeError(f"{binary} did not start") from None
-                time.sleep(0.05)
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def close(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-
-# ---------------------------------------------------------------- report
-
-
-def verdicts(r: dict) -> list[tuple[str, float, str, bool]]:
-    t = TARGETS
-    cpu_ratio = r["cpu_restore_bytes_per_s"] / r["cpu_plain_bytes_per_s"]["contiguous"]
-    disk_ratio = r["disk_restore_bytes_per_s"] / r["disk_plain_bytes_per_s"]["pread"]
-    disk_strict = r["disk_restore_bytes_per_s"] / r["disk_plain_bytes_per_s"]["preadv_into"]
-    disk_speedup = r["recompute_s"] / r["disk_first_hit_s"]
-    cpu_speedup = r["recompute_s"] / r["cpu_hit_s"]
-    ratio_goal = f">= {t['restore_vs_plain_read']:.2f}"
-    slow_goal = f"<= {t['offload_slowdown']:.2f}"
-    return [
-        ("disk hit (fresh process) vs recompute, TTFT", disk_speedup,
-         f">= {t['disk_hit_speedup']:.0f}x", disk_speedup >= t["disk_hit_speedup"]),
-        ("CPU-pool hit vs recompute, TTFT", cpu_speedup, f">= {t['cpu_hit_speedup']:.0f}x",
-         cpu_speedup >= t["cpu_hit_speedup"]),
-        ("CPU-pool restore / copy_ into a contiguous tensor", cpu_ratio, ratio_goal,
-         cpu_ratio >= t["restore_vs_plain_read"]),
-        ("disk restore / pread", disk_ratio, ratio_goal, disk_ratio >= t["restore_vs_plain_read"]),
-        ("disk restore / preadv into preallocated buffers", disk_strict, ratio_goal,
-         disk_strict >= t["restore_vs_plain_read"]),
-        ("offload slowdown, decode tok/s", r["offload"]["decode_slowdown"], slow_goal,
-         r["offload"]["decode_slowdown"] <= t["offload_slowdown"]),
-        ("offload slowdown, output tok/s (prefill included)", r["offload"]["output_slowdown"],
-         slow_goal, r["offload"]["output_slowdown"] <= t["offload_slowdown"]),
-    ]
-
-
-def print_report(r: dict) -> None:
-    ms = lambda s: f"{1e3 * s:.1f}"  # noqa: E731
-    gbs = lambda b: f"{b / 1e9:.2f}"  # noqa: E731
-    rec = r["recompute_s"]
-    print(f"TTFT, {r['prefix_tokens']}-token prefix + {SUFFIX_TOKENS}-token suffix, max_tokens=1:")
-    print("| case | TTFT ms | of which tier load ms | speedup vs recompute | cached tokens |")
-    print("|---|---|---|---|---|")
-    repeats = r["repeats"]
-    later_disk_load = (r["disk_load_s"] - r["disk_first_load_s"]) / repeats
-    rows = [
-        ("recompute (no tiers)", rec, None, 0),
-        ("recompute, tiers on (stores the prefix)", r["recompute_with_tiers_s"], None, 0),
-        ("engine-pool hit", r["engine_hit_s"], None, r["engine_hit_cached_tokens"]),
-        ("CPU-pool hit", r["cpu_hit_s"], r["cpu_load_s"] / repeats, r["cpu_hit_cached_tokens"]),
-        ("disk hit, first request of a fresh process", r["disk_first_hit_s"],
-         r["disk_first_load_s"], r["disk_hit_cached_tokens"]),
-        ("disk hit, later requests (median)", r["disk_hit_s"], later_disk_load,
-         r["disk_hit_cached_tokens"]),
-    ]
-    if "remote_hit_s" in r:
-        later_remote_load = (r["remote_load_s"] - r["remote_first_load_s"]) / repeats
-        rows += [
-            ("remote hit (loopback), first request of a fresh engine", r["remote_first_hit_s"],
-             r["remote_first_load_s"], r["remote_hit_cached_tokens"]),
-            ("remote hit (loopback), later requests (median)", r["remote_hit_s"],
-             later_remote_load, r["remote_hit_cached_tokens"]),
-        ]
-    for name, seconds, load, cached in rows:
-        load_ms = "" if load is None else ms(load)
-        print(f"| {name} | {ms(seconds)} | {load_ms} | {rec / seconds:.1f}x | {cached} |")
-    print()
-    print("Restore bandwidth (KV bytes restored / the manager's load time) against plain reads")
-    print("of the same bytes in the same process (CPU caches cold):")
-    print("| tier | restore GB/s | plain read | plain read GB/s | ratio |")
-    print("|---|---|---|---|---|")
-    cpu, disk = r["cpu_plain_bytes_per_s"], r["disk_plain_bytes_per_s"]
-    cpu_bw, disk_bw = r["cpu_restore_bytes_per_s"], r["disk_restore_bytes_per_s"]
-    rows = [
-        ("CPU pool", cpu_bw, "copy_ per block, contiguous (engine layout)", cpu["contiguous"]),
-        ("disk, all requests", disk_bw, "pread per block", disk["pread"]),
-        ("disk, all requests", disk_bw, "preadv into preallocated", disk["preadv_into"]),
-        ("disk, first request", r["disk_first_restore_bytes_per_s"], "pread per block",
-         disk["pread"]),
-    ]
-    for tier, restore, plain, plain_bw in rows:
-        print(f"| {tier} | {gbs(restore)} | {plain} | {gbs(plain_bw)} | {restore / plain_bw:.2f} |")
-    if "remote_restore_bytes_per_s" in r:
-        print(f"| remote (loopback), all requests | {gbs(r['remote_restore_bytes_per_s'])} "
-              "| | | |")
-    print()
-    o = r["offload"]
-    print(f"Offload overhead: {o['prompts']} distinct prompts x {o['prompt_tokens']} tokens, "
-          f"max_tokens={o['max_tokens']}, {o['rounds']} rounds alternating, medians:")
-    print("| tiers | output tok/s | decode tok/s |")
-    print("|---|---|---|")
-    for name in ("off", "on"):
-        m = o["median"][name]
-        print(f"| {name} | {m['output_tok_s']:.1f} | {m['decode_tok_s']:.1f} |")
-    print(f"slowdown: output {100 * o['output_slowdown']:.1f} %, "
-          f"decode {100 * o['decode_slowdown']:.1f} %; "
-          f"{o['blocks_stored_disk']} blocks stored on disk, {o['blocks_dropped_disk']} dropped")
-    print()
-    print("| target | measured | goal | result |")
-    print("|---|---|---|---|")
-    for name, value, goal, ok in verdicts(r):
-        print(f"| {name} | {value:.2f} | {goal} | {'PASS' if ok else 'MISS'} |")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -385,7 +385,7 @@ def test_write_kv_skips_slots_outside_the_cache(interpreted):
 
 
 def test_a_prefix_hit_splits_its_keys_and_a_long_prefill_does_not():
-    from engine.triton_attention import split_count
+    from engine.triton_split_kv import split_count
 
     # 1B shape (32 query heads) on 132 SMs: 16 new tokens over 8K cached ones is one tile
     # per head, 32 programs for 264 slots: 9 splits of 912 keys
