@@ -39,7 +39,8 @@ import torch
 
 from bench_common import write_json
 from storage.base import BlockKey
-from storage.cpu_pool import CpuBlockPool, HostBlock
+from storage.cpu_pool import CpuBlockPool
+from storage.cpu_slots import HostBlock
 from storage.lmdb_store import LmdbStore
 from storage.record import Record, encode_record
 from storage.seal import SealKey

@@ -2,7 +2,7 @@
 
 A *block store* maps a :class:`BlockKey` (namespace digest + chained block hash) to the
 bytes of one KV block. Tiers differ in what they hold: the pinned CPU pool holds raw
-tensors (:class:`storage.cpu_pool.HostBlock`), the disk and remote tiers hold checksummed
+tensors (:class:`storage.cpu_slots.HostBlock`), the disk and remote tiers hold checksummed
 :class:`storage.record.Record` s. The contract is the same for all of them.
 
 Thread safety

@@ -5,7 +5,9 @@ the budget), so a block is stored and restored as one contiguous copy, in place.
 also the write-behind buffer of the lower tiers: a block is stored with the tiers it
 still has to reach (``pending``: ``disk``, ``remote``), and a slot that is pending, or
 that someone is copying from, is never evicted. Writers take pending blocks
-(:meth:`CpuBlockPool.take_pending`) and report them done (:meth:`CpuBlockPool.done_pending`).
+(:meth:`CpuBlockPool.take_pending`) and report them done (:meth:`CpuBlockPool.done_pending`):
+that bookkeeping is :mod:`storage.cpu_write_behind`; what a slot holds and hands out,
+:mod:`storage.cpu_slots`.
 
 A slot's life::
 
@@ -24,69 +26,20 @@ tier is pending for it.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import threading
-import time
 from collections.abc import Collection, Iterable, Iterator, Sequence
-from typing import NamedTuple
 
 import torch
 
 from storage.base import BlockKey, BlockStore, StoreStats
+from storage.cpu_slots import Commit, HostBlock, SlotBlock, SlotEntry
+from storage.cpu_write_behind import WriteBehind
 from storage.pinned import PinnedSlab
 from storage.priority_lru import DEFAULT_PRIORITY, PriorityLru
 
 
-@dataclasses.dataclass(frozen=True)
-class HostBlock:
-    """One KV block in host memory. ``kv`` is ``[L, 2, T, H, D]`` in the engine's KV dtype."""
-
-    kv: torch.Tensor
-    parent_hash: bytes | None
-    token_ids: tuple[int, ...]
-
-
-@dataclasses.dataclass(slots=True)
-class _Entry:
-    slot: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    parent_hash: bytes | None
-    token_ids: tuple[int, ...]
-    pending: set[str]
-    readers: int = 0
-    taken: set[str] = dataclasses.field(default_factory=set)  # tiers writing it right now
-    priority: int = DEFAULT_PRIORITY
-
-
-class Commit(NamedTuple):
-    """A block filled into a reserved slot, for :meth:`CpuBlockPool.commit_many`."""
-
-    key: BlockKey
-    slot: int
-    parent_hash: bytes | None
-    token_ids: tuple[int, ...]
-    pending: Collection[str] = ()  # the lower tiers it still has to reach
-    priority: int = DEFAULT_PRIORITY
-
-
-@dataclasses.dataclass(frozen=True)
-class SlotBlock:
-    """A block held in its slot: ``kv`` is a view of slot ``slot``, valid until the holder
-    lets go (:meth:`CpuBlockPool.release`, or :meth:`CpuBlockPool.done_pending` for a
-    writer); ``None`` from ``take_pending(views=False)``, whose caller reads the slot's row
-    of :attr:`CpuBlockPool.slab` itself."""
-
-    key: BlockKey
-    slot: int
-    kv: torch.Tensor | None
-    parent_hash: bytes | None
-    token_ids: tuple[int, ...]
-    priority: int = DEFAULT_PRIORITY  # the block's, for the tiers it is written to
-
-
-class CpuBlockPool(BlockStore[HostBlock]):
+class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
     """LRU pool of raw KV blocks in one host slab. Thread-safe.
 
     ``get`` returns a copy. :meth:`acquire` returns a view of a block's slot and keeps the
@@ -112,16 +65,12 @@ class CpuBlockPool(BlockStore[HostBlock]):
         self.keep_clean = keep_clean
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._entries: dict[BlockKey, _Entry] = {}
+        self._entries: dict[BlockKey, SlotEntry] = {}
         self._evictable: PriorityLru[BlockKey] = PriorityLru()  # neither pending nor read
         self._slab: PinnedSlab | None = None
         self._free: list[int] = []
         self._slot_nbytes = 0
-        self._pending_count: collections.Counter[str] = collections.Counter()
-        # tier -> keys pending for it that no writer has taken yet, oldest first
-        self._queues: collections.defaultdict[str, collections.OrderedDict[BlockKey, None]] = (
-            collections.defaultdict(collections.OrderedDict)
-        )
+        self._init_write_behind()
         self._stats = StoreStats(tier=self.tier, capacity_bytes=capacity_bytes)
         self._closed = False
         if block_nbytes is not None:
@@ -226,7 +175,7 @@ class CpuBlockPool(BlockStore[HostBlock]):
                 if not pending and not self.keep_clean and not hold:
                     self._free.append(slot)
                     continue
-                entry = entries[key] = _Entry(
+                entry = entries[key] = SlotEntry(
                     slot, kv_dtype, kv_shape, parent_hash, tuple(token_ids), set(pending),
                     readers=int(hold), priority=priority,
                 )
@@ -257,7 +206,7 @@ class CpuBlockPool(BlockStore[HostBlock]):
         self._stats.evictions += 1
         return self._entries.pop(key).slot
 
-    def _settle_locked(self, key: BlockKey, entry: _Entry) -> None:
+    def _settle_locked(self, key: BlockKey, entry: SlotEntry) -> None:
         """File ``entry`` by its state: evictable (the most recent of its priority) once
         neither pending nor read, or gone at once from a pool that keeps no clean blocks."""
         if entry.pending or entry.readers:
@@ -323,7 +272,7 @@ class CpuBlockPool(BlockStore[HostBlock]):
         """:meth:`release` for many blocks under one lock."""
         with self._lock:
             entries = self._entries
-            settled: list[tuple[BlockKey, _Entry]] = []
+            settled: list[tuple[BlockKey, SlotEntry]] = []
             for key in keys:
                 entry = entries.get(key)
                 if entry is None:
@@ -353,102 +302,6 @@ class CpuBlockPool(BlockStore[HostBlock]):
             return HostBlock(held.kv.clone(), held.parent_hash, held.token_ids)
         finally:
             self.release(key)
-
-    # ------------------------------------------------------------------ write-behind
-
-    def num_pending(self, tier: str) -> int:
-        with self._lock:
-            return self._pending_count[tier]
-
-    def take_pending(
-        self, tier: str, max_blocks: int, timeout: float | None = None, *, views: bool = True
-    ) -> list[SlotBlock]:
-        """Up to ``max_blocks`` blocks still pending for ``tier``, oldest first, each held
-        (pinned against eviction and read) until :meth:`done_pending`. Waits up to
-        ``timeout`` seconds for one (``None``: until one comes or the pool closes).
-        ``views=False``: no ``kv`` view (three torch calls a block, each of which lets go
-        of the GIL and waits to get it back, under the pool's lock); the caller reads the
-        slot's row of :attr:`slab`."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            queue = self._queues[tier]
-            while not self._closed:
-                taken = []
-                while queue and len(taken) < max_blocks:
-                    key, _ = queue.popitem(last=False)
-                    entry = self._entries[key]
-                    entry.taken.add(tier)
-                    entry.readers += 1
-                    view = self.slot_view(entry.slot, entry.dtype, entry.shape) if views else None
-                    taken.append(
-                        SlotBlock(
-                            key, entry.slot, view, entry.parent_hash, entry.token_ids,
-                            entry.priority,
-                        )
-                    )
-                if taken:
-                    return taken
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    break
-                self._changed.wait(remaining)
-            return []
-
-    def done_pending(self, tier: str, keys: Iterable[BlockKey]) -> None:
-        """The writer for ``tier`` is finished with these blocks (written, or given up)."""
-        with self._lock:
-            for key in keys:
-                entry = self._entries.get(key)
-                if entry is None or tier not in entry.taken:
-                    continue
-                entry.taken.discard(tier)
-                entry.pending.discard(tier)
-                self._pending_count[tier] -= 1
-                entry.readers -= 1
-                self._settle_locked(key, entry)
-            self._changed.notify_all()
-
-    def add_pending(self, tier: str, keys: Iterable[BlockKey]) -> int:
-        """Mark visible blocks as still to be written to ``tier``; how many were marked."""
-        marked = 0
-        with self._lock:
-            for key in keys:
-                entry = self._entries.get(key)
-                if entry is not None and tier not in entry.pending:
-                    entry.pending.add(tier)
-                    self._evictable.pop(key, None)
-                    self._pending_count[tier] += 1
-                    self._queues[tier][key] = None
-                    marked += 1
-            if marked:
-                self._changed.notify_all()
-        return marked
-
-    def drop_pending(self, tier: str) -> int:
-        """Forget every block pending for ``tier`` that no writer holds; how many."""
-        dropped = 0
-        with self._lock:
-            queue = self._queues[tier]
-            while queue:
-                key, _ = queue.popitem(last=False)
-                entry = self._entries[key]
-                entry.pending.discard(tier)
-                self._pending_count[tier] -= 1
-                dropped += 1
-                self._settle_locked(key, entry)
-            self._changed.notify_all()
-        return dropped
-
-    def wait_pending(self, tier: str, timeout: float | None = None) -> bool:
-        """Wait until no block is pending for ``tier``; ``False`` on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            while self._pending_count[tier] and not self._closed:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._changed.wait(remaining)
-            return True
 
     def num_evictable(self) -> int:
         """Slots a :meth:`reserve` of any priority could have right now (free, or clean and

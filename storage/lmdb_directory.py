@@ -2,7 +2,7 @@
 the writer lock, the seal key file, moving a store aside or replacing it, directory fsyncs.
 
 :mod:`storage.lmdb_layout` opens a store with them; the admin operations
-(:mod:`storage.lmdb_admin`) copy, lock and move stores with them.
+(:mod:`storage.lmdb_admin`, :mod:`storage.lmdb_repair`) copy, lock and move stores with them.
 """
 from __future__ import annotations
 

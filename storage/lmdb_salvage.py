@@ -3,7 +3,7 @@
 The file is read with ``pread``, never mapped (:class:`storage.lmdb_file.DataFile`), and
 each page is checked before it is used, as :func:`storage.lmdb_file.check_structure` does:
 what is wrong goes to the salvage's ``problems`` and the bad page or node is skipped. An
-entry found is only bytes: :meth:`storage.lmdb_admin.Admin.repair` checks each one against
+entry found is only bytes: :meth:`storage.lmdb_repair.Repair.repair` checks each one against
 its key and seal.
 """
 from __future__ import annotations

@@ -9,7 +9,9 @@ stats, puts and deletes, eviction, flush and close; its other parts live beside 
 - :mod:`storage.lmdb_committer`: pending operations and the writer thread;
 - :mod:`storage.lmdb_meta`: the ``meta`` db's values;
 - :mod:`storage.lmdb_recovery`: a full map, a full or failing disk;
-- :mod:`storage.lmdb_admin`: verify, quarantine, listings, compaction, repair;
+- :mod:`storage.lmdb_admin`: verify, quarantine, compaction, info;
+- :mod:`storage.lmdb_listing`: namespaces, metadata, raw and verified records;
+- :mod:`storage.lmdb_repair`: a damaged store's readable records salvaged into a fresh one;
 - :mod:`storage.lmdb_salvage`: what repair salvages from a damaged ``data.mdb``.
 
 Sub-databases: ``records`` (key → encoded :class:`~storage.record.Record`), ``meta`` (key →
@@ -55,9 +57,7 @@ from pathlib import Path
 import lmdb
 
 from storage.base import BlockKey, BlockStore, StoreError, StoreStats
-from storage.lmdb_admin import (
-    Admin, QuarantineEntry, RecordMeta, RepairResult, StoreInfo, VerifyResult,
-)
+from storage.lmdb_admin import Admin, QuarantineEntry, StoreInfo, VerifyResult
 from storage.lmdb_committer import QUARANTINE_KEEP_BYTES, Committer, Op
 from storage.lmdb_file import DamagedStore, check_data_file, check_structure
 from storage.lmdb_directory import LOCK_NAME, move_aside
@@ -67,9 +67,11 @@ from storage.lmdb_layout import (
     default_map_size,
     Opened, lmdb_errors, open_for_reading, open_for_writing,
 )
+from storage.lmdb_listing import Listing, RecordMeta
 from storage.lmdb_meta import check_priority, unpack_meta
 from storage.lmdb_reader import Reader
 from storage.lmdb_recovery import Recovery
+from storage.lmdb_repair import Repair, RepairResult
 from storage.priority_lru import DEFAULT_PRIORITY, PriorityLru
 from storage.record import Record, encode_record_buffer
 
@@ -94,7 +96,7 @@ class LmdbStats(StoreStats):
     write_errors: int = 0  # commits that failed on a full or failing disk (see degraded)
 
 
-class LmdbStore(Admin, Reader, Recovery, Committer, BlockStore[Record]):
+class LmdbStore(Admin, Listing, Repair, Reader, Recovery, Committer, BlockStore[Record]):
     """LMDB-backed block store holding encoded :class:`Record` s.
 
     ``capacity_bytes`` may be ``None`` to use the capacity recorded in an existing store.

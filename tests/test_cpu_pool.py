@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from storage.base import BlockKey
-from storage.cpu_pool import CpuBlockPool, HostBlock
+from storage.cpu_pool import CpuBlockPool
+from storage.cpu_slots import HostBlock
 from storage.pinned import available_host_bytes
 
 NS = hashlib.sha256(b"ns").digest()
@@ -251,7 +252,7 @@ def test_a_staging_pool_frees_a_read_block_when_its_last_reader_lets_go():
 
 
 def test_batched_reserve_stops_at_the_first_block_without_a_slot_and_commit_files_each():
-    from storage.cpu_pool import Commit
+    from storage.cpu_slots import Commit
 
     pool = CpuBlockPool(3 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, pin_memory=False)
     assert reserve_and_commit(pool, 0, pending=()) and pool.num_evictable() == 3
@@ -275,7 +276,7 @@ def test_batched_reserve_stops_at_the_first_block_without_a_slot_and_commit_file
 
 
 def test_a_commit_with_an_invalid_key_raises_before_taking_any_slot():
-    from storage.cpu_pool import Commit
+    from storage.cpu_slots import Commit
 
     pool = CpuBlockPool(2 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, pin_memory=False)
     slots = pool.reserve_many([0, 0])

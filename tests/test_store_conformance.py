@@ -14,7 +14,8 @@ import torch
 
 from redis_server import redis_cluster  # noqa: F401  (fixture)
 from storage.base import BlockKey, BlockStore
-from storage.cpu_pool import CpuBlockPool, HostBlock
+from storage.cpu_pool import CpuBlockPool
+from storage.cpu_slots import HostBlock
 from storage.lmdb_store import LmdbStore
 from storage.record import Record, encode_record
 from storage.seal import SealKey

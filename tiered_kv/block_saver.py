@@ -25,7 +25,8 @@ from collections.abc import Callable, Sequence
 
 from engine.connector import SavedBlock
 from storage.base import BlockKey
-from storage.cpu_pool import Commit, CpuBlockPool
+from storage.cpu_pool import CpuBlockPool
+from storage.cpu_slots import Commit
 from storage.lmdb_store import LmdbStore
 from tiered_kv.block_mover import BlockMover, Copy
 from tiered_kv.config import TierConfig

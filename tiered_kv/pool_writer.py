@@ -35,7 +35,8 @@ import torch
 
 from storage.base import BlockStore, StoreError
 from storage.codecs import Codec
-from storage.cpu_pool import CpuBlockPool, SlotBlock
+from storage.cpu_pool import CpuBlockPool
+from storage.cpu_slots import SlotBlock
 from storage.record import Record
 from tiered_kv.drop_warning import DropWarning
 from tiered_kv.metrics import TierMetrics

@@ -1,0 +1,127 @@
+"""The host-memory pool as the write-behind buffer of the lower tiers.
+
+A block is committed with the tiers it still has to reach (``pending``: ``disk``,
+``remote``) and stays in its slot, never evicted, until each of them is done with it.
+Writers take pending blocks (:meth:`WriteBehind.take_pending`), oldest first, and report
+them done (:meth:`WriteBehind.done_pending`), written or given up.
+
+:class:`WriteBehind` is a part of :class:`storage.cpu_pool.CpuBlockPool`. It owns the
+per-tier count and queue of pending blocks (``_pending_count``, ``_queues``, set up by
+``_init_write_behind``), which the pool's ``commit_many``, ``delete`` and ``close`` also
+update; it uses the pool's lock and its condition ``_changed``, ``_entries``,
+``_evictable``, ``_closed``, ``slot_view`` and ``_settle_locked``.
+"""
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Iterable
+
+from storage.base import BlockKey
+from storage.cpu_slots import SlotBlock
+
+
+class WriteBehind:
+    """Pending blocks per lower tier (a part of :class:`~storage.cpu_pool.CpuBlockPool`;
+    see the module docstring)."""
+
+    def _init_write_behind(self) -> None:
+        self._pending_count: collections.Counter[str] = collections.Counter()
+        # tier -> keys pending for it that no writer has taken yet, oldest first
+        self._queues: collections.defaultdict[str, collections.OrderedDict[BlockKey, None]] = (
+            collections.defaultdict(collections.OrderedDict)
+        )
+
+    def num_pending(self, tier: str) -> int:
+        with self._lock:
+            return self._pending_count[tier]
+
+    def take_pending(
+        self, tier: str, max_blocks: int, timeout: float | None = None, *, views: bool = True
+    ) -> list[SlotBlock]:
+        """Up to ``max_blocks`` blocks still pending for ``tier``, oldest first, each held
+        (pinned against eviction and read) until :meth:`done_pending`. Waits up to
+        ``timeout`` seconds for one (``None``: until one comes or the pool closes).
+        ``views=False``: no ``kv`` view (three torch calls a block, each of which lets go
+        of the GIL and waits to get it back, under the pool's lock); the caller reads the
+        slot's row of :attr:`slab`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            queue = self._queues[tier]
+            while not self._closed:
+                taken = []
+                while queue and len(taken) < max_blocks:
+                    key, _ = queue.popitem(last=False)
+                    entry = self._entries[key]
+                    entry.taken.add(tier)
+                    entry.readers += 1
+                    view = self.slot_view(entry.slot, entry.dtype, entry.shape) if views else None
+                    taken.append(
+                        SlotBlock(
+                            key, entry.slot, view, entry.parent_hash, entry.token_ids,
+                            entry.priority,
+                        )
+                    )
+                if taken:
+                    return taken
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break
+                self._changed.wait(remaining)
+            return []
+
+    def done_pending(self, tier: str, keys: Iterable[BlockKey]) -> None:
+        """The writer for ``tier`` is finished with these blocks (written, or given up)."""
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None or tier not in entry.taken:
+                    continue
+                entry.taken.discard(tier)
+                entry.pending.discard(tier)
+                self._pending_count[tier] -= 1
+                entry.readers -= 1
+                self._settle_locked(key, entry)
+            self._changed.notify_all()
+
+    def add_pending(self, tier: str, keys: Iterable[BlockKey]) -> int:
+        """Mark visible blocks as still to be written to ``tier``; how many were marked."""
+        marked = 0
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None and tier not in entry.pending:
+                    entry.pending.add(tier)
+                    self._evictable.pop(key, None)
+                    self._pending_count[tier] += 1
+                    self._queues[tier][key] = None
+                    marked += 1
+            if marked:
+                self._changed.notify_all()
+        return marked
+
+    def drop_pending(self, tier: str) -> int:
+        """Forget every block pending for ``tier`` that no writer holds; how many."""
+        dropped = 0
+        with self._lock:
+            queue = self._queues[tier]
+            while queue:
+                key, _ = queue.popitem(last=False)
+                entry = self._entries[key]
+                entry.pending.discard(tier)
+                self._pending_count[tier] -= 1
+                dropped += 1
+                self._settle_locked(key, entry)
+            self._changed.notify_all()
+        return dropped
+
+    def wait_pending(self, tier: str, timeout: float | None = None) -> bool:
+        """Wait until no block is pending for ``tier``; ``False`` on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._pending_count[tier] and not self._closed:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._changed.wait(remaining)
+            return True
