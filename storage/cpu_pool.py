@@ -72,6 +72,7 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
         self._slot_nbytes = 0
         self._init_write_behind()
         self._stats = StoreStats(tier=self.tier, capacity_bytes=capacity_bytes)
+        self._removals = 0  # blocks that left: evicted, dropped once written, deleted
         self._closed = False
         if block_nbytes is not None:
             self._reserve_slab(block_nbytes)
@@ -204,6 +205,7 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
             return None
         self._evictable.pop(key)
         self._stats.evictions += 1
+        self._removals += 1
         return self._entries.pop(key).slot
 
     def _settle_locked(self, key: BlockKey, entry: SlotEntry) -> None:
@@ -217,12 +219,21 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
             del self._entries[key]
             self._evictable.pop(key, None)
             self._free.append(entry.slot)
+            self._removals += 1
 
     # ------------------------------------------------------------------ reads
 
     def contains(self, key: BlockKey) -> bool:
         with self._lock:
             return key in self._entries
+
+    @property
+    def removals(self) -> int:
+        """How many blocks have left the pool (evicted, dropped from a staging pool once
+        written, deleted): while it stays the same, every block :meth:`contains` found is
+        still here."""
+        with self._lock:
+            return self._removals
 
     def contains_many(self, keys: Iterable[BlockKey]) -> list[bool]:
         with self._lock:
@@ -349,6 +360,7 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
                 return False
             del self._entries[key]
             self._evictable.pop(key, None)
+            self._removals += 1
             for tier in entry.pending:
                 self._pending_count[tier] -= 1
                 self._queues[tier].pop(key, None)
@@ -371,6 +383,7 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
         """Drop every block and the slab. Only once no copy can still use a slot."""
         with self._lock:
             self._closed = True
+            self._removals += len(self._entries)
             self._entries.clear()
             self._evictable.clear()
             self._free.clear()

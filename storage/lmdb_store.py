@@ -251,6 +251,16 @@ class LmdbStore(Admin, Listing, Repair, Reader, Recovery, Committer, BlockStore[
         return snapshot
 
     @property
+    def removals(self) -> int:
+        """How many keys have left this store since it opened (evicted, deleted, dropped,
+        quarantined): while it stays the same, every key :meth:`contains` found is still
+        here. A read-only store keeps no index of another process's writes: it raises."""
+        if self.readonly:
+            raise RuntimeError(f"{self.path}: a read-only store cannot count removals")
+        with self._lock:
+            return self._index.removals
+
+    @property
     def pending_bytes(self) -> int:
         """Bytes of puts accepted but not yet committed (what backpressure bounds)."""
         with self._lock:
@@ -316,8 +326,8 @@ class LmdbStore(Admin, Listing, Repair, Reader, Recovery, Committer, BlockStore[
                     self._stats.dropped += 1  # only records that matter more could make room
                     results.append(False)
                     continue
-                if kb in self._index:
-                    self._used -= self._index.pop(kb)
+                if kb in self._index:  # replaced: set updates it, no removal
+                    self._used -= self._index[kb]
                 self._index.set(kb, len(data), priority)
                 self._used += len(data)
                 self._enqueue_locked(kb, Op.PUT, data, created_ns=created_ns, priority=priority)

@@ -10,6 +10,7 @@ within one value the least recently used first::
 
 Each key also has a weight (a record's size, or 1 for a slot), summed per priority so a
 store can tell how much it could free for a newcomer without looking at every key.
+:attr:`removals` counts the keys that left, so a store can tell that none did.
 Lookups, updates and taking the first victim cost O(1) plus O(p) in the number ``p`` of
 distinct priorities present (a handful of tenant classes). Not thread-safe: the owning
 store's lock guards it.
@@ -34,6 +35,9 @@ class PriorityLru(Generic[K]):
         self._totals: dict[int, int] = {}
         self._order: list[int] = []  # the priorities present, ascending
         self._priority: dict[K, int] = {}
+        # keys that left through pop, discard_many or clear (a set's update of a key is no
+        # removal): while it stays the same, every key here before is still here
+        self.removals = 0
 
     def set(self, key: K, weight: int, priority: int | None = None) -> None:
         """Insert or update ``key`` as the most recently used of its priority. ``None``
@@ -42,7 +46,7 @@ class PriorityLru(Generic[K]):
         if priority is None:
             priority = DEFAULT_PRIORITY if old is None else old
         if old is not None:
-            self.pop(key)
+            self._unlink(key, old)
         level = self._levels.get(priority)
         if level is None:
             level = self._levels[priority] = collections.OrderedDict()
@@ -59,8 +63,9 @@ class PriorityLru(Generic[K]):
         call (a pool settles a request's blocks at once)."""
         levels, totals, priorities = self._levels, self._totals, self._priority
         for key, priority in items:
-            if key in priorities:
-                self.pop(key)
+            old = priorities.get(key)
+            if old is not None:
+                self._unlink(key, old)
             level = levels.get(priority)
             if level is None:
                 level = levels[priority] = collections.OrderedDict()
@@ -71,11 +76,17 @@ class PriorityLru(Generic[K]):
             priorities[key] = priority
 
     def pop(self, key: K, default: object = _MISSING) -> int:
-        priority = self._priority.pop(key, None)
+        priority = self._priority.get(key)
         if priority is None:
             if default is _MISSING:
                 raise KeyError(key)
             return default  # type: ignore[return-value]
+        self.removals += 1
+        return self._unlink(key, priority)
+
+    def _unlink(self, key: K, priority: int) -> int:
+        """Take ``key`` (of ``priority``) out; its weight."""
+        del self._priority[key]
         level = self._levels[priority]
         weight = level.pop(key)
         self._totals[priority] -= weight
@@ -91,6 +102,7 @@ class PriorityLru(Generic[K]):
             priority = priorities.pop(key, None)
             if priority is None:
                 continue
+            self.removals += 1
             level = levels[priority]
             totals[priority] -= level.pop(key)
             if not level:
@@ -142,6 +154,7 @@ class PriorityLru(Generic[K]):
             yield from self._levels[priority].values()
 
     def clear(self) -> None:
+        self.removals += len(self._priority)
         self._levels.clear()
         self._totals.clear()
         self._order.clear()

@@ -84,6 +84,15 @@ def test_waiting_host_times_each_kind_of_waiting_request(tmp_path):
     assert all(r["ms_per_step"] > 0 for r in got["rows"])
 
 
+def test_repeated_lookup_times_each_chain_first_and_repeated(tmp_path):
+    got = run("repeated_lookup.py", "--blocks", "96", "--repeats", "3",
+              out=tmp_path / "lookup.json")
+    assert [(r["case"], r["matched"]) for r in got["rows"]] == [
+        ("cold", 0), ("cpu hit", 96), ("cpu hit, cold tail", 48), ("disk hit", 96)
+    ]
+    assert all(r["first_us"] > 0 and r["repeated_us"] > 0 for r in got["rows"])
+
+
 def test_hit_profile_times_a_miss_and_a_hit_of_the_whole_prefix(tmp_path):
     got = run("hit_profile.py", "--quick", "--prefix", "64", out=tmp_path / "hit.json")
     miss, hit = got["rows"]

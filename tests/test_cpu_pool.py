@@ -300,3 +300,30 @@ def test_slots_reserved_together_come_in_ascending_order_after_being_given_back(
     for slot in first:
         pool.unreserve(slot)
     assert pool.reserve_many([0] * 6) == [0, 1, 2, 3, 4, 5]  # the free list pops 5, 4, ... 0
+
+
+def test_removals_count_every_block_that_left_the_pool():
+    """An eviction, a delete, a staging pool's block once written and close count; storing,
+    reading and writing blocks out do not (a lookup's run is still held while it holds)."""
+    pool = CpuBlockPool(2 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, pin_memory=False)
+    pool.put(key(0), block(0))
+    pool.put(key(1), block(1))
+    pool.get(key(0))
+    pool.acquire(key(1))
+    pool.release(key(1))
+    pool.add_pending("disk", [key(1)])
+    pool.done_pending("disk", [b.key for b in pool.take_pending("disk", 1)])
+    assert pool.removals == 0
+    pool.put(key(2), block(2))  # evicts key(0), used longest ago
+    assert pool.removals == 1 and not pool.contains(key(0))
+    assert pool.delete(key(1)) and pool.removals == 2
+    assert not pool.delete(key(1)) and pool.removals == 2
+    pool.close()
+    assert pool.removals == 3
+    staging = CpuBlockPool(2 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, pin_memory=False,
+                           keep_clean=False)
+    kv = block(0).kv
+    staging.commit(key(0), staging.reserve(), kv.dtype, tuple(kv.shape), None, (0,), ("disk",))
+    assert staging.removals == 0
+    staging.done_pending("disk", [b.key for b in staging.take_pending("disk", 1)])
+    assert staging.removals == 1 and not staging.contains(key(0))

@@ -478,6 +478,24 @@ def test_least_recently_accessed_is_evicted_first(path: Path) -> None:
         assert store.stats().evictions == 2 and store.stats().bytes_used == 4 * size
 
 
+def test_removals_count_evictions_and_deletes_not_puts_or_reads(path: Path) -> None:
+    size = record(0).nbytes
+    with LmdbStore(path, 2 * size) as store:
+        put(store, 0)
+        put(store, 1)
+        put(store, 1)  # replaced
+        store.get(key(0))
+        store.flush()
+        assert store.removals == 0
+        put(store, 2)  # evicts key(1)
+        assert store.removals == 1 and not store.contains(key(1))
+        assert store.delete(key(0)) and store.removals == 2
+        assert not store.delete(key(0)) and store.removals == 2
+        store.flush()
+    with LmdbStore(path, readonly=True) as store, pytest.raises(RuntimeError, match="read-only"):
+        store.removals
+
+
 def test_access_order_survives_reopening(path: Path) -> None:
     size = record(0).nbytes
     with LmdbStore(path, 4 * size) as store:

@@ -68,3 +68,18 @@ def test_batched_set_and_discard_match_one_key_at_a_time():
     assert many.weight_evicted_before(-1) == one.weight_evicted_before(-1)
     many.discard_many(list(many))  # empties every level
     assert not many and many.first() is None and many.weight_evicted_before(-10) == 0
+
+
+def test_removals_count_the_keys_that_left_and_not_an_update_of_one():
+    lru = filled()
+    lru["b"] = 20
+    lru.set("d", 4, -1)
+    lru.set_many([("a", 5), ("x", 0)], 1)
+    lru.move_to_end("c")
+    assert lru.removals == 0
+    lru.pop("a")
+    lru.pop("missing", None)
+    lru.discard_many(["b", "missing", "c"])
+    assert lru.removals == 3
+    lru.clear()  # d, e, x
+    assert lru.removals == 6

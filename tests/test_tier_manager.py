@@ -109,6 +109,29 @@ def test_cpu_pool_restores_what_the_engine_evicted(reference):
     assert set(stats) == {"cpu"}
 
 
+def test_a_request_waiting_for_blocks_loads_its_hit_and_leaves_no_lookup_behind(reference):
+    """The second request waits while the first holds the engine's blocks, and is looked up
+    again at every step from the same answer; it loads its hit once it fits."""
+    with make_llm(TierConfig(cpu_bytes=4 << 20)) as llm:
+        manager: TierManager = llm.engine.connector
+        llm.generate(PROMPTS[0], GREEDY)
+        llm.generate(FLUSH, GREEDY)
+        asked: list[tuple[str, int | None]] = []
+        lookup = manager.get_num_matched_blocks
+
+        def counted(request_id, block_hashes, num_computed_blocks):
+            asked.append((request_id, lookup(request_id, block_hashes, num_computed_blocks)))
+            return asked[-1][1]
+
+        manager.get_num_matched_blocks = counted
+        _, again = llm.generate([FLUSH, PROMPTS[0]], GREEDY)
+        waiting = [n for request_id, n in asked if request_id == again.request_id]
+        assert len(waiting) > 1 and set(waiting) == {hit_tokens(PROMPTS[0]) // BLOCK}
+        assert again.token_ids == reference[0]
+        assert again.num_cached_tokens == hit_tokens(PROMPTS[0])
+        assert manager._lookup._lookups == {}
+
+
 def test_restores_wait_for_the_fence_taken_on_the_engine_thread_when_the_load_starts(
     reference, disk, monkeypatch
 ):

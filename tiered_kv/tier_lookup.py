@@ -8,6 +8,12 @@ breaker) on a ``tiered-kv-lookup`` thread. Until that answers the lookup is "not
 (``None``); the answer wakes an engine waiting in ``poll`` and is kept per request, so a
 repeated lookup costs no further round-trip. What a lookup found (each block's tier) is
 kept until the request finishes, for :meth:`TierLookup.wanted` when its load starts.
+
+A repeated lookup does not walk the run again while nothing left the pool or the disk
+(their ``removals`` counts, read before each walk, are unchanged): it checks only the block
+after the run, and walks on from there if a tier now holds it. A removal makes the next
+lookup walk the chain again. A block found on disk and promoted into the pool since still
+counts as a disk block; the load takes it from the pool all the same.
 """
 from __future__ import annotations
 
@@ -31,16 +37,35 @@ LOOKUP_WORKERS = 2  # remote lookups in flight at once
 LOOKUP_CHUNK = 64  # keys asked of the pool at once while walking a request's chain
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class _Lookup:
-    """A request's hash chain as of its last lookup, and where each block was found."""
+    """A request's last lookup: its hash chain, where each block of the matched run was
+    found, and what answers the same lookup again without walking the run.
+
+    The pool's and the disk's removal counts are read before the walk: while both stay the
+    same, every block the walk found is still there, and the run can only have grown at its
+    end (a block saved or promoted since)."""
 
     hashes: tuple[bytes, ...]
     first: int  # index of the first block the lookup was asked about
-    tiers: tuple[str, ...]  # tier of hashes[first + i], for the matched run
     # the keys of hashes[first:] made so far: the lookup asked again (the request waits for
     # blocks) reuses them, as making a key costs more than asking the pool about it
     keys: list[BlockKey] = dataclasses.field(default_factory=list)
+    local: list[str] = dataclasses.field(default_factory=list)  # cpu or disk, of hashes[first + i]
+    removals: tuple[int, int] | None = None  # (pool, disk) before the walk; None: not walked
+    # the remote tier's answer for the blocks from hashes[first + remote_from] on
+    remote: concurrent.futures.Future[int] | None = None
+    remote_from: int = 0
+    tiers: tuple[str, ...] | None = None  # of the matched run; None until answered
+
+    def is_for(self, block_hashes: Sequence[bytes], first: int) -> bool:
+        """Whether this lookup was of ``block_hashes`` from ``first``: the hashes are chained,
+        so the last one stands for the whole chain (and the request's cache salt)."""
+        return (
+            first == self.first
+            and len(block_hashes) == len(self.hashes)
+            and block_hashes[-1] == self.hashes[-1]
+        )
 
     def wanted(
         self,
@@ -51,6 +76,8 @@ class _Lookup:
     ) -> list[WantedBlock] | None:
         """The blocks to load with their parents (``None`` for the chain's first block), or
         ``None`` if the run is not part of this lookup's matched chain."""
+        if self.tiers is None:
+            return None
         start = self.first
         if self.hashes[start : start + 1] != (block_hashes[0],):
             try:
@@ -96,10 +123,6 @@ class TierLookup:
         self._count_cpu = count_cpu
         self._on_answer = on_answer
         self._lookups: dict[str, _Lookup] = {}
-        # Remote lookups by request: the keys asked about and the lookup's future, so a
-        # repeated lookup of a request the engine could not schedule yet costs no further
-        # round-trip.
-        self._remote_runs: dict[str, tuple[tuple[BlockKey, ...], concurrent.futures.Future]] = {}
         self._lookup_pool: concurrent.futures.ThreadPoolExecutor | None = None
         if remote is not None:
             self._lookup_pool = concurrent.futures.ThreadPoolExecutor(
@@ -109,49 +132,69 @@ class TierLookup:
     def num_matched(
         self, request_id: str, block_hashes: Sequence[bytes], num_computed_blocks: int
     ) -> int | None:
-        """:meth:`engine.connector.KVConnector.get_num_matched_blocks` over the tiers."""
-        wanted = block_hashes[num_computed_blocks:]
-        previous = self._lookups.get(request_id)
-        # The engine asks again, step after step, for a request it could not schedule yet.
-        repeated = (
-            previous is not None
-            and previous.hashes == tuple(block_hashes)
-            and previous.first == num_computed_blocks
-        )
-        if not wanted:
+        """:meth:`engine.connector.KVConnector.get_num_matched_blocks` over the tiers.
+
+        The engine asks again, step after step, for a request it could not schedule yet:
+        such a lookup costs two counter reads and one check of the block after the run
+        while nothing left the pool or the disk, and walks only what changed otherwise."""
+        if num_computed_blocks >= len(block_hashes):
             return 0
-        keys = previous.keys if repeated else []
-        tiers, cpu_lookups, disk_lookups = self._local_run(wanted, keys)
-        remote_lookups = 0
-        if self._remote is not None and len(tiers) < len(wanted):
-            self._make_keys(keys, wanted, len(wanted))
-            rest = tuple(keys[len(tiers):])
-            remote_lookups = len(rest)
-            run = self._remote_run(request_id, rest)
-            if run is None:
-                return None  # the engine asks again at a later step
-            tiers += ["remote"] * run
-        self._lookups[request_id] = _Lookup(
-            tuple(block_hashes), num_computed_blocks, tuple(tiers), keys
-        )
-        if not repeated:
+        removals = self._removals()  # before the walk: a removal meanwhile shows next time
+        lookup = self._lookups.get(request_id)
+        if lookup is None or not lookup.is_for(block_hashes, num_computed_blocks):
+            lookup = self._lookups[request_id] = _Lookup(
+                tuple(block_hashes), num_computed_blocks
+            )
+            cpu_lookups, disk_lookups = self._walk(lookup, removals)
             if self._count_cpu:
                 self._metrics.add("cpu", lookups=cpu_lookups)
             if self._disk is not None:
                 self._metrics.add("disk", lookups=disk_lookups)
             if self._remote is not None:
-                self._metrics.add("remote", lookups=remote_lookups)
-        return len(tiers)
+                rest = len(lookup.hashes) - lookup.first - len(lookup.local)
+                self._metrics.add("remote", lookups=rest)
+        elif lookup.removals != removals or self._run_grew(lookup):
+            self._walk(lookup, removals)
+        if lookup.tiers is None:
+            run = self._remote_run(request_id, lookup)
+            if run is None:
+                return None  # the engine asks again at a later step
+            lookup.tiers = (*lookup.local, *["remote"] * run)
+        return len(lookup.tiers)
 
-    def _local_run(self, hashes: Sequence[bytes], made: list[BlockKey]) -> tuple[list[str], int, int]:
-        """The tier (``cpu`` or ``disk``) of each leading block of ``hashes`` the pool or the
-        disk holds, and how many blocks each was asked about. ``made``: the keys of the first
-        ``hashes`` made already; extended with those made here. The pool is asked
-        :data:`LOOKUP_CHUNK` keys at a time, so the first block neither holds ends the walk
-        (a cold 32K-token prompt cost ~1 ms a lookup when every key was made and asked)."""
-        tiers: list[str] = []
+    def _removals(self) -> tuple[int, int]:
+        return self._pool.removals, 0 if self._disk is None else self._disk.removals
+
+    def _walk(self, lookup: _Lookup, removals: tuple[int, int]) -> tuple[int, int]:
+        """Find the run the pool and the disk hold (on from where the last walk stopped, if
+        nothing left them since); how many blocks each was asked about."""
+        if lookup.removals != removals:
+            lookup.local.clear()
+        lookup.removals = removals
+        lookup.tiers = None
+        return self._local_run(lookup.hashes[lookup.first :], lookup.keys, lookup.local)
+
+    def _run_grew(self, lookup: _Lookup) -> bool:
+        """Whether the pool or the disk now holds the block after the run the last walk
+        found (that walk made its key)."""
+        end = len(lookup.local)
+        if lookup.first + end == len(lookup.hashes):
+            return False
+        key = lookup.keys[end]
+        return self._pool.contains(key) or (self._disk is not None and self._disk.contains(key))
+
+    def _local_run(
+        self, hashes: Sequence[bytes], made: list[BlockKey], tiers: list[str]
+    ) -> tuple[int, int]:
+        """Extend ``tiers`` (the tier, ``cpu`` or ``disk``, of each leading block of
+        ``hashes`` the pool or the disk holds) past the blocks it has; how many blocks the
+        pool and the disk were asked about. ``made``: the keys of the first ``hashes`` made
+        already; extended with those made here. The pool is asked :data:`LOOKUP_CHUNK` keys
+        at a time, so the first block neither holds ends the walk (a cold 32K-token prompt
+        cost ~1 ms a lookup when every key was made and asked)."""
+        begin = len(tiers)
         disk_lookups = 0
-        for start in range(0, len(hashes), LOOKUP_CHUNK):
+        for start in range(begin, len(hashes), LOOKUP_CHUNK):
             stop = min(start + LOOKUP_CHUNK, len(hashes))
             self._make_keys(made, hashes, stop)
             keys = made[start:stop]
@@ -164,10 +207,10 @@ class TierLookup:
                     break
                 disk_lookups += self._disk is not None
                 if self._disk is None or not self._disk.contains(keys[end]):
-                    return tiers, len(tiers) + 1, disk_lookups
+                    return len(tiers) - begin + 1, disk_lookups
                 tiers.append("disk")
                 i = end + 1
-        return tiers, len(tiers), disk_lookups
+        return len(tiers) - begin, disk_lookups
 
     def _make_keys(self, made: list[BlockKey], hashes: Sequence[bytes], stop: int) -> None:
         """Extend ``made`` (the keys of the first ``hashes``) to the first ``stop``."""
@@ -194,31 +237,36 @@ class TierLookup:
     def matched_tiers(self, request_id: str) -> tuple[str, ...]:
         """The tier of each block the request's last lookup matched, in order."""
         lookup = self._lookups.get(request_id)
-        return () if lookup is None else lookup.tiers
+        return () if lookup is None or lookup.tiers is None else lookup.tiers
 
     def forget(self, request_id: str) -> None:
         """The request finished: drop what its lookups found."""
         self._lookups.pop(request_id, None)
-        self._remote_runs.pop(request_id, None)
 
     def close(self) -> None:
         """Wait for the remote lookups in flight; no lookup may start after this."""
         if self._lookup_pool is not None:
             self._lookup_pool.shutdown(wait=True)
 
-    def _remote_run(self, request_id: str, rest: tuple[BlockKey, ...]) -> int | None:
-        """How many leading ``rest`` blocks the remote tier holds; ``None`` while the lookup
-        (one pipelined round-trip, gated by the store's breaker) runs on a lookup thread."""
-        entry = self._remote_runs.get(request_id)
-        if entry is None or entry[0] != rest:
-            future = self._lookup_pool.submit(self._remote.longest_prefix, list(rest))
+    def _remote_run(self, request_id: str, lookup: _Lookup) -> int | None:
+        """How many of the blocks after ``lookup``'s local run the remote tier holds (0
+        without one); ``None`` while the lookup (one pipelined round-trip for all of them,
+        gated by the store's breaker) runs on a lookup thread. Asked again only when the
+        local run changed, so a repeated lookup costs no further round-trip."""
+        run = len(lookup.local)
+        if self._remote is None or lookup.first + run == len(lookup.hashes):
+            return 0
+        if lookup.remote is None or lookup.remote_from != run:
+            wanted = lookup.hashes[lookup.first :]
+            self._make_keys(lookup.keys, wanted, len(wanted))
+            future = self._lookup_pool.submit(self._remote.longest_prefix, lookup.keys[run:])
             future.add_done_callback(self._lookup_done)
-            self._remote_runs[request_id] = (rest, future)
+            lookup.remote, lookup.remote_from = future, run
             return None
-        if not entry[1].done():
+        if not lookup.remote.done():
             return None
         try:
-            return entry[1].result()
+            return lookup.remote.result()
         except Exception:  # the store turns its errors into misses; anything else is a bug
             logger.exception("remote lookup for %s failed", request_id)
             return 0
