@@ -7,7 +7,8 @@ end, and a damaged page can send a read anywhere. So the file is checked here fi
 - :func:`check_data_file`: the two meta pages and the file size; cheap, run by every open;
 - :func:`check_structure`: every page reachable from the committed meta; one read of the
   B-tree pages and of each overflow run's page header (not of the values), for admin tools
-  that read everything; a page two owners claim (:mod:`storage.lmdb_pages`) is damage too.
+  that read everything; a page two owners claim (:mod:`storage.lmdb_pages`) is damage too,
+  a page below the last one that no owner claims is leaked (reported, not damage).
 
 Salvaging the entries of a damaged file that can still be read (repair) is
 :mod:`storage.lmdb_salvage`.
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from storage.base import StoreError
-from storage.lmdb_pages import PageOwners
+from storage.lmdb_pages import Leak, PageOwners
 
 DATA_NAME = "data.mdb"
 MAGIC = 0xBEEFC0DE
@@ -79,6 +80,15 @@ class Meta(NamedTuple):
     txnid: int
     free: Db
     main: Db
+
+
+class FileCheck(NamedTuple):
+    """What :func:`check_structure` found."""
+
+    problems: list[str]  # damage: LMDB must not map the file
+    # Pages up to the last one that no tree, value or free list claims: lost space, no
+    # damage. Counted only in a file without problems: a bad link hides the pages past it.
+    leaked: Leak
 
 
 class _Overflow(NamedTuple):
@@ -193,13 +203,13 @@ def check_data_file(path: str | os.PathLike[str]) -> Meta | None:
     raise DamagedStore(f"{path / DATA_NAME} is damaged: {damage}")
 
 
-def check_structure(path: str | os.PathLike[str]) -> list[str] | None:
+def check_structure(path: str | os.PathLike[str]) -> FileCheck | None:
     """Every page LMDB could reach from the committed meta, checked as LMDB trusts it.
 
-    Returns what is wrong (empty: LMDB can read the file safely), or None if a writer in
-    another process committed during each of three walks: LMDB never rewrites a page the
-    newest commit can reach, so a walk is sound only if no commit came during it.
-    :class:`DamagedStore` if the meta pages are bad.
+    Returns what is wrong (no problems: LMDB can read the file safely) and the pages no one
+    claims, or None if a writer in another process committed during each of three walks:
+    LMDB never rewrites a page the newest commit can reach, so a walk is sound only if no
+    commit came during it. :class:`DamagedStore` if the meta pages are bad.
     """
     path = Path(path)
     damage: DamagedStore | None = None
@@ -213,13 +223,13 @@ def check_structure(path: str | os.PathLike[str]) -> list[str] | None:
                 time.sleep(0.01)  # a writer in another process may be midway through a meta page
                 continue
             damage = None
-            problems = _walk_all(file, meta)
+            check = _walk_all(file, meta)
             # A writer may have committed (and grown the file) during the walk: read the
             # meta pages again against the file as it is now.
             file.size = os.fstat(file.fd).st_size
             try:
                 if file.committed().txnid == meta.txnid:
-                    return problems
+                    return check
             except DamagedStore:
                 pass  # midway through the next commit: walk again
     if damage is not None:
@@ -227,7 +237,7 @@ def check_structure(path: str | os.PathLike[str]) -> list[str] | None:
     return None
 
 
-def _walk_all(file: DataFile, meta: Meta) -> list[str]:
+def _walk_all(file: DataFile, meta: Meta) -> FileCheck:
     walk = Walk(file, meta)
     for node in walk.leaves("free", meta.free):
         value = walk.value("free", node)
@@ -251,7 +261,9 @@ def _walk_all(file: DataFile, meta: Meta) -> list[str]:
             if previous is not None and node.key <= previous:
                 walk.problem(f"{name} db: key {node.key[:8].hex()}... is out of order")
             previous = node.key
-    return walk.problems
+    if walk.problems:
+        return FileCheck(walk.problems, Leak(0, ()))
+    return FileCheck(walk.problems, walk.owners.unclaimed(2))  # past the meta pages
 
 
 class Walk:

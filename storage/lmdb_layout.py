@@ -31,6 +31,7 @@ import lmdb
 from storage.base import StoreError
 from storage.lmdb_file import DATA_NAME, DamagedStore, check_data_file, check_structure
 from storage.lmdb_meta import pack_meta
+from storage.lmdb_pages import Leak
 from storage.priority_lru import DEFAULT_PRIORITY
 from storage.record import FORMAT_VERSION as RECORD_FORMAT_VERSION
 from storage.lmdb_directory import (
@@ -202,14 +203,15 @@ def open_env(
 
 class Opened(NamedTuple):
     """An open store: its descriptor, environment and databases, the writer lock's
-    descriptor (``None`` for a reader; closing it releases the lock), and the key that
-    seals its records."""
+    descriptor (``None`` for a reader; closing it releases the lock), the key that
+    seals its records, and the leaked pages the full check found (``None``: not checked)."""
 
     descriptor: StoreDescriptor
     env: lmdb.Environment
     dbs: dict[bytes, Any]
     lock_fd: int | None
     seal_key: SealKey
+    leaked: Leak | None
 
 
 def open_for_writing(
@@ -229,7 +231,7 @@ def open_for_writing(
         check_is_store(path)  # again, now that no other writer can be creating it
         make_private(path)
         marked = (path / DAMAGE_MARK_NAME).exists()
-        check_file(path, full_check or marked)
+        leaked = check_file(path, full_check or marked)
         if marked:  # every page checked and found sound: the damage was not in the file
             (path / DAMAGE_MARK_NAME).unlink()
             logger.info("%s: checked every page after a damaged read; none is damaged", path)
@@ -292,7 +294,7 @@ def open_for_writing(
             env.close()
         os.close(lock_fd)
         raise
-    return Opened(descriptor, env, dbs, lock_fd, seal_key)
+    return Opened(descriptor, env, dbs, lock_fd, seal_key, leaked)
 
 
 def _save(descriptor: StoreDescriptor, path: Path) -> None:
@@ -340,7 +342,7 @@ def open_for_reading(
             f"{path}`, or serve) drops records it cannot verify"
         )
     seal_key = store_key(path, create=False)
-    check_file(path, full_check)
+    leaked = check_file(path, full_check)
     # The writer's map size, so that this map always covers what the writer can commit.
     env = open_env(
         path, readonly=True, sync=sync, map_size=max(descriptor.map_size, map_size or 0),
@@ -356,17 +358,33 @@ def open_for_reading(
     except lmdb.Error as e:
         env.close()
         raise DamagedStore(f"{path / DATA_NAME} is damaged ({e})") from None
-    return Opened(descriptor, env, dbs, None, seal_key)
+    return Opened(descriptor, env, dbs, None, seal_key, leaked)
 
 
-def check_file(path: Path, full: bool) -> None:
+def check_file(path: Path, full: bool) -> Leak | None:
     """Before LMDB maps ``data.mdb``: its meta pages and size, and with ``full`` every
-    page LMDB could reach. :class:`DamagedStore` if it must not be mapped."""
-    if check_data_file(path) is not None and full:
-        problems = check_structure(path)  # None: a writer kept committing; the metas are fine
-        if problems:
-            more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
-            raise DamagedStore(f"{path / DATA_NAME} is damaged: {problems[0]}{more}")
+    page LMDB could reach. :class:`DamagedStore` if it must not be mapped.
+
+    Returns the pages the full check found leaked, logged as a warning if there are any;
+    ``None`` if it did not run (not ``full``, a new file, or a writer kept committing).
+    """
+    if check_data_file(path) is None or not full:
+        return None
+    check = check_structure(path)
+    if check is None:  # a writer kept committing; the metas are fine
+        return None
+    problems = check.problems
+    if problems:
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        raise DamagedStore(f"{path / DATA_NAME} is damaged: {problems[0]}{more}")
+    leaked = check.leaked
+    if leaked.pages:
+        logger.warning(
+            "%s: %d leaked pages (no tree, value or free list claims them: %s); LMDB never "
+            "reuses them and `compact` refuses the file; `repair` rebuilds it without them",
+            path / DATA_NAME, leaked.pages, leaked.listed(),
+        )
+    return leaked
 
 
 @contextlib.contextmanager

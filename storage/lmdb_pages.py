@@ -13,13 +13,33 @@ pages: number 0)::
 
 A run claims its pages up to the first one another owner holds, so the owner of a
 ``RUN_PAGE`` is the nearest ``RUN`` of its db before it.
+
+A page no owner claims is leaked. LMDB puts every page it stops using on the free list: a
+commit lists the pages it freed under its own txnid (the newest commits' too, pages older
+snapshots may still read), and those it took from the list but did not use under the
+txnids it took them from. So a sound file has none (LMDB's own audit counts the same). A
+leaked page is no danger to the others, but it is never reused, and LMDB's compacting copy
+refuses the file.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 _TREE, _RUN, _RUN_PAGE, _FREE = range(4)  # a mark's low two bits
 _MAX_NUMBER = 63  # a mark's other six bits: the 63rd db and any later ones share 63
+
+
+class Leak(NamedTuple):
+    """Pages that no owner claims: how many, and the first few of them."""
+
+    pages: int
+    first: tuple[int, ...]
+
+    def listed(self) -> str:
+        """The first pages, then "..." if there are more: ``40, 41, 57, ...``."""
+        more = ", ..." if self.pages > len(self.first) else ""
+        return ", ".join(map(str, self.first)) + more
 
 
 class PageOwners:
@@ -84,6 +104,16 @@ class PageOwners:
             elif taken is None:
                 taken = page
         return taken
+
+    def unclaimed(self, start: int, shown: int = 5) -> Leak:
+        """The pages from ``start`` that nothing claimed, the first ``shown`` of them named."""
+        marks = self._marks
+        first: list[int] = []
+        page = marks.find(0, start)
+        while page != -1 and len(first) < shown:
+            first.append(page)
+            page = marks.find(0, page + 1)
+        return Leak(marks.count(0, start) if first else 0, tuple(first))
 
     def _number(self, db: str) -> int:
         return self._numbers.setdefault(db, min(len(self._numbers) + 1, _MAX_NUMBER))

@@ -69,6 +69,7 @@ from storage.lmdb_layout import (
 )
 from storage.lmdb_listing import Listing, RecordMeta
 from storage.lmdb_meta import check_priority, unpack_meta
+from storage.lmdb_pages import Leak
 from storage.lmdb_reader import Reader
 from storage.lmdb_recovery import Recovery
 from storage.lmdb_repair import Repair, RepairResult
@@ -110,7 +111,8 @@ class LmdbStore(Admin, Listing, Repair, Reader, Recovery, Committer, BlockStore[
     damaged file raises :class:`DamagedStore`, never a signal. ``full_check=True`` also
     walks every page LMDB could reach (one read of the B-tree pages and of each overflow
     run's header; given up if a writer in another process keeps committing): for admin
-    tools that read everything.
+    tools that read everything. Pages it finds no owner for are logged and kept in
+    :attr:`leaked` (``None`` without a full check): lost space, not damage.
     ``replace_damaged=True`` (writers only) moves a damaged store aside to
     ``<dir>.damaged-<time>`` (see :attr:`moved_aside`) and starts an empty one instead.
     ``seal_key`` is the key of the store's ``seal.key``, which a writer creates with the
@@ -168,6 +170,7 @@ class LmdbStore(Admin, Listing, Repair, Reader, Recovery, Committer, BlockStore[
         self._init_committer()
         self._init_recovery()
         self.moved_aside: Path | None = None  # where replace_damaged put a damaged store
+        self.leaked: Leak | None = None  # pages the full check found leaked (None: no check)
 
         def open_store() -> Opened:
             if readonly:
@@ -181,7 +184,7 @@ class LmdbStore(Admin, Listing, Repair, Reader, Recovery, Committer, BlockStore[
 
         def open_and_index() -> None:
             opened = open_store()
-            self.descriptor, self._env, self._dbs, self._lock_fd, self.seal_key = opened
+            self.descriptor, self._env, self._dbs, self._lock_fd, self.seal_key, self.leaked = opened
             if not readonly:
                 try:
                     self._load_index()  # reads the whole meta db: a damaged page shows here

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from storage.lmdb_pages import PageOwners
+from storage.lmdb_pages import Leak, PageOwners
 
 
 def test_each_page_is_claimed_once_and_its_owner_named():
@@ -47,3 +47,17 @@ def test_dbs_past_the_63rd_share_a_number_and_are_named_as_such():
         owners.claim_tree(f"db{i}", 2 + i)
     assert owners.owner(2 + 61) == "the db61 db's tree"
     assert owners.owner(2 + 69) == "the 63rd or later db's tree"
+
+
+def test_pages_nothing_claims_are_counted_and_the_first_named():
+    owners = PageOwners(20)
+    owners.claim_tree("records", 2)
+    assert owners.claim_run("records", 3, 4) is None  # pages 3..6
+    assert owners.claim_free([8, 10]) is None
+    assert owners.claim_run("meta", 11, 8) is None  # pages 11..18
+    assert owners.unclaimed(2) == Leak(3, (7, 9, 19))
+    assert owners.unclaimed(8) == Leak(2, (9, 19))
+    leak = owners.unclaimed(2, shown=2)
+    assert leak == Leak(3, (7, 9)) and leak.listed() == "7, 9, ..."
+    owners.claim_free([7, 9, 19])
+    assert owners.unclaimed(2) == Leak(0, ()) and owners.unclaimed(0) == Leak(2, (0, 1))

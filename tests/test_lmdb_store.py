@@ -1029,11 +1029,12 @@ def test_a_damaged_overflow_page_header_is_damage(path: Path, tmp_path: Path, fi
     with LmdbStore(path, 16 << 20) as store:
         for i in range(10):
             put(store, i, size=9000)  # each on a run of overflow pages
-    assert check_structure(path) == []
+    assert check_structure(path).problems == []
     with open(path / "data.mdb", "r+b") as f:
         f.seek(overflow_run_of(path, key(3)) * 4096 + field)
         f.write(value)
-    assert any(problem in p for p in check_structure(path)), check_structure(path)
+    problems = check_structure(path).problems
+    assert any(problem in p for p in problems), problems
     for readonly in (True, False):
         with pytest.raises(DamagedStore, match=problem):
             LmdbStore(path, None, readonly=readonly, full_check=True)
@@ -1074,21 +1075,103 @@ def test_a_sound_file_has_one_owner_for_every_page(path: Path) -> None:
     from storage.lmdb_file import check_data_file, check_structure
 
     rng = random.Random(0)
-    with LmdbStore(path, 8 << 20) as store:  # a small budget: evictions free runs too
-        for _ in range(6):
-            for _ in range(80):
-                put(store, rng.randrange(200), size=rng.choice([300, 9000, 40_000, 150_000]))
-            store.delete_many([key(rng.randrange(200)) for _ in range(20)])
-            assert store.flush()
-            assert check_structure(path) == []
+    for _ in range(3):  # reopened: each open commits too, and picks the free list up again
+        with LmdbStore(path, 8 << 20) as store:  # a small budget: evictions free runs too
+            for _ in range(2):
+                for _ in range(80):
+                    put(store, rng.randrange(200), size=rng.choice([300, 9000, 40_000, 150_000]))
+                store.delete_many([key(rng.randrange(200)) for _ in range(20)])
+                assert store.flush()
+                assert check_structure(path) == ([], (0, ()))  # no damage, no leaked page
     runs, tree, free = pages_of(path)
     assert len(runs) > 30 and free
     in_runs = [page for first, count in runs.items() for page in range(first, first + count)]
     owned = sorted([*in_runs, *tree, *free])
     assert owned == list(range(2, check_data_file(path).last_page + 1))  # each page once
     with LmdbStore(path, readonly=True, full_check=True) as store:
+        assert store.leaked == (0, ())
         result = store.verify()
         assert result.checked > 0 and result.corrupt == 0
+
+
+def leak_past_the_last_page(path: Path, count: int) -> int:
+    """Move the committed meta's last page ``count`` pages on, the file grown to hold them:
+    pages that nothing claims, as a lost commit could leave. Returns the old last page."""
+    with open(path / "data.mdb", "r+b") as f:
+        tails = []
+        for page in (0, 1):
+            f.seek(page * 4096 + 136)
+            tails.append(struct.unpack("=QQ", f.read(16)))  # last page, txnid
+        newest = max((0, 1), key=lambda page: tails[page][1])
+        last = tails[newest][0]
+        f.seek(newest * 4096 + 136)
+        f.write(struct.pack("=Q", last + count))
+        f.truncate(max(os.fstat(f.fileno()).st_size, (last + count + 1) * 4096))
+    return last
+
+
+def drop_node(path: Path, k: BlockKey) -> None:
+    """Take ``k``'s node out of its leaf page, as a lost link would: its run of overflow
+    pages stays in the file, and nothing claims it."""
+    from storage.lmdb_file import PAGE, DataFile, Walk
+
+    run = overflow_run_of(path, k)
+    with DataFile.open(path) as f:
+        meta = f.committed()
+        walk = Walk(f, meta)
+        for name, db in walk.named_dbs(meta.main).items():
+            list(walk.leaves(name, db))
+    data = bytearray((path / "data.mdb").read_bytes())
+    node = k.to_bytes() + struct.pack("=Q", run)  # key, then the run's first page
+    at = data.find(node)
+    while not walk.owners.is_tree(at // 4096):  # an older copy of the leaf, on a free page
+        at = data.find(node, at + 1)
+    page, offset = divmod(at - 8, 4096)  # the node's header: 8 bytes before its key
+    start = page * 4096
+    _, _, _, lower, _ = PAGE.unpack_from(data, start)
+    pointers = list(struct.unpack_from(f"={(lower - 16) // 2}H", data, start + 16))
+    pointers.remove(offset)
+    struct.pack_into(f"={len(pointers)}H", data, start + 16, *pointers)
+    struct.pack_into("=H", data, start + 12, lower - 2)
+    (path / "data.mdb").write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["past the last page", "a record's lost run"])
+def test_pages_nothing_claims_are_leaked_not_damage(path: Path, tmp_path: Path, caplog, how) -> None:
+    """A page below the last one that no tree, value or free list claims is leaked: reported
+    with a warning, the file still opens and serves; LMDB never reuses such a page, and its
+    compacting copy refuses the file. Repair rebuilds the store without it."""
+    from storage.lmdb_file import check_structure
+
+    with LmdbStore(path, 16 << 20) as store:
+        for i in range(30):
+            put(store, i, size=9000)  # each on a run of 3 pages
+    assert check_structure(path) == ([], (0, ()))
+    if how == "past the last page":
+        last = leak_past_the_last_page(path, 3)
+        leaked, kept = (last + 1, last + 2, last + 3), range(30)
+    else:
+        run = overflow_run_of(path, key(7))
+        drop_node(path, key(7))
+        leaked, kept = (run, run + 1, run + 2), [i for i in range(30) if i != 7]
+    assert check_structure(path) == ([], (3, leaked))
+    for readonly in (True, False):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING), LmdbStore(
+            path, None, readonly=readonly, full_check=True
+        ) as store:
+            assert store.leaked == (3, leaked)
+            assert all(same(store.get(key(i)), record(i, 9000)) for i in kept)
+        pages = ", ".join(map(str, leaked))
+        assert f"3 leaked pages (no tree, value or free list claims them: {pages})" in caplog.text
+    with LmdbStore(path, None) as store:  # pages nothing claims are never reused
+        put(store, 100, size=9000)
+    assert check_structure(path) == ([], (3, leaked))
+    with LmdbStore(path, readonly=True) as store, pytest.raises(StoreError, match="INCOMPATIBLE"):
+        store.copy_compacted(tmp_path / "compacted")
+    result = LmdbStore.repair(path, tmp_path / "fixed")
+    assert (result.salvaged, result.skipped) == (len(kept) + 1, 0)
+    assert check_structure(tmp_path / "fixed") == ([], (0, ()))
 
 
 @pytest.mark.parametrize("over", ["run", "tree", "free"])
@@ -1113,7 +1196,7 @@ def test_an_overflow_run_over_another_owners_page_is_damage(path: Path, tmp_path
     with open(path / "data.mdb", "r+b") as f:
         f.seek(first * 4096 + 12)
         f.write(struct.pack("=I", count + 1))
-    (problem,) = check_structure(path)
+    (problem,) = check_structure(path).problems
     # The walk meets one owner of the page first; the problem is about the other.
     owner = {
         "run": f"the records db's overflow run at page {page}",
@@ -1407,7 +1490,7 @@ def test_verify_reads_a_record_whose_key_bytes_were_damaged(path: Path) -> None:
         data[at + 32] ^= 0xFF  # the block hash's first byte: the key sorts elsewhere
         at = data.find(victim, at + 1)
     (path / "data.mdb").write_bytes(bytes(data))
-    assert any("out of order" in p for p in check_structure(path))
+    assert any("out of order" in p for p in check_structure(path).problems)
     with LmdbStore(path, readonly=True) as store:
         result = store.verify()
     assert result.checked == 8 and result.corrupt == 1 and result.ok == 7
@@ -1425,17 +1508,17 @@ def test_the_structure_check_is_not_fooled_by_a_writer_growing_the_file(path: Pa
         size = (path / "data.mdb").stat().st_size
 
         def walk_while_a_writer_commits(file, meta):
-            problems = walk(file, meta)
+            check = walk(file, meta)
             walks.append(meta.txnid)
             if len(walks) == 1:
                 for i in range(1, 40):
                     put(store, i, size=100_000)
                 assert store.flush()
                 assert (path / "data.mdb").stat().st_size > size
-            return problems
+            return check
 
         monkeypatch.setattr(lmdb_file, "_walk_all", walk_while_a_writer_commits)
-        assert lmdb_file.check_structure(path) == []
+        assert lmdb_file.check_structure(path) == ([], (0, ()))
     assert len(walks) == 2 and walks[1] > walks[0]
 
 

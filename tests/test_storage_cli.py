@@ -19,6 +19,7 @@ from storage.codecs import encode_block
 from storage.lmdb_store import LmdbStore
 from storage.record import SEAL_SIZE
 from storage.seal import KEY_FILE_NAME, load_key_file
+from test_lmdb_store import leak_past_the_last_page
 from tiered_kv.cli import app
 
 runner = CliRunner()
@@ -151,7 +152,26 @@ def test_ls_counts_the_priorities_of_the_listed_blocks_only(store_dir: Path):
 def test_verify_clean_store_exits_zero(store_dir: Path):
     result = run("verify", store_dir, "--json")
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["ok"] == 8
+    fields = json.loads(result.stdout)
+    assert fields["ok"] == 8 and (fields["leaked_pages"], fields["first_leaked_pages"]) == (0, [])
+    assert result.stderr == ""
+
+
+def test_verify_reports_leaked_pages_as_a_warning_not_damage(big_store: Path):
+    """Pages below the last one that nothing claims waste room, harm no record: verify
+    counts them, names the first, warns once, and exits 0; the other commands still work."""
+    last = leak_past_the_last_page(big_store, 7)
+    result = run("verify", big_store, "--json")
+    assert result.exit_code == 0, result.output
+    fields = json.loads(result.stdout)
+    assert (fields["ok"], fields["corrupt"]) == (150, 0)
+    assert fields["leaked_pages"] == 7 and fields["first_leaked_pages"] == list(range(last + 1, last + 6))
+    (said,) = result.stderr.splitlines()
+    assert said.startswith("warning: ") and "7 leaked pages" in said and "`repair`" in said, said
+    text = " ".join(run("verify", big_store).stdout.split())
+    assert "leaked_pages" in text
+    assert f"7 (pages {', '.join(map(str, range(last + 1, last + 6)))}, ...)" in text
+    assert run("stats", big_store, "--json").exit_code == 0
 
 
 def test_verify_quarantines_and_exits_one(store_dir: Path):
@@ -183,7 +203,8 @@ def test_read_only_commands_work_while_a_server_holds_the_store(store_dir: Path)
         assert run("ls", store_dir, "--json").exit_code == 0
         result = run("verify", store_dir, "--json")
         assert result.exit_code == 0, result.output
-        assert json.loads(result.stdout)["readonly"] is True
+        fields = json.loads(result.stdout)
+        assert fields["readonly"] is True and fields["leaked_pages"] == 0
     finally:
         holder.communicate("done\n", timeout=30)
     assert holder.returncode == 0

@@ -4,7 +4,8 @@ Commands:
     init DIR --size SIZE   create a store (or describe an existing one; --size resizes it)
     stats DIR              occupancy, counters and LMDB figures
     ls DIR                 namespaces: blocks, bytes, codecs, dtypes, age
-    verify DIR             check every record; quarantine the bad ones; exit 1 if any
+    verify DIR             check every record; quarantine the bad ones; exit 1 if any;
+                           count leaked pages
     tree DIR               the stored prefix trees, optionally with each block's text
                            (alias: inspect; in ``storage_tree``)
     gc DIR                 evict blocks unused for a while, or down to a size (alias: evict;
@@ -41,6 +42,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from storage.base import StoreError
+from storage.lmdb_pages import Leak
 from storage.lmdb_store import DamagedStore, LmdbStore, StoreInfo
 from storage.seal import KEY_FILE_NAME
 from tiered_kv.storage_errors import CommandError, StorageGroup
@@ -64,12 +66,15 @@ def _fail_store(error: StoreError, path: Path) -> CommandError:
 
 
 @contextmanager
-def _open(path: Path, *, readonly: bool = True, capacity: int | None = None):
-    """The store, its data file checked page by page first; errors as one line."""
+def _open(
+    path: Path, *, readonly: bool = True, capacity: int | None = None, full_check: bool = True
+):
+    """The store, its data file checked page by page first (unless ``full_check=False``:
+    checked just before); errors as one line."""
     if readonly and not path.exists():
         raise _fail(f"{path}: no such KV cache directory")
     try:
-        store = LmdbStore(path, capacity, readonly=readonly, full_check=True)
+        store = LmdbStore(path, capacity, readonly=readonly, full_check=full_check)
     except StoreError as e:
         raise _fail_store(e, path) from None
     with _closing(store, path):
@@ -258,32 +263,43 @@ def verify(path: Dir, as_json: AsJson = False) -> None:
     the bad ones. Exit 1 if any record was bad.
 
     When a server holds the store, bad records are reported but left for the server to
-    quarantine on its next read.
+    quarantine on its next read. Leaked pages the file check found (pages nothing uses
+    or frees) are reported too, as a warning: they waste room but harm no record.
     """
-    with _open(path):
-        pass  # a clean error, and nothing created, if this is not a store or is damaged
+    # A clean error, and nothing created, if this is not a store or is damaged.
+    with _open(path) as checked:
+        leaked = checked.leaked
     try:
         store = LmdbStore(path, None)  # checked just above
     except StoreError:
         store = None
     readonly = store is None
-    with (_open(path) if readonly else _closing(store, path)) as opened:
+    with (_open(path, full_check=False) if readonly else _closing(store, path)) as opened:
         total = opened.stats().entries
         with _progress("verifying", total) as bar:
             task = bar.add_task("", total=total)
             result = opened.verify(progress=lambda n: bar.advance(task, n))
     fields = result._asdict() | {"readonly": readonly}
     if as_json:
-        print_json(fields)
+        print_json(fields | {  # None: not counted (a server committed throughout the check)
+            "leaked_pages": leaked.pages if leaked is not None else None,
+            "first_leaked_pages": list(leaked.first) if leaked is not None else [],
+        })
     else:
         table = Table(title=f"verify {path}", show_header=False)
-        for name, value in fields.items():
+        for name, value in (fields | {"leaked_pages": _leaked_text(leaked)}).items():
             table.add_row(name, str(value))
         out.print(table)
         if readonly and result.corrupt:
             out.print("A server holds this store: the bad records were left for it to quarantine.")
     if result.corrupt:
         raise typer.Exit(EXIT_FOUND_CORRUPT)
+
+
+def _leaked_text(leaked: Leak | None) -> str:
+    if leaked is None:
+        return "not counted (a server kept committing)"
+    return f"{leaked.pages:,} (pages {leaked.listed()})" if leaked.pages else "0"
 
 
 def _commit(store: LmdbStore, what: str) -> None:
