@@ -142,9 +142,13 @@ class KVConnector(abc.ABC):
         already in the engine's prefix cache (for example, it was loaded from this
         connector) is not offered again.
 
-        It should not raise. If it does, the engine logs it and lets go of every block of
-        the call at once, so a connector that raises must neither read those blocks nor
-        report any of them later.
+        It takes every block, or raises having taken none. A block taken is reported by
+        :meth:`poll` exactly once, copied or given up; so once one block is taken
+        (reported, waiting or copying), a step that fails must give the rest up (report
+        them) rather than raise. If it raises, the engine logs it and lets go of every
+        block of the call at once, so a connector that raises must neither read those
+        blocks nor report any of them later: by then a block may be reused and held for a
+        newer save, whose hold such a report would drop while that save still reads it.
         """
 
     @abc.abstractmethod

@@ -65,9 +65,17 @@ class Loads:
     def apply_transfers(self, finished: FinishedTransfers) -> None:
         """Take in what :meth:`KVConnector.poll` reported: release the saved blocks; a loaded
         sequence has its loaded blocks computed and cached, and joins the running ones.
-        Raises ``ValueError`` for a report that breaks the connector's contract."""
+        Raises ``ValueError`` for a report that breaks the connector's contract: the holds
+        can no longer be trusted (a stale report may already have dropped a newer save's
+        hold), so the engine stops rather than go on with a connector that may have stored
+        a block overwritten while it was copied."""
         if finished.saved:
-            self.block_manager.release(finished.saved)
+            try:
+                self.block_manager.release(finished.saved)
+            except ValueError as e:
+                raise ValueError(
+                    f"the KV connector reported a save it was not given: {e}"
+                ) from None
         for request_id, num_loaded in finished.loaded.items():
             if request_id in self.loading:
                 self._end_load(self.loading.pop(request_id), num_loaded, aborted=False)

@@ -252,3 +252,37 @@ def test_a_commit_that_fails_drops_its_blocks_and_still_reports_them(monkeypatch
     assert s.reported == [0, 1] and s.dropped() == 2
     assert s.pool.num_evictable() == 4  # the slots it reserved are free again
     s.close()
+
+
+
+def fail(*args, **kwargs):
+    raise RuntimeError("injected")
+
+
+def test_a_save_that_fails_after_reporting_some_blocks_drops_the_rest_instead_of_raising(
+    monkeypatch,
+):
+    """The engine lets go of every block of a save that raises, so once one block is
+    reported (here a generated one, skipped) a failing step must not raise: the rest are
+    dropped, and every block is reported exactly once."""
+    s = Saves(slots=4, offload="prompt")
+    monkeypatch.setattr(s.pool, "reserve_many", fail)
+    s.saver.save([saved(0), saved(1, is_prompt=False), saved(2)])
+    assert sorted(s.reported) == [0, 1, 2] and s.dropped() == 2 and not s.saver.busy()
+    s.close()
+
+
+def test_a_save_whose_counting_fails_still_reports_each_block_once(monkeypatch):
+    """One save: a block already in the pool (reported at once), one copied, one waiting
+    for a slot. Counting the copy fails: the save must not raise (the engine would let go
+    of all three twice); the copied block is reported, the waiting one later."""
+    s = Saves(slots=2)
+    s.saver.save([saved(0)])  # pending for the remote tier: its slot stays taken
+    monkeypatch.setattr(s.metrics, "observe_store", fail)
+    s.saver.save([saved(0), saved(2), saved(3)])
+    assert s.reported == [0, 0, 2] and s.saver.busy()  # 3 waits for a slot
+    s.written()
+    s.saver.retry_deferred()
+    assert s.reported == [0, 0, 2, 3] and not s.saver.busy() and s.dropped() == 0
+    assert s.pool.contains(key(saved(2))) and s.pool.contains(key(saved(3)))  # 3 evicted 0
+    s.close()

@@ -14,7 +14,12 @@ import torch
 from prometheus_client import generate_latest
 
 from engine import LLM, SamplingParams
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
 from engine.models.tiny import TINY_CONFIG
+from engine.scheduler import Scheduler
+from engine.stats import StatsCollector
+from engine_testing import make_seq
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
 from storage.codecs import get_codec
 from storage.codecs.kivi import KiviCodec
@@ -613,6 +618,86 @@ def assert_all_dropped(manager, blocks: int) -> None:
     stats = manager.stats()["cpu"]
     assert stats["dropped"] == blocks and stats["entries"] == 0
     assert manager.stores()["cpu"].num_evictable() == manager.stores()["cpu"].num_slots
+
+
+# ---------------------------------------------------------------- a save that fails part way
+
+
+def _fail(*args, **kwargs):
+    raise RuntimeError("injected")
+
+
+def _scheduler_step(s: Scheduler) -> None:
+    """What an engine step does to the scheduler, without the model (each token is 7)."""
+    s.apply_transfers(s.connector.poll())
+    out = s.schedule()
+    s.complete_step(out)
+    for seq, _ in out.scheduled:
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(7)
+
+
+def test_a_save_that_fails_part_way_releases_each_hold_once(monkeypatch):
+    """The engine holds each offered block until the manager reports it, and lets go of a
+    whole batch whose save raises. A batch whose first block is reported at once (a
+    generated one, with ``offload="prompt"``) and whose next step fails must not raise:
+    else the block's report would later drop a newer save's hold on the reused block, or
+    release it twice (ValueError)."""
+    bs = 4
+    manager = TierManager(TierConfig(cpu_bytes=1 << 16))
+    manager.register_kv_cache(torch.zeros(4, 1, 2, bs, 1, 2), bytes(32), bs)  # [N, L, 2, T, H, D]
+    pool = manager.stores()["cpu"]
+    config = EngineConfig(device="cpu", block_size=bs, max_model_len=64).resolve(4096)
+    blocks = BlockManager(4, bs)
+    s = Scheduler(config, blocks, StatsCollector(), manager)
+    s.add(a := make_seq([1, 2, 3, 4, 5], "a", block_size=bs))
+    while a.num_computed_tokens < 2 * bs - 1:
+        _scheduler_step(s)
+    s.add(b := make_seq([11, 12, 13, 14, 15], "b", block_size=bs))
+    with monkeypatch.context() as m:
+        m.setattr(pool, "reserve_many", _fail)
+        _scheduler_step(s)  # saves a's block 1 (generated: reported) and b's block 0 (fails)
+    assert blocks.num_held_blocks == 2  # both held until reported
+    failed = b.block_table[0]
+    s.finish(a, "abort")
+    s.finish(b, "abort")
+    monkeypatch.setattr(pool, "reserve_many", lambda priorities: [])  # no room: c's saves wait
+    s.add(c := make_seq(range(21, 34), "c", block_size=bs))
+    _scheduler_step(s)  # the reports come in; c reuses every block and its 3 full ones wait
+    assert failed in c.block_table[:3] and blocks.num_held_blocks == 3
+    _scheduler_step(s)
+    assert blocks.num_held_blocks == 3  # no stale report dropped a newer hold
+    monkeypatch.undo()
+    manager.flush(30)  # c's saves go in
+    s.apply_transfers(manager.poll())
+    assert blocks.num_held_blocks == 0
+    assert manager.stats()["cpu"]["dropped"] == 1  # b's block 0
+    manager.close()
+
+
+def test_a_save_that_fails_part_way_leaves_the_engine_serving(monkeypatch):
+    """The same fault in a running engine: a request decoding into its second block and
+    another's prefill save together; both finish, and every hold goes."""
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    with make_llm(TierConfig(cpu_bytes=4 << 20)) as llm:
+        engine, manager = llm.engine, llm.engine.connector
+        engine.add_request(PROMPTS[0][: BLOCK + 1], params)
+        while not engine.scheduler.running or (
+            engine.scheduler.running[0].num_computed_tokens < 2 * BLOCK - 1
+        ):
+            engine.step()
+        engine.add_request(PROMPTS[1][: BLOCK + 1], params)
+        with monkeypatch.context() as m:
+            m.setattr(manager.stores()["cpu"], "reserve_many", _fail)
+            engine.step()
+        done = []
+        while engine.has_unfinished_requests():
+            done += [out for out in engine.step() if out.finished]
+        assert [len(out.token_ids) for out in done] == [20, 20]
+        manager.flush(30)
+        engine.scheduler.apply_transfers(manager.poll())
+        assert engine.block_manager.num_held_blocks == 0
+        assert manager.stats()["cpu"]["dropped"] == 1
 
 
 # ---------------------------------------------------------------- metrics

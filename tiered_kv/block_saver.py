@@ -5,7 +5,9 @@ once the copy is complete its blocks are committed to the pool, pending for the 
 the ``PoolWriter`` threads write, and reported saved (the engine then lets their GPU blocks
 go). A synchronous copy (a plain host memcpy) is committed at once; an asynchronous one (CUDA,
 or a transcoding host copy) by the ``tiered-kv-save-watcher`` thread, in order. A copy that
-fails, when it is queued or on the way, drops its blocks (reported saved, counted, logged).
+fails, when it is queued or on the way, drops its blocks (reported saved, counted, logged),
+and so does any other step of a save that fails: a save never raises, since the engine lets
+go of every block of a ``save_blocks`` that raises, and some may be reported already.
 
 When every slot holds a block not yet written to the lower tiers, a save waits, deferred
 (its GPU block stays held), and is retried at each ``poll`` (or by a flush while the engine
@@ -103,7 +105,8 @@ class BlockSaver:
             self._save_watcher.start()
 
     def save(self, blocks: Sequence[SavedBlock]) -> None:
-        """:meth:`engine.connector.KVConnector.save_blocks`: start the copies."""
+        """:meth:`engine.connector.KVConnector.save_blocks`: start the copies. Takes every
+        block, each reported once (copied, skipped, or dropped); never raises."""
         with self._deferred_lock:
             if not self._accepting:
                 self._on_saved([b.block_id for b in blocks])
@@ -167,33 +170,51 @@ class BlockSaver:
         and start one batched copy; blocks that find no slot wait in ``_deferred`` (their
         GPU blocks stay held), each with its own start, so the queue stays oldest first:
         behind the blocks already waiting, or (``retried``, the oldest taken from it) in
-        front of them."""
-        keys = [BlockKey(self._namespace, block.block_hash) for block, _ in blocks]
-        present = self._pool.contains_many(keys)
-        # already below (e.g. loaded from there): nothing to copy
-        done = [block.block_id for (block, _), here in zip(blocks, present) if here]
-        todo = [(key, item) for key, item, here in zip(keys, blocks, present) if not here]
-        priority = self._config.tenant_priority
-        slots = self._pool.reserve_many([priority(block.cache_salt) for _, (block, _) in todo])
-        commits = [(key, slot, block) for (key, (block, _)), slot in zip(todo, slots)]
-        if len(slots) < len(todo):  # the rest wait for slots (their GPU blocks stay held)
-            waiting = [item for _, item in todo[len(slots):]]
-            if retried:
-                self._deferred.extendleft(reversed(waiting))
-            else:
-                self._deferred.extend(waiting)
-            self._drop_deferred(time.monotonic())
-        if done:
-            self._on_saved(done)
-        if not commits:
-            return
-        block_ids = [block.block_id for _, _, block in commits]
+        front of them.
+
+        Never raises: once one block is reported, waiting or copying, a raise would make the
+        engine let go of it twice. A step that fails drops the blocks not yet placed so
+        (reported saved, counted, logged) and gives back the slots no copy took."""
+        placed: set[int] = set()  # block ids reported, waiting or handed to a copy
+        slots: list[int] = []  # reserved, not yet handed to a copy
+        try:
+            keys = [BlockKey(self._namespace, block.block_hash) for block, _ in blocks]
+            present = self._pool.contains_many(keys)
+            # already below (e.g. loaded from there): nothing to copy
+            done = [block.block_id for (block, _), here in zip(blocks, present) if here]
+            todo = [(key, item) for key, item, here in zip(keys, blocks, present) if not here]
+            priority = self._config.tenant_priority
+            slots = self._pool.reserve_many([priority(block.cache_salt) for _, (block, _) in todo])
+            commits = [(key, slot, block) for (key, (block, _)), slot in zip(todo, slots)]
+            if len(slots) < len(todo):  # the rest wait for slots (their GPU blocks stay held)
+                waiting = [item for _, item in todo[len(slots):]]
+                if retried:
+                    self._deferred.extendleft(reversed(waiting))
+                else:
+                    self._deferred.extend(waiting)
+                placed.update(block.block_id for block, _ in waiting)
+                self._drop_deferred(time.monotonic())
+            if done:
+                self._on_saved(done)
+                placed.update(done)
+            if commits:
+                block_ids = [block.block_id for _, _, block in commits]
+                placed.update(block_ids)
+                slots = []
+                self._copy(commits, block_ids)
+        except Exception:
+            left = [block.block_id for block, _ in blocks if block.block_id not in placed]
+            self._drop_failed("saving", left, slots)
+
+    def _copy(self, commits: list[tuple[BlockKey, int, SavedBlock]], block_ids: list[int]) -> None:
+        """Start the batched copy of ``commits``; it reports ``block_ids`` once, done or
+        dropped."""
         try:
             # On CUDA the copies are queued here, so a device error (out of memory for the
             # staging temporaries, a kernel that does not compile) raises here, not in wait().
             copy = self._mover.offload([(block.block_id, slot) for _, slot, block in commits])
         except Exception:
-            self._drop_failed(commits, block_ids)
+            self._drop_failed("offloading", block_ids, [slot for _, slot, _ in commits])
             return
         save = _Save(copy, commits, block_ids, time.perf_counter())
         if self._save_watcher is None:
@@ -208,11 +229,11 @@ class BlockSaver:
         while self._deferred and (force or now - self._deferred[0][1] >= SAVE_WAIT_S):
             dropped.append(self._deferred.popleft()[0].block_id)
         if dropped:
+            self._on_saved(dropped)  # first: they left the queue, nothing else reports them
             self._metrics.add(self._drop_tier, dropped=len(dropped))  # counted once, here
             self._drops.add(
                 len(dropped), "--kv-offloading-size" if self._config.has_cpu else "staging_bytes"
             )
-            self._on_saved(dropped)
 
     def _watch_saves(self) -> None:
         """Asynchronous copies (CUDA, or a transcoding host copy): commit each save once its
@@ -221,28 +242,38 @@ class BlockSaver:
             try:
                 save.copy.wait()
             except Exception:
-                self._drop_failed(save.commits, save.block_ids)
+                slots = [slot for _, slot, _ in save.commits]
+                self._drop_failed("offloading", save.block_ids, slots)
             else:
                 self._commit_save(save)
             with self._in_flight_lock:
                 self._saves_in_flight -= 1
 
-    def _drop_failed(
-        self, commits: list[tuple[BlockKey, int, SavedBlock]], block_ids: list[int]
-    ) -> None:
-        """An offload that failed: its slots hold nothing to keep. The blocks are reported
-        saved (the engine lets them go) and counted dropped; the save never raises, since
-        the engine would then let go of blocks this save still reports."""
-        logger.exception("offload of %d blocks failed; dropping them", len(commits))
-        for _, slot, _ in commits:
+    def _drop_failed(self, step: str, block_ids: list[int], slots: list[int]) -> None:
+        """A save ``step`` that failed: ``block_ids`` are reported saved first (the engine
+        lets them go), then counted dropped, and ``slots`` (holding nothing to keep) given
+        back. The save never raises, since the engine would then let go of blocks this save
+        still reports."""
+        logger.exception("%s KV blocks failed; dropping %d", step, len(block_ids))
+        if block_ids:
+            self._on_saved(block_ids)
+            self._metrics.add(self._drop_tier, dropped=len(block_ids))
+        for slot in slots:
             self._pool.unreserve(slot)
-        self._metrics.add(self._drop_tier, dropped=len(commits))
-        self._on_saved(block_ids)
 
     def _commit_save(self, save: _Save) -> None:
         """Commit a completed copy's slots to the pool and report its blocks saved. It never
         raises: the engine holds the blocks until they are reported, and on CUDA this runs on
         the save watcher, which every later save waits for."""
+        try:
+            self._commit(save)
+        except Exception:  # counting failed, or giving slots back: the blocks still go back
+            logger.exception("finishing the save of %d KV blocks failed", len(save.block_ids))
+        self._on_saved(save.block_ids)
+
+    def _commit(self, save: _Save) -> None:
+        """:meth:`_commit_save` but the report; the pool's slots are given back if it
+        refuses them."""
         pending = self._pending_tiers
         on_disk = [False] * len(save.commits)
         if "disk" in pending:  # a block already on disk is pending only for the others
@@ -270,4 +301,3 @@ class BlockSaver:
                 self._metrics.observe_store(
                     "cpu", time.perf_counter() - save.started, stored, stored * self._block_nbytes
                 )
-        self._on_saved(save.block_ids)

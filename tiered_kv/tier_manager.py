@@ -353,10 +353,14 @@ class TierManager(KVConnector):
         future.add_done_callback(functools.partial(self._load_done, request_id))
 
     def save_blocks(self, blocks: Sequence[SavedBlock]) -> None:
-        if self._saver is None or self._closed:  # no KV cache registered, or closing
+        """Takes every block and never raises: a step that fails part way drops the blocks
+        not yet taken, reported once like the others
+        (:meth:`~tiered_kv.block_saver.BlockSaver.save`)."""
+        saver = self._saver  # close() on another thread may clear it
+        if saver is None or self._closed:  # no KV cache registered, or closing
             self._report(saved=[b.block_id for b in blocks])
             return
-        self._saver.save(blocks)
+        saver.save(blocks)
 
     def poll(self, timeout: float = 0.0) -> FinishedTransfers:
         if self._saver is not None:
