@@ -85,6 +85,8 @@ def verdicts(r: dict) -> list[Verdict]:
     o = r.get("offload")
     check("offload overhead, decode tok/s", o and o["decode_overhead"], "<= 0.05",
           lambda v: v <= 0.05)
+    check("offload overhead, decode tok/s, same engine detached", o and
+          o["same_engine_decode_overhead"], "<= 0.05", lambda v: v <= 0.05)
     if cuda:
         check("cold request TTFT, tiers on / off", o and o["cold_ratio"], "<= 1.10",
               lambda v: v <= 1.10)
@@ -142,7 +144,7 @@ def print_report(r: dict) -> None:
               f"of {o['cold_tokens']} tokens; medians:")
         print("| tiers | output tok/s | decode tok/s | cold TTFT ms |")
         print("|---|---|---|---|")
-        for name in ("off", "off-2", "off, both", "on"):
+        for name in ("off", "off-2", "off, both", "on", "on, detached"):
             m = o["median"][name]
             print(f"| {name} | {m['output_tok_s']:.1f} | {m['decode_tok_s']:.1f} | "
                   f"{ms(m['cold_ttft_s'])} |")
@@ -150,6 +152,9 @@ def print_report(r: dict) -> None:
               f"(the two differ by {100 * o['decode_noise']:.1f} %), output "
               f"{100 * o['output_overhead']:.1f} %; cold {o['cold_ratio']:.2f}x; "
               f"{o['disk_stored_blocks']} blocks stored on disk, {o['disk_dropped']} dropped")
+        print(f"same engine, connector detached for a round: decode overhead "
+              f"{100 * o['same_engine_decode_overhead']:.1f} %, cold "
+              f"{o['same_engine_cold_ratio']:.2f}x")
     print("\n| target | measured | goal | result |")
     print("|---|---|---|---|")
     for v in r["targets"]:
