@@ -107,7 +107,8 @@ class Loads:
         rest loads: 0 (load them all) unless nothing else runs and both the load and a
         prefill can be timed. With ``L`` seconds to load a block and a step costing
         ``a + b * tokens``, recomputing ``k`` blocks takes as long as loading the other
-        ``n - k`` when ``a + b * k * block_size = L * (n - k)``."""
+        ``n - k`` when ``a + b * k * block_size = L * (n - k)``; with ``a`` once per step
+        when the head takes several steps of ``max_num_batched_tokens``."""
         cost = self.prefill_cost
         busy = self.running or self.loading or self.tail_loads
         if cost is None or busy or seq.num_preemptions:
@@ -115,8 +116,12 @@ class Loads:
         seconds = self.connector.estimate_load_seconds(seq.request_id, num_external)
         if not seconds or seconds <= 0:
             return 0
-        load = seconds / num_external
-        head = int((seconds - cost.fixed_s) / (cost.per_token_s * self.block_size + load))
+        per_block = cost.per_token_s * self.block_size + seconds / num_external
+        head = int((seconds - cost.fixed_s) / per_block)
+        # a head past one step's budget takes several steps, each with the fixed cost
+        steps = -(-head * self.block_size // self.config.max_num_batched_tokens)
+        if steps > 1:
+            head = int((seconds - steps * cost.fixed_s) / per_block)
         return head if MIN_OVERLAP_BLOCKS <= head < num_external else 0
 
     def _start_load(

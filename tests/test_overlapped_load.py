@@ -108,6 +108,16 @@ def test_a_step_whose_fixed_cost_outweighs_the_saving_is_not_taken(reference, sa
     assert len(conn.loads[0][1]) == 8 and out.token_ids == reference
 
 
+def test_a_head_of_several_steps_pays_the_fixed_cost_once_a_step(reference, saved_store):
+    # 8 blocks load in 24 s, a block computes in 1 s, a step costs 1 s more, and a step
+    # takes one block: one step's head would be 5 blocks, but 5 steps leave room for 4
+    conn = MemoryConnector(dict(saved_store), load_seconds_per_block=3.0)
+    with make_llm(conn, per_token=1.0 / BS, fixed=1.0, max_num_batched_tokens=BS) as llm:
+        out = llm.generate(PROMPT, GREEDY)[0]
+    assert len(conn.loads[0][1]) == 4
+    assert out.token_ids == reference and out.num_cached_tokens == 4 * BS
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_engine_times_a_prefill_step_at_start_up():
