@@ -28,6 +28,9 @@ class Disk:
     def contains(self, k: BlockKey) -> bool:
         return k in self.held
 
+    def contains_many(self, keys: list[BlockKey]) -> list[bool]:
+        return [k in self.held for k in keys]
+
     def remove(self, k: BlockKey) -> None:
         self.held.discard(k)
         self.removals += 1
@@ -173,7 +176,9 @@ class Asked:
     def __init__(self, pool: CpuBlockPool, disk: Disk) -> None:
         self.pool: list[int] = []  # keys per call
         self.disk = 0
+        self.disk_calls = 0
         contains_many, contains, disk_contains = pool.contains_many, pool.contains, disk.contains
+        disk_many = disk.contains_many
 
         def pool_many(keys):
             self.pool.append(len(keys))
@@ -185,9 +190,16 @@ class Asked:
 
         def disk_one(k):
             self.disk += 1
+            self.disk_calls += 1
             return disk_contains(k)
 
+        def disk_all(keys):
+            self.disk += len(keys)
+            self.disk_calls += 1
+            return disk_many(keys)
+
         pool.contains_many, pool.contains, disk.contains = pool_many, pool_one, disk_one
+        disk.contains_many = disk_all
 
     def clear(self) -> None:
         self.pool.clear()
@@ -227,6 +239,17 @@ def test_a_repeated_lookup_asks_no_tier_about_the_run_it_found():
     assert (asked.pool, asked.disk) == ([1], 1)
     assert lookup.num_matched("r", hashes, 1) == 2 * chunk + 4  # asked from another block: walked
     assert sum(asked.pool) > chunk
+
+
+def test_a_run_on_disk_is_asked_of_the_disk_a_chunk_at_a_time():
+    chunk = tier_lookup.LOOKUP_CHUNK
+    lookup, pool, disk, hashes = long_chain(chunk // 2, 3 * chunk)
+    disk.held = {BlockKey(NAMESPACE, h) for h in hashes[: 2 * chunk + 3]}
+    asked = Asked(pool, disk)
+    assert lookup.num_matched("r", hashes, 0) == 2 * chunk + 3
+    assert lookup.matched_tiers("r") == ("cpu",) * (chunk // 2) + ("disk",) * (3 * chunk // 2 + 3)
+    assert asked.disk_calls == 3  # one call a chunk, not one a block
+    lookup.close()
 
 
 def test_a_block_that_left_the_pool_or_the_disk_since_the_lookup_shows_in_the_next():

@@ -199,17 +199,22 @@ class TierLookup:
             self._make_keys(made, hashes, stop)
             keys = made[start:stop]
             in_pool = self._pool.contains_many(keys)
-            i = 0
-            while i < len(keys):  # a run the pool holds, then a block the disk may hold
-                end = in_pool.index(False, i) if False in in_pool[i:] else len(keys)
-                tiers += ["cpu"] * (end - i)
-                if end == len(keys):
-                    break
-                disk_lookups += self._disk is not None
-                if self._disk is None or not self._disk.contains(keys[end]):
+            if all(in_pool):  # the usual long hit: no walk a block at a time
+                tiers += ["cpu"] * len(keys)
+                continue
+            if self._disk is None:
+                tiers += ["cpu"] * in_pool.index(False)
+                return len(tiers) - begin + 1, disk_lookups
+            # the disk asked once for the chunk's blocks the pool lacks (one lock, not one
+            # call each: 2,048 disk blocks cost ~2.7 ms asked one at a time)
+            found = iter(self._disk.contains_many([k for k, here in zip(keys, in_pool) if not here]))
+            on_disk = [here or next(found) for here in in_pool]
+            for here, below in zip(in_pool, on_disk):
+                if not here:
+                    disk_lookups += 1  # asked of the disk because the pool lacks it
+                if not below:
                     return len(tiers) - begin + 1, disk_lookups
-                tiers.append("disk")
-                i = end + 1
+                tiers.append("cpu" if here else "disk")
         return len(tiers) - begin, disk_lookups
 
     def _make_keys(self, made: list[BlockKey], hashes: Sequence[bytes], stop: int) -> None:
