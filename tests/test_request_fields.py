@@ -294,7 +294,7 @@ def test_max_tokens_past_the_context_and_unknown_fields_are_400(llm):
 @pytest.mark.parametrize("stream", [False, True])
 def test_only_a_streamed_request_asks_the_engine_for_every_output(stream):
     from engine.outputs import RequestOutputKind
-    from tiered_kv.protocol import ChatCompletionRequest, CompletionRequest
+    from tiered_kv.protocol_requests import ChatCompletionRequest, CompletionRequest
 
     kind = RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY
     completion = CompletionRequest(model="m", prompt="Hi", stream=stream)

@@ -5,7 +5,7 @@ import pydantic
 import pytest
 
 from tiered_kv import serve_docs
-from tiered_kv.protocol import RequestError
+from tiered_kv.protocol_errors import RequestError
 from tiered_kv.serve_config import SETTINGS
 from tiered_kv.vllm_compat import REFUSED_REQUEST_FIELDS, UPSTREAM_REQUEST_FIELDS
 

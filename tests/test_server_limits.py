@@ -11,7 +11,7 @@ import pytest
 
 from engine import AsyncLLM
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
-from tiered_kv.protocol import MAX_STOP_STRINGS
+from tiered_kv.protocol_requests import MAX_STOP_STRINGS
 from server_testing import BLOCK, GREEDY, MAX_MODEL_LEN, assert_error, post_json, run
 
 

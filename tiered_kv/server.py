@@ -36,17 +36,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from engine.async_engine import AsyncLLM
 from tiered_kv import __version__, server_admin, server_completions, server_tokens
-from tiered_kv.protocol import (
+from tiered_kv.protocol_errors import RequestError, error_body
+from tiered_kv.protocol_requests import (
     ChatCompletionRequest,
     ClearRequest,
     CompletionRequest,
     EvictRequest,
     FlushRequest,
-    ModelCard,
-    ModelList,
-    RequestError,
-    error_body,
 )
+from tiered_kv.protocol_responses import ModelCard, ModelList
 from tiered_kv.generation_defaults import GenerationDefaults
 from tiered_kv.model_source import load_chat_template, resolve_model
 from tiered_kv.serve_config import ServeConfig

@@ -24,7 +24,8 @@ from fastapi.responses import JSONResponse, Response
 from engine.sampler import SamplingParams
 from tiered_kv import server_responses
 from tiered_kv.generation_defaults import GenerationDefaults
-from tiered_kv.protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from tiered_kv.protocol_errors import RequestError
+from tiered_kv.protocol_requests import ChatCompletionRequest, CompletionRequest
 from tiered_kv.server_generation import Generations, Job, check_generations
 from tiered_kv.server_state import ServerState
 

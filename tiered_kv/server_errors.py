@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tiered_kv.protocol import RequestError, error_body
+from tiered_kv.protocol_errors import RequestError, error_body
 from tiered_kv.server_generation import ClientGone
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from engine.async_engine import EngineDeadError, RequestFailedError
 from engine.outputs import RequestOutput
 from engine.sampler import SamplingParams
 from engine.structured_output import StructuredOutputSpec
-from tiered_kv.protocol import RequestError
+from tiered_kv.protocol_errors import RequestError
 from tiered_kv.server_state import ServerState
 
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.async_engine import AsyncLLM
-from tiered_kv.protocol import RequestError, error_body
+from tiered_kv.protocol_errors import RequestError, error_body
 from tiered_kv.units import format_size
 
 # Normalizers may fold several characters into one (NFC composes a letter and its accents),
@@ -133,4 +133,3 @@ def _content_length(scope: Scope) -> int | None:
             except ValueError:
                 return None
     return None
-

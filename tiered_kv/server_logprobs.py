@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from engine.async_engine import AsyncLLM
 from engine.outputs import PromptLogprob, RequestOutput
-from tiered_kv.protocol import (
+from tiered_kv.protocol_responses import (
     ChatLogprobs,
     CompletionLogprobs,
     PromptLogprobs,

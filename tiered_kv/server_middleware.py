@@ -11,7 +11,7 @@ import hmac
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tiered_kv.protocol import error_body
+from tiered_kv.protocol_errors import error_body
 from tiered_kv.server_state import ServerState
 
 OPEN_ROUTES = frozenset({"/health", "/ping", "/version", "/metrics"})  # reachable without a key

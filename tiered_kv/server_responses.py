@@ -18,19 +18,18 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from engine.outputs import RequestOutput
-from tiered_kv.protocol import (
+from tiered_kv.protocol_errors import RequestError
+from tiered_kv.protocol_requests import ChatCompletionRequest, CompletionRequest
+from tiered_kv.protocol_responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatMessageOut,
     CompletionChoice,
-    CompletionRequest,
     CompletionResponse,
     DeltaMessage,
     PromptTokensDetails,
-    RequestError,
     Usage,
 )
 from tiered_kv.server_generation import Generations

@@ -12,8 +12,9 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from engine.tokenizer import Tokenizer
-from tiered_kv.protocol import (
-    ChatMessage, RequestError, StrictRequest, TokenId, check_continue_final_message,
+from tiered_kv.protocol_errors import RequestError
+from tiered_kv.protocol_requests import (
+    ChatMessage, StrictRequest, TokenId, check_continue_final_message,
 )
 from tiered_kv.server_state import ServerState
 

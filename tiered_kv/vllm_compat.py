@@ -63,7 +63,7 @@ class RefusedField(NamedTuple):
     example: Any  # a value that is refused, for the test that keeps this list true
 
 
-# Request fields the schema (tiered_kv/protocol.py) reads but refuses (400 naming the field),
+# Request fields the schema (tiered_kv/protocol_requests.py) reads but refuses (400 naming the field),
 # by route; every other field it reads is supported.
 REFUSED_REQUEST_FIELDS: dict[str, dict[str, RefusedField]] = {
     "completions": {

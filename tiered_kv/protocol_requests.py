@@ -1,4 +1,4 @@
-"""The OpenAI API's request and response bodies, as pydantic models.
+"""The OpenAI API's request bodies and the admin routes', as pydantic models.
 
 Generation requests accept OpenAI's fields and vLLM's sampling extras; a field they do not
 know is a 400 naming it (nothing is ignored silently), and values this server cannot honour
@@ -12,7 +12,6 @@ integers must fit int64. Values left out come from the model's generation config
 from __future__ import annotations
 
 import math
-import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -20,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from engine.outputs import RequestOutputKind
 from engine.sampler import SamplingParams
 from tiered_kv.generation_defaults import GenerationDefaults
+from tiered_kv.protocol_errors import RequestError
 from tiered_kv.structured_output_fields import StructuredOutputError, structured_output_spec
 
 MAX_INT = 2**63 - 1  # larger integers are refused, as vLLM refuses seeds beyond int64
@@ -27,42 +27,6 @@ MAX_INT = 2**63 - 1  # larger integers are refused, as vLLM refuses seeds beyond
 # every request shares: a request may not make that work unbounded.
 MAX_STOP_STRINGS = 128
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
-
-
-class RequestError(Exception):
-    """A client error: HTTP ``status`` with OpenAI's ``{"error": {...}}`` body."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int = 400,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
-    """OpenAI's error shape. A lone surrogate (from the request) in ``message`` or ``param`` is
-    written as its escape: the body must encode as UTF-8."""
-    param = _utf8(param) if param is not None else None
-    return {"error": {"message": _utf8(message), "type": type, "param": param, "code": code}}
-
-
-def _utf8(text: str) -> str:
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class _Request(BaseModel):
@@ -333,131 +297,6 @@ def check_continue_final_message(continue_final_message: bool, add_generation_pr
             "continue_final_message and add_generation_prompt cannot both be true "
             "(add_generation_prompt is true unless set to false)", param="continue_final_message",
         )
-
-
-# ---------------------------------------------------------------- responses
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-
-class PromptTokenLogprob(BaseModel):
-    """One token of a ``prompt_logprobs`` entry, as vLLM writes it (keyed by token id)."""
-
-    logprob: float
-    rank: int
-    decoded_token: str
-
-
-# None for the first prompt token, then each prompt token's entry: the token itself and the
-# k most likely there (ranks 1 to k), by token id
-PromptLogprobs = list[dict[str, PromptTokenLogprob] | None]
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = []
-    token_logprobs: list[float | None] = []
-    top_logprobs: list[dict[str, float] | None] = []
-    text_offset: list[int] = []
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    prompt_logprobs: PromptLogprobs | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = []
-
-
-class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob] | None = None
-
-
-class ChatMessageOut(BaseModel):
-    role: str = "assistant"
-    content: str | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ChatMessageOut
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    prompt_logprobs: PromptLogprobs | None = None
-
-
-class DeltaMessage(BaseModel):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None  # vLLM's, on the chunk that has the finish_reason
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "tiered-kv"
-    root: str
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
 
 
 # ---------------------------------------------------------------- admin
