@@ -10,6 +10,7 @@ from engine.connector import FinishedTransfers, KVConnector, SavedBlock
 from engine.hashing import root_hash
 from engine.models.tiny import write_tiny_tokenizer
 from engine.sampler import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 
 NAMESPACE = bytes(32)
@@ -80,6 +81,22 @@ def make_seq(
         generator=torch.Generator().manual_seed(0),
         cache_salt=cache_salt,
     )
+
+
+def scheduler_step(s: Scheduler, max_tokens: int = 1000) -> SchedulerOutput:
+    """What an engine step does to a scheduler, without the model: take in the connector's
+    finished transfers, then schedule and complete one step, sampling token 7 wherever a
+    step finishes the tokens (and finishing a sequence at ``max_tokens``)."""
+    if s.connector is not None:
+        s.apply_transfers(s.connector.poll())
+    out = s.schedule()
+    s.complete_step(out)
+    for seq, _ in out.scheduled:
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(7)
+            if seq.num_output_tokens >= max_tokens:
+                s.finish(seq, "length")
+    return out
 
 
 class MemoryConnector(KVConnector):

@@ -9,7 +9,7 @@ from engine.connector import FinishedTransfers
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import SequenceStatus
 from engine.stats import StatsCollector
-from engine_testing import NAMESPACE, MemoryConnector, make_seq
+from engine_testing import NAMESPACE, MemoryConnector, make_seq, scheduler_step
 
 BS = 4
 STORED = list(range(200, 212))  # 3 blocks; the connector can supply the first 2 of them
@@ -38,21 +38,6 @@ def memory_connector(num_blocks: int = 64, **kw) -> MemoryConnector:
     return conn
 
 
-def step(s: Scheduler, max_tokens: int = 1000) -> SchedulerOutput:
-    """Take in the connector's finished transfers, then schedule and complete one step,
-    sampling token 7 wherever a step finishes the tokens."""
-    if s.connector is not None:
-        s.apply_transfers(s.connector.poll())
-    out = s.schedule()
-    s.complete_step(out)
-    for seq, _ in out.scheduled:
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.token_ids.append(7)
-            if seq.num_output_tokens >= max_tokens:
-                s.finish(seq, "length")
-    return out
-
-
 def plan(out: SchedulerOutput) -> list[tuple[str, int]]:
     return [(seq.request_id, n) for seq, n in out.scheduled]
 
@@ -61,11 +46,11 @@ def test_token_budget_is_respected_and_the_rest_waits():
     s = scheduler()
     for i in range(3):
         s.add(make_seq(range(100 * i, 100 * i + 10), f"r{i}", block_size=BS))
-    out = step(s)
+    out = scheduler_step(s)
     assert plan(out) == [("r0", 10), ("r1", 6)]
     assert out.num_batched_tokens == 16
     assert [q.request_id for q in s.waiting] == ["r2"]
-    out = step(s)
+    out = scheduler_step(s)
     # Running first: r0 decodes, r1 finishes its prompt, then r2 gets what is left.
     assert plan(out) == [("r0", 1), ("r1", 4), ("r2", 10)]
     assert out.num_batched_tokens <= 16
@@ -75,7 +60,7 @@ def test_chunked_prefill_splits_a_long_prompt():
     s = scheduler()
     seq = make_seq(range(40), block_size=BS)
     s.add(seq)
-    chunks = [plan(step(s)) for _ in range(4)]
+    chunks = [plan(scheduler_step(s)) for _ in range(4)]
     assert chunks == [[("r", 16)], [("r", 16)], [("r", 8)], [("r", 1)]]
     assert seq.num_output_tokens == 2  # one after the prompt, one after the decode
 
@@ -84,16 +69,16 @@ def test_without_chunked_prefill_a_prompt_runs_whole_or_waits():
     s = scheduler(enable_chunked_prefill=False, max_num_batched_tokens=64)
     s.add(make_seq(range(40), "a", block_size=BS))
     s.add(make_seq(range(100, 130), "b", block_size=BS))
-    assert plan(step(s)) == [("a", 40)]  # b does not fit next to a
-    assert plan(step(s)) == [("a", 1), ("b", 30)]
+    assert plan(scheduler_step(s)) == [("a", 40)]  # b does not fit next to a
+    assert plan(scheduler_step(s)) == [("a", 1), ("b", 30)]
 
 
 def test_max_num_seqs_caps_the_running_set():
     s = scheduler(max_num_seqs=2, max_num_batched_tokens=64)
     for i in range(4):
         s.add(make_seq(range(100 * i, 100 * i + 5), f"r{i}", block_size=BS))
-    assert plan(step(s)) == [("r0", 5), ("r1", 5)]
-    assert plan(step(s)) == [("r0", 1), ("r1", 1)]
+    assert plan(scheduler_step(s)) == [("r0", 5), ("r1", 5)]
+    assert plan(scheduler_step(s)) == [("r0", 1), ("r1", 1)]
     assert len(s.running) == 2 and len(s.waiting) == 2
 
 
@@ -102,16 +87,16 @@ def test_preemption_frees_the_newest_and_it_resumes_from_the_cache():
     a, b = make_seq(range(12), "a", block_size=BS), make_seq(range(100, 112), "b", block_size=BS)
     s.add(a)
     s.add(b)
-    step(s)  # 3 + 3 blocks: the pool is full
+    scheduler_step(s)  # 3 + 3 blocks: the pool is full
     assert s.block_manager.num_free_blocks == 0
-    out = step(s)  # a's 13th token needs a 4th block: b (the newest) is preempted
+    out = scheduler_step(s)  # a's 13th token needs a 4th block: b (the newest) is preempted
     assert [q.request_id for q in out.preempted] == ["b"]
     assert plan(out) == [("a", 1)]
     assert b.status is SequenceStatus.WAITING and b.block_table == [] and s.waiting[0] is b
     assert b.num_computed_tokens == 0 and s.stats.num_preemptions == 1
     # a took b's last block (freed tail first); b's first two blocks are still cached.
     s.finish(a, "length")
-    out = step(s)
+    out = scheduler_step(s)
     assert plan(out) == [("b", 5)]  # 13 tokens: 8 from the cache, 5 recomputed
     assert b.num_cached_tokens == 0  # its first admission had no hit
     # As in vLLM, its return is not a second query (it would find its own blocks), nor are
@@ -124,15 +109,15 @@ def test_a_request_preempted_mid_prompt_counts_each_prompt_token_once():
     s = scheduler(num_blocks=6, max_model_len=32, max_num_batched_tokens=4)
     a, b = make_seq(range(8), "a", block_size=BS), make_seq(range(100, 116), "b", block_size=BS)
     s.add(a)
-    step(s)
-    step(s)  # a's prompt is computed: it decodes
+    scheduler_step(s)
+    scheduler_step(s)  # a's prompt is computed: it decodes
     s.add(b)
     while b.num_preemptions == 0:
-        assert step(s).scheduled
+        assert scheduler_step(s).scheduled
     assert 0 < b.prompt_tokens_counted < b.num_prompt_tokens  # preempted mid-prompt
     s.finish(a, "length")
     while b.num_computed_tokens < b.num_prompt_tokens:
-        step(s)
+        scheduler_step(s)
     assert s.stats.num_prompt_tokens == 8 + 16  # b's tokens after its return are counted
 
 
@@ -142,9 +127,9 @@ def test_a_sequence_that_cannot_grow_preempts_itself_when_alone():
     b = make_seq(range(50, 53), "b", block_size=BS)
     s.add(a)
     s.add(b)
-    step(s)
+    scheduler_step(s)
     assert s.block_manager.num_free_blocks == 0
-    out = step(s)  # a needs a third block: b (newest) goes first
+    out = scheduler_step(s)  # a needs a third block: b (newest) goes first
     assert [q.request_id for q in out.preempted] == ["b"] and plan(out) == [("a", 1)]
 
 
@@ -153,7 +138,7 @@ def test_finish_and_abort_free_blocks_of_running_and_waiting():
     a, b = make_seq(range(10), "a", block_size=BS), make_seq(range(10), "b", block_size=BS)
     s.add(a)
     s.add(b)
-    step(s)
+    scheduler_step(s)
     assert s.block_manager.num_used_blocks == 3 and s.waiting[0] is b
     s.finish(b, "abort")  # waiting
     s.finish(a, "abort")  # running
@@ -174,10 +159,10 @@ def test_over_long_prompt_and_duplicate_ids_are_rejected():
 def test_a_full_prompt_hit_still_computes_the_last_block():
     s = scheduler()
     s.add(make_seq(range(8), "a", block_size=BS))
-    step(s)
+    scheduler_step(s)
     second = make_seq(range(8), "b", block_size=BS)
     s.add(second)
-    out = step(s)
+    out = scheduler_step(s)
     # 8 tokens = 2 full cached blocks, but the last token's logits are needed: hit 1 block.
     assert ("b", 4) in plan(out)
     assert second.num_cached_tokens == 4
@@ -186,9 +171,9 @@ def test_a_full_prompt_hit_still_computes_the_last_block():
 def test_prefix_caching_off_never_hits():
     s = scheduler(enable_prefix_caching=False)
     s.add(make_seq(range(9), "a", block_size=BS))
-    step(s)
+    scheduler_step(s)
     s.add(make_seq(range(9), "b", block_size=BS))
-    assert ("b", 9) in plan(step(s))
+    assert ("b", 9) in plan(scheduler_step(s))
     assert s.stats.prefix_cache_hits == 0
     assert s.stats.prefix_cache_queries == 18 and s.stats.connector_queries == 0  # no tiers
 
@@ -200,14 +185,14 @@ def test_a_loading_sequence_takes_no_budget_and_does_not_stall_the_others():
     s.add(make_seq(range(10), "a", block_size=BS))
     s.add(b)
     s.add(make_seq(range(100, 103), "c", block_size=BS))
-    assert plan(step(s)) == [("a", 10), ("c", 3)]
+    assert plan(scheduler_step(s)) == [("a", 10), ("c", 3)]
     # b got blocks for what it loads only, and waits for the load.
     assert b.status is SequenceStatus.LOADING and list(s.loading) == ["b"]
     assert conn.loads == [("b", b.block_hashes[:2], b.block_table)] and len(b.block_table) == 2
     assert b.num_cached_tokens is None and s.has_pending_transfers()
-    assert plan(step(s)) == [("a", 1), ("c", 1)]  # two polls that do not report the load
-    assert plan(step(s)) == [("a", 1), ("c", 1)]
-    assert plan(step(s)) == [("a", 1), ("c", 1), ("b", 4)]  # reported: b computes the rest
+    assert plan(scheduler_step(s)) == [("a", 1), ("c", 1)]  # two polls that do not report the load
+    assert plan(scheduler_step(s)) == [("a", 1), ("c", 1)]
+    assert plan(scheduler_step(s)) == [("a", 1), ("c", 1), ("b", 4)]  # reported: b computes the rest
     assert b.status is SequenceStatus.RUNNING and b.num_cached_tokens == 8
     assert (s.stats.connector_hits, s.stats.connector_load_failures) == (8, 0)
     assert s.stats.connector_queries == 10 + b.num_prompt_tokens + 3  # each one asked the tiers
@@ -221,12 +206,12 @@ def test_a_partial_load_recomputes_the_rest_without_asking_again():
     s = scheduler(connector=conn)
     b = make_seq(STORED, "b", block_size=BS)
     s.add(b)
-    assert plan(step(s)) == []
-    assert plan(step(s)) == [("b", 8)]  # 1 of 2 blocks loaded
+    assert plan(scheduler_step(s)) == []
+    assert plan(scheduler_step(s)) == [("b", 8)]  # 1 of 2 blocks loaded
     assert b.num_cached_tokens == 4 and b.num_computed_tokens == 12
     assert (s.stats.connector_hits, s.stats.connector_load_failures) == (4, 1)
     assert [blk.block_hash for blk in conn.saved] == b.block_hashes[1:3]  # the recomputed ones
-    step(s)
+    scheduler_step(s)
     assert len(conn.queries) == len(conn.loads) == 1
 
 
@@ -235,8 +220,8 @@ def test_without_prefix_caching_loaded_blocks_are_still_used():
     s = scheduler(connector=conn, enable_prefix_caching=False)
     b = make_seq(STORED, "b", block_size=BS)
     s.add(b)
-    step(s)
-    assert plan(step(s)) == [("b", 4)] and b.num_cached_tokens == 8
+    scheduler_step(s)
+    assert plan(scheduler_step(s)) == [("b", 4)] and b.num_cached_tokens == 8
     assert s.block_manager.num_cached_blocks == 0
     assert [blk.block_hash for blk in conn.saved] == b.block_hashes[2:3]
 
@@ -245,8 +230,8 @@ def test_loading_sequences_count_toward_max_num_seqs():
     s = scheduler(connector=memory_connector(load_delay_polls=1), max_num_seqs=1)
     s.add(make_seq(STORED, "b", block_size=BS))
     s.add(make_seq(range(5), "a", block_size=BS))
-    assert plan(step(s)) == [] and plan(step(s)) == []  # b holds the one slot while it loads
-    assert plan(step(s)) == [("b", 4)]
+    assert plan(scheduler_step(s)) == [] and plan(scheduler_step(s)) == []  # b holds the one slot while it loads
+    assert plan(scheduler_step(s)) == [("b", 4)]
     assert [q.request_id for q in s.waiting] == ["a"]
 
 
@@ -260,7 +245,7 @@ def test_a_load_that_fails_to_start_is_computed_at_once():
     conn.store.update(memory_connector().store)
     s = scheduler(connector=conn)
     s.add(make_seq(STORED, "b", block_size=BS))
-    assert plan(step(s)) == [("b", 12)]
+    assert plan(scheduler_step(s)) == [("b", 12)]
     assert s.stats.connector_load_failures == 1 and not s.loading
 
 
@@ -269,15 +254,15 @@ def test_an_aborted_load_frees_its_blocks_only_when_reported():
     s = scheduler(connector=conn)
     b = make_seq(STORED, "b", block_size=BS)
     s.add(b)
-    step(s)
+    scheduler_step(s)
     s.finish(b, "abort")
     assert b.is_finished and conn.finished == ["b"] and not s.has_unfinished() and not s.loading
     assert s.block_manager.num_used_blocks == 2 and s.has_pending_transfers()
     # The id is free again; the new request does not load while the old load is in flight.
     again = make_seq(STORED, "b", block_size=BS)
     s.add(again)
-    assert plan(step(s)) == [("b", 12)] and len(conn.loads) == 1
-    step(s)  # reports the aborted load: its blocks are freed
+    assert plan(scheduler_step(s)) == [("b", 12)] and len(conn.loads) == 1
+    scheduler_step(s)  # reports the aborted load: its blocks are freed
     assert s.block_manager.num_used_blocks == len(again.block_table)
     assert s.stats.connector_hits == 0
 
@@ -286,12 +271,12 @@ def test_an_aborted_load_leaves_its_blocks_in_the_prefix_cache():
     conn = memory_connector()
     s = scheduler(connector=conn)
     s.add(b := make_seq(STORED, "b", block_size=BS))
-    step(s)
+    scheduler_step(s)
     s.finish(b, "abort")
-    step(s)
+    scheduler_step(s)
     assert s.block_manager.num_used_blocks == 0 and not s.has_pending_transfers()
     s.add(c := make_seq(STORED, "c", block_size=BS))
-    assert plan(step(s)) == [("c", 4)] and c.num_cached_tokens == 8
+    assert plan(scheduler_step(s)) == [("c", 4)] and c.num_cached_tokens == 8
     assert len(conn.loads) == 1
 
 
@@ -301,15 +286,15 @@ def test_saved_blocks_are_held_until_reported_and_a_sequence_waits_for_them():
     a, c = make_seq(range(8), "a", block_size=BS), make_seq(range(100, 107), "c", block_size=BS)
     s.add(a)
     s.add(c)
-    step(s)  # 2 + 2 blocks: the pool is full; a's two blocks and c's first are offered
+    scheduler_step(s)  # 2 + 2 blocks: the pool is full; a's two blocks and c's first are offered
     assert [blk.block_id for blk in conn.saved] == a.block_table + c.block_table[:1]
     a_blocks = list(a.block_table)
     s.finish(a, "length")
     assert s.block_manager.num_free_blocks == 0 and s.block_manager.num_held_only_blocks == 2
-    assert plan(step(s)) == [("c", 1)]  # c's 8th token still fits its second block
-    out = step(s)  # c needs a third block: only held ones would do, so c waits
+    assert plan(scheduler_step(s)) == [("c", 1)]  # c's 8th token still fits its second block
+    out = scheduler_step(s)  # c needs a third block: only held ones would do, so c waits
     assert out.is_empty and out.preempted == [] and c.status is SequenceStatus.RUNNING
-    out = step(s)  # the poll reports the first saves: a's blocks are free again
+    out = scheduler_step(s)  # the poll reports the first saves: a's blocks are free again
     assert plan(out) == [("c", 1)] and c.block_table[2] in a_blocks
     assert s.stats.num_preemptions == 0
 
@@ -321,7 +306,7 @@ def test_a_report_that_breaks_the_contract_is_refused():
     with pytest.raises(ValueError, match="block 3"):
         s.apply_transfers(FinishedTransfers(saved=[3]))
     s.add(b := make_seq(STORED, "b", block_size=BS))
-    step(s)
+    scheduler_step(s)
     with pytest.raises(ValueError, match="asked for 2"):
         s.apply_transfers(FinishedTransfers(loaded={"b": 3}))
 
@@ -340,7 +325,7 @@ def test_fcfs_refuses_a_priority_as_vllm_does():
     with pytest.raises(ValueError, match="Priority scheduling is not enabled"):
         s.add(ranked(range(5), "a", 3))
     s.add(ranked(range(5), "b", 0))
-    assert plan(step(s)) == [("b", 5)]
+    assert plan(scheduler_step(s)) == [("b", 5)]
 
 
 def test_waiting_sequences_are_served_by_priority_then_arrival():
@@ -349,7 +334,7 @@ def test_waiting_sequences_are_served_by_priority_then_arrival():
         s.add(ranked(range(5), request_id, priority))
     s.finish(s.get("r2"), "abort")  # waiting: leaves the queue
     assert [q.request_id for q in s.waiting] == ["r3", "r1", "r0", "r4"]
-    order = [plan(step(s, max_tokens=1))[0][0] for _ in range(4)]
+    order = [plan(scheduler_step(s, max_tokens=1))[0][0] for _ in range(4)]
     assert order == ["r3", "r1", "r0", "r4"]
     assert not s.has_unfinished()
 
@@ -362,9 +347,9 @@ def test_the_pool_runs_short_and_the_last_by_priority_is_preempted(policy, victi
     s = scheduler(num_blocks=9, max_num_batched_tokens=64, scheduling_policy=policy)
     for request_id, priority in [("a", 0), ("b", 5 if policy == "priority" else 0), ("c", 0)]:
         s.add(ranked(range(100 * len(s.waiting), 100 * len(s.waiting) + 12), request_id, priority))
-    step(s)  # 3 x 3 blocks: the pool is full
+    scheduler_step(s)  # 3 x 3 blocks: the pool is full
     assert s.block_manager.num_free_blocks == 0
-    out = step(s)  # each needs a 4th block: one is preempted for the others
+    out = scheduler_step(s)  # each needs a 4th block: one is preempted for the others
     assert [q.request_id for q in out.preempted] == [victim]
     assert plan(out) == survivors
 
@@ -373,9 +358,9 @@ def test_a_preempted_sequence_waits_behind_a_later_higher_priority_one():
     s = scheduler(num_blocks=9, max_num_batched_tokens=64, scheduling_policy="priority")
     for i, (request_id, priority) in enumerate([("a", 0), ("b", 5), ("c", 0)]):
         s.add(ranked(range(100 * i, 100 * i + 12), request_id, priority))
-    step(s)
+    scheduler_step(s)
     s.add(ranked(range(900, 905), "d", 1))
-    assert [q.request_id for q in step(s).preempted] == ["b"]
+    assert [q.request_id for q in scheduler_step(s).preempted] == ["b"]
     assert [q.request_id for q in s.waiting] == ["d", "b"]
 
 
@@ -383,11 +368,11 @@ def test_a_victim_scheduled_earlier_in_the_step_gives_its_budget_back():
     s = scheduler(num_blocks=7, max_num_batched_tokens=64, scheduling_policy="priority")
     low = ranked(range(12), "low", 5)
     s.add(low)
-    step(s)  # low: 3 blocks
+    scheduler_step(s)  # low: 3 blocks
     s.add(ranked(range(100, 111), "high", 0))
-    assert plan(step(s)) == [("low", 1), ("high", 11)]  # 4 + 3 blocks: the pool is full
-    assert plan(step(s)) == [("low", 1), ("high", 1)]
-    out = step(s)  # low is scheduled first, then high needs a 4th block: low goes
+    assert plan(scheduler_step(s)) == [("low", 1), ("high", 11)]  # 4 + 3 blocks: the pool is full
+    assert plan(scheduler_step(s)) == [("low", 1), ("high", 1)]
+    out = scheduler_step(s)  # low is scheduled first, then high needs a 4th block: low goes
     assert [q.request_id for q in out.preempted] == ["low"]
     assert plan(out) == [("high", 1)] and out.num_batched_tokens == 1
     assert low.status is SequenceStatus.WAITING and low.block_table == []
@@ -398,22 +383,22 @@ def test_may_admit_says_whether_the_first_waiting_request_could_start_next_step(
     assert not s.may_admit()  # nothing waits
     s.add(make_seq(range(1, 17), request_id="a", block_size=BS))  # 4 blocks
     assert s.may_admit()
-    step(s)
+    scheduler_step(s)
     s.add(make_seq(range(101, 109), request_id="b", block_size=BS))  # 2 blocks
     assert not s.may_admit()  # 2 are free, but a's next token takes one first
-    assert plan(step(s)) == [("a", 1)]  # and b waits indeed
+    assert plan(scheduler_step(s)) == [("a", 1)]  # and b waits indeed
     s.finish(s.get("a"), "length")
     assert s.may_admit()
-    assert plan(step(s)) == [("b", 8)]
+    assert plan(scheduler_step(s)) == [("b", 8)]
     # a prefix shared with a running request costs no block: only its lookup tells
     hit = scheduler(num_blocks=6, max_num_seqs=4)
     hit.add(make_seq(range(1, 17), request_id="a", block_size=BS))
-    step(hit)  # a: 4 full blocks, cached; its next token takes the 5th
+    scheduler_step(hit)  # a: 4 full blocks, cached; its next token takes the 5th
     hit.add(make_seq([*range(1, 17), 50, 51, 52, 53], request_id="b", block_size=BS))
     assert hit.may_admit()  # 4 blocks shared with a, 1 new: the last free one
-    assert plan(step(hit)) == [("a", 1), ("b", 4)]
+    assert plan(scheduler_step(hit)) == [("a", 1), ("b", 4)]
     full = scheduler(num_blocks=64, max_num_seqs=1)
     full.add(make_seq(range(1, 5), request_id="x", block_size=BS))
-    step(full)
+    scheduler_step(full)
     full.add(make_seq(range(5, 9), request_id="y", block_size=BS))
     assert not full.may_admit()  # max_num_seqs keeps it out

@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from engine.models.tiny import TINY_CONFIG
 from engine.scheduler import Scheduler
 from engine.stats import StatsCollector
-from engine_testing import make_seq
+from engine_testing import make_seq, scheduler_step
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
 from storage.codecs import get_codec
 from storage.codecs.kivi import KiviCodec
@@ -627,16 +627,6 @@ def _fail(*args, **kwargs):
     raise RuntimeError("injected")
 
 
-def _scheduler_step(s: Scheduler) -> None:
-    """What an engine step does to the scheduler, without the model (each token is 7)."""
-    s.apply_transfers(s.connector.poll())
-    out = s.schedule()
-    s.complete_step(out)
-    for seq, _ in out.scheduled:
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.token_ids.append(7)
-
-
 def test_a_save_that_fails_part_way_releases_each_hold_once(monkeypatch):
     """The engine holds each offered block until the manager reports it, and lets go of a
     whole batch whose save raises. A batch whose first block is reported at once (a
@@ -652,20 +642,20 @@ def test_a_save_that_fails_part_way_releases_each_hold_once(monkeypatch):
     s = Scheduler(config, blocks, StatsCollector(), manager)
     s.add(a := make_seq([1, 2, 3, 4, 5], "a", block_size=bs))
     while a.num_computed_tokens < 2 * bs - 1:
-        _scheduler_step(s)
+        scheduler_step(s)
     s.add(b := make_seq([11, 12, 13, 14, 15], "b", block_size=bs))
     with monkeypatch.context() as m:
         m.setattr(pool, "reserve_many", _fail)
-        _scheduler_step(s)  # saves a's block 1 (generated: reported) and b's block 0 (fails)
+        scheduler_step(s)  # saves a's block 1 (generated: reported) and b's block 0 (fails)
     assert blocks.num_held_blocks == 2  # both held until reported
     failed = b.block_table[0]
     s.finish(a, "abort")
     s.finish(b, "abort")
     monkeypatch.setattr(pool, "reserve_many", lambda priorities: [])  # no room: c's saves wait
     s.add(c := make_seq(range(21, 34), "c", block_size=bs))
-    _scheduler_step(s)  # the reports come in; c reuses every block and its 3 full ones wait
+    scheduler_step(s)  # the reports come in; c reuses every block and its 3 full ones wait
     assert failed in c.block_table[:3] and blocks.num_held_blocks == 3
-    _scheduler_step(s)
+    scheduler_step(s)
     assert blocks.num_held_blocks == 3  # no stale report dropped a newer hold
     monkeypatch.undo()
     manager.flush(30)  # c's saves go in
