@@ -1,10 +1,15 @@
 """Fixtures shared across test modules, and the guard that keeps non-``cuda`` tests off the GPU."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from redis_server import RedisServer, server_binary
+from storage import cluster_pipeline, remote_store
+from storage.circuit_breaker import CircuitBreaker
+from test_circuit_breaker import Clock
 
 # Whether this machine has a GPU, asked once at collection. Every test names its device (a
 # non-``cuda`` test: ``device="cpu"``, ``pin_memory=False``, a child process started with
@@ -66,3 +71,16 @@ def redis_server(tmp_path_factory) -> RedisServer:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def breaker_clock(monkeypatch) -> Clock:
+    """The clock of the circuit breakers of the remote stores made from now on (the
+    store's, and each cluster node's), standing still until the test moves ``now``: a
+    cooldown passes when the test says, however long a loaded machine took over the calls
+    before it."""
+    clock = Clock()
+    breaker = functools.partial(CircuitBreaker, clock=clock)
+    monkeypatch.setattr(remote_store, "CircuitBreaker", breaker)
+    monkeypatch.setattr(cluster_pipeline, "CircuitBreaker", breaker)
+    return clock

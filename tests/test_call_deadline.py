@@ -12,15 +12,28 @@ from storage import call_deadline
 from storage.call_deadline import MIN_RATE_BYTES_S, CallDeadline, _DeadlineSocket, connection_class
 
 
-def test_waits_are_cut_to_the_time_left():
+class _Clock:
+    """``time.monotonic`` for storage.call_deadline, moved by the test: the time left, and
+    a transfer's rate, are then exact, whatever else the machine runs."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_waits_are_cut_to_the_time_left(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(call_deadline, "time", clock)
     deadline = CallDeadline()
     assert deadline.wait_s(5.0) == 5.0 and deadline.wait_s(None) is None  # no call under way
-    deadline.at = time.monotonic() + 1.0
-    assert 0.5 < deadline.wait_s(5.0) <= 1.0
-    assert 0.5 < deadline.wait_s(None) <= 1.0
+    deadline.at = clock.now + 1.0
+    clock.now += 0.25
+    assert deadline.wait_s(5.0) == deadline.wait_s(None) == 0.75
     assert deadline.wait_s(0.1) == 0.1
     assert deadline.wait_s(0) == 0  # a poll stays a poll
-    deadline.at = time.monotonic() - 0.001
+    clock.now += 0.75
     with pytest.raises(socket.timeout, match="deadline"):
         deadline.wait_s(5.0)
 
@@ -35,43 +48,28 @@ def test_the_deadline_belongs_to_the_thread_making_the_call():
     assert seen == [5.0]
 
 
-def test_reads_that_each_get_a_byte_in_time_still_end_at_the_deadline():
+def test_reads_that_each_get_a_byte_in_time_still_end_at_the_deadline(monkeypatch):
+    """A byte every 0.02 s, each well within the socket's 1 s timeout: the call still ends
+    at its 0.31 s deadline, after the 16 bytes read at 0, 0.02, ..., 0.30 s."""
+    clock = _Clock()
+    monkeypatch.setattr(call_deadline, "time", clock)
     ours, peer = socket.socketpair()
     deadline = CallDeadline()
     ours.settimeout(1.0)
     sock = _DeadlineSocket(ours, deadline)
-    stop = threading.Event()
-
-    def drip() -> None:
-        while not stop.wait(0.02):
-            peer.sendall(b"x")
-
-    dripper = threading.Thread(target=drip)
-    dripper.start()
+    peer.sendall(b"x" * 100)
+    received = 0
     try:
-        deadline.at = time.monotonic() + 0.3
-        start = time.monotonic()
+        deadline.at = clock.now + 0.31
         with pytest.raises(socket.timeout):
             while True:
-                assert sock.recv(1)
-        assert time.monotonic() - start < 0.6
+                received += len(sock.recv(1))
+                clock.now += 0.02
+        assert received == 16
         assert sock.gettimeout() == 1.0  # the client's own timeout is kept
     finally:
-        stop.set()
-        dripper.join()
         ours.close()
         peer.close()
-
-
-class _Clock:
-    """``time.monotonic`` for storage.call_deadline, moved by the test: a transfer's rate
-    is then exact, whatever else the machine runs."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def monotonic(self) -> float:
-        return self.now
 
 
 def _read_at_rate(monkeypatch, rate_bytes_s: float, total: int) -> int:

@@ -12,6 +12,7 @@ import pytest
 from engine import LLM
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
 from redis_server import RedisServer, server_binary
+from remote_testing import ANSWER_S, SILENT_S
 from storage.circuit_breaker import BreakerConfig
 from storage.remote_store import RemoteStore
 from test_tier_manager import BLOCK, FLUSH, GREEDY, PROMPTS, hit_tokens, make_llm
@@ -31,7 +32,7 @@ def reference() -> list[list[int]]:
 def remote(url: str, **fields) -> TierConfig:
     """A remote tier with its own key prefix (tests share one server), no CPU pool."""
     fields.setdefault("cpu_bytes", 0)
-    fields.setdefault("remote_timeout_s", 1.0)
+    fields.setdefault("remote_timeout_s", ANSWER_S)
     fields.setdefault("remote_secret", SECRET)
     return TierConfig(remote_url=url, remote_prefix=f"t-{uuid.uuid4().hex}:", **fields)
 
@@ -80,7 +81,7 @@ def test_a_second_engine_reuses_the_first_engines_prefix(redis_server, reference
     # B: its own empty CPU pool and its own disk directory, the same server and prefix.
     b_tiers = TierConfig(
         kv_cache_dir=tmp_path / "b", cpu_bytes=4 << 20, disk_bytes=64 << 20,
-        remote_url=redis_server.url, remote_prefix=a_tiers.remote_prefix, remote_timeout_s=1.0,
+        remote_url=redis_server.url, remote_prefix=a_tiers.remote_prefix, remote_timeout_s=ANSWER_S,
         remote_secret=SECRET,
     )
     with make_llm(b_tiers) as b:
@@ -199,9 +200,9 @@ def test_hits_resume_after_the_server_was_frozen(tmp_path, reference, monkeypatc
     monkeypatch.setattr(
         tier_manager, "RemoteStore", functools.partial(RemoteStore, breaker=breaker)
     )
-    writer = remote(server.url, remote_timeout_s=0.2)
+    writer = remote(server.url)
     reader = TierConfig(
-        remote_url=server.url, remote_prefix=writer.remote_prefix, remote_timeout_s=0.2,
+        remote_url=server.url, remote_prefix=writer.remote_prefix, remote_timeout_s=SILENT_S,
         remote_write_policy="read-only", cpu_bytes=0, remote_secret=SECRET,
     )
 

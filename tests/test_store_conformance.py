@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from redis_server import redis_cluster  # noqa: F401  (fixture)
+from remote_testing import ANSWER_S
 from storage.base import BlockKey, BlockStore
 from storage.cpu_pool import CpuBlockPool
 from storage.cpu_slots import HostBlock
@@ -82,7 +83,8 @@ def make_disk(tmp_path, capacity_blocks: int) -> Tier:
 def make_remote(tmp_path, capacity_blocks: int, url: str) -> Tier:
     # Capacity is the server's (maxmemory, allkeys-lru), not the store's: evicts=False.
     # Each store gets its own prefix, so tests sharing one server never see each other.
-    store = RemoteStore(url, prefix=f"tkv-test-{uuid.uuid4().hex}:", timeout_s=1.0,
+    # The server always answers here: a long deadline keeps a busy moment from being a drop.
+    store = RemoteStore(url, prefix=f"tkv-test-{uuid.uuid4().hex}:", timeout_s=ANSWER_S,
                         stats_interval_s=0, seal_key=SealKey.generate())
     return Tier(store, _record, _same_record, evicts=False)
 
