@@ -165,7 +165,7 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
         kv_shape = tuple(kv_shape)
         done: list[bool] = []
         with self._lock:
-            entries, queues, counts = self._entries, self._queues, self._pending_count
+            entries = self._entries
             for key, slot, parent_hash, token_ids, pending, priority in commits:
                 if self._closed or key in entries:
                     if not self._closed:
@@ -181,9 +181,7 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
                     readers=int(hold), priority=priority,
                 )
                 self._settle_locked(key, entry)
-                for tier in pending:
-                    counts[tier] += 1
-                    queues[tier][key] = None
+                self._queue_pending_locked(key, pending)
             stored = done.count(True)
             self._stats.puts += stored
             self._stats.bytes_written += self._slot_nbytes * stored
@@ -361,9 +359,7 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
             del self._entries[key]
             self._evictable.pop(key, None)
             self._removals += 1
-            for tier in entry.pending:
-                self._pending_count[tier] -= 1
-                self._queues[tier].pop(key, None)
+            self._unqueue_pending_locked(key, entry.pending)
             self._free.append(entry.slot)
             self._changed.notify_all()
             return True
@@ -387,8 +383,7 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
             self._entries.clear()
             self._evictable.clear()
             self._free.clear()
-            self._pending_count.clear()
-            self._queues.clear()
+            self._clear_pending_locked()
             slab, self._slab = self._slab, None
             self._changed.notify_all()
         if slab is not None:

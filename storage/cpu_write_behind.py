@@ -7,9 +7,10 @@ them done (:meth:`WriteBehind.done_pending`), written or given up.
 
 :class:`WriteBehind` is a part of :class:`storage.cpu_pool.CpuBlockPool`. It owns the
 per-tier count and queue of pending blocks (``_pending_count``, ``_queues``, set up by
-``_init_write_behind``), which the pool's ``commit_many``, ``delete`` and ``close`` also
-update; it uses the pool's lock and its condition ``_changed``, ``_entries``,
-``_evictable``, ``_closed``, ``slot_view`` and ``_settle_locked``.
+``_init_write_behind``); the pool's ``commit_many``, ``delete`` and ``close`` change them
+through ``_queue_pending_locked``, ``_unqueue_pending_locked`` and
+``_clear_pending_locked``. It uses the pool's lock and its condition ``_changed``,
+``_entries``, ``_evictable``, ``_closed``, ``slot_view`` and ``_settle_locked``.
 """
 from __future__ import annotations
 
@@ -31,6 +32,22 @@ class WriteBehind:
         self._queues: collections.defaultdict[str, collections.OrderedDict[BlockKey, None]] = (
             collections.defaultdict(collections.OrderedDict)
         )
+
+    def _queue_pending_locked(self, key: BlockKey, tiers: Iterable[str]) -> None:
+        """``key`` is newly pending for ``tiers``: counted, and last in their queues."""
+        for tier in tiers:
+            self._pending_count[tier] += 1
+            self._queues[tier][key] = None
+
+    def _unqueue_pending_locked(self, key: BlockKey, tiers: Iterable[str]) -> None:
+        """``key`` (leaving the pool) is no longer pending for ``tiers``."""
+        for tier in tiers:
+            self._pending_count[tier] -= 1
+            self._queues[tier].pop(key, None)
+
+    def _clear_pending_locked(self) -> None:
+        self._pending_count.clear()
+        self._queues.clear()
 
     def num_pending(self, tier: str) -> int:
         with self._lock:
@@ -93,8 +110,7 @@ class WriteBehind:
                 if entry is not None and tier not in entry.pending:
                     entry.pending.add(tier)
                     self._evictable.pop(key, None)
-                    self._pending_count[tier] += 1
-                    self._queues[tier][key] = None
+                    self._queue_pending_locked(key, (tier,))
                     marked += 1
             if marked:
                 self._changed.notify_all()
