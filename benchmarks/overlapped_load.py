@@ -5,7 +5,7 @@ On a GPU host a disk hit can take longer than recomputing (reading and verifying
 from the page cache costs more than computing it), and an idle engine then recomputes the
 head of the hit while the tail loads (docs/engine.md, *Overlapped loads*). A CPU engine
 never measures its prefill, so it never splits on its own. Here the script measures the
-prefill the way the engine does on CUDA (two prompt sizes), gives the engine that cost,
+prefill the way the engine does on CUDA (three timed steps), gives the engine that cost,
 and delays every block the disk tier reads by ``S`` times its compute time: the real load
 path (lookup, reader threads, verification, restore) on a slow tier.
 
@@ -31,7 +31,7 @@ import torch
 
 from bench_common import machine, timed, write_json
 from engine import LLM
-from engine.scheduler_loads import PrefillCost
+from engine.prefill_cost import PrefillCost
 from tiered_kv import TierConfig, block_loader, build_llm
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,14 +43,11 @@ def prompt_of(length: int, seed: int) -> list[int]:
     return [(7 * j + 13 * seed) % 250 + 3 for j in range(length)]
 
 
-def prefill_cost(engine_kwargs: dict, length: int) -> PrefillCost:
-    """A step's fixed seconds and seconds per token, from the fastest of three prompts of
-    ``length`` tokens and of a sixteenth of that, as the engine measures it on CUDA."""
-    small = max(BLOCK, length // 16)
-    with LLM(**engine_kwargs, enable_prefix_caching=False) as llm:
-        best = {n: min(timed(llm, prompt_of(n, 100 + i))[0] for i in range(3)) for n in (small, length)}
-    per_token = max(best[length] - best[small], 0.0) / (length - small)
-    return PrefillCost(max(best[small] - per_token * small, 0.0), per_token)
+def prefill_cost(engine_kwargs: dict) -> PrefillCost:
+    """What a step costs (:mod:`engine.prefill_cost`), measured as the engine measures it on
+    CUDA, each timing the fastest of three."""
+    with LLM(**engine_kwargs) as llm:
+        return llm.engine.model_runner.time_prefill(None, repeats=3)
 
 
 class SlowReads:
@@ -82,8 +79,8 @@ def run(args: argparse.Namespace) -> dict:
     length = args.prefix + BLOCK
     engine_kwargs = dict(device="cpu", max_model_len=length + 64,
                          num_gpu_blocks_override=2 * (length // BLOCK) + 8)
-    cost = prefill_cost(engine_kwargs, args.prefix)
-    compute_per_block = cost.per_token_s * BLOCK
+    cost = prefill_cost(engine_kwargs)
+    compute_per_block = cost.seconds(0, length, length) / (length // BLOCK)  # the average
     rows = []
     with tempfile.TemporaryDirectory(prefix="overlapped-load-") as tmp:
         tiers = TierConfig(kv_cache_dir=Path(tmp) / "kv", cpu_bytes=0, disk_bytes=256 << 20)
@@ -108,12 +105,14 @@ def run(args: argparse.Namespace) -> dict:
                     row[f"{mode}_cached_tokens"] = min(c for _, c in runs)
             rows.append(row)
     return dict(machine=machine(), prefix_tokens=args.prefix, repeats=args.repeats,
-                prefill_fixed_s=cost.fixed_s, prefill_per_token_s=cost.per_token_s, rows=rows)
+                prefill_fixed_s=cost.fixed_s, prefill_per_token_s=cost.per_token_s,
+                prefill_per_token_context_s=cost.per_token_context_s, rows=rows)
 
 
 def report(result: dict) -> None:
     print(f"prefill step: {result['prefill_fixed_s'] * 1e3:.1f} ms + "
-          f"{result['prefill_per_token_s'] * 1e6:.0f} us a token; prefix "
+          f"{result['prefill_per_token_s'] * 1e6:.0f} us a token + "
+          f"{result['prefill_per_token_context_s'] * 1e9:.1f} ns a token per token before it; prefix "
           f"{result['prefix_tokens']} tokens + {BLOCK}, TTFT ms (medians):")
     print("| disk block read / compute | recompute | whole load | overlapped | overlapped / "
           "recompute | cached tokens, whole / overlapped |")

@@ -99,8 +99,9 @@ class LLMEngine:
         prefill_cost = None
         if self.device.type == "cuda" and kv_connector is not None:
             prefill_cost = self.model_runner.time_prefill(kv_scales)
-            logger.info("prefill step: %.2f ms + %.2f us a token",
-                        prefill_cost.fixed_s * 1e3, prefill_cost.per_token_s * 1e6)
+            logger.info("prefill step: %.2f ms + %.2f us a token + %.3f ns a token per token "
+                        "before it", prefill_cost.fixed_s * 1e3, prefill_cost.per_token_s * 1e6,
+                        prefill_cost.per_token_context_s * 1e9)
         num_blocks = num_pool_blocks(
             config, spec, lambda: self.model_runner.profile_peak_memory(kv_scales), draft_bytes
         )

@@ -8,7 +8,7 @@ from collections.abc import Sequence as Seq
 import numpy as np
 import torch
 
-from engine import prompt_logprobs
+from engine import prefill_cost, prompt_logprobs
 from engine.attention import AttentionMetadata, KVScales
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
@@ -16,9 +16,9 @@ from engine.decode_inputs import DecodeInputs
 from engine.kv_cache import KVCacheSpec, fp8_scales_from_cache
 from engine.host_staging import to_device, upload
 from engine.lookahead import Lookahead
+from engine.prefill_cost import PrefillCost
 from engine.sampler import Sample, SampleError, Sampler, SamplingRow
 from engine.scheduler import ScheduledSequence, SchedulerOutput
-from engine.scheduler_loads import PrefillCost
 from engine.sequence import Sequence
 from engine.spec_decode.rejection import VerifyRow, verifiable, verify_step
 from engine.spec_decode.speculator import place_drafts
@@ -315,24 +315,46 @@ class ModelRunner:
         return torch.cuda.max_memory_allocated(self.device) - cache.numel() * cache.element_size()
 
     @torch.inference_mode()
-    def time_prefill(self, kv_scales: list[KVScales] | None) -> PrefillCost:
-        """What a prefill step costs on CUDA, fixed seconds plus seconds per token, from one
-        prompt of ``max_num_batched_tokens`` and one of a sixteenth of that (each the second
-        of two runs: the first compiles its kernels)."""
-        big = min(self.config.max_num_batched_tokens, self.config.max_model_len - 1)
-        small = max(1, big // 16)
-        seconds = {}
-        for length in (small, big):
-            for _ in range(2):
-                torch.cuda.synchronize(self.device)
-                start = time.perf_counter()
-                self._forward_on_fresh_cache([[0] * length], self.spec, kv_scales)
-                torch.cuda.synchronize(self.device)
-                seconds[length] = time.perf_counter() - start
-        if big == small:
-            return PrefillCost(0.0, seconds[big] / big)
-        per_token = max(seconds[big] - seconds[small], 0.0) / (big - small)
-        return PrefillCost(max(seconds[small] - per_token * small, 0.0), per_token)
+    def time_prefill(self, kv_scales: list[KVScales] | None, repeats: int = 1) -> PrefillCost:
+        """What a prefill step costs (:mod:`engine.prefill_cost`), from three steps: ``big``
+        tokens (one step's budget, or what fits the model), a sixteenth of that, and that
+        sixteenth after the ``big`` ones. Each timing is the fastest of ``repeats`` runs
+        after one that compiles the kernels."""
+        big = min(self.config.max_num_batched_tokens, (self.config.max_model_len - 1) * 16 // 17)
+        small = big // 16
+        if small < 1:
+            seconds = min(self._timed_prefill(big, 0, kv_scales)[0] for _ in range(1 + repeats))
+            return PrefillCost(0.0, seconds / max(big, 1))
+        runs = [
+            (*self._timed_prefill(small, 0, kv_scales)[:1], *self._timed_prefill(big, small, kv_scales))
+            for _ in range(1 + repeats)
+        ]
+        small_s, big_s, after_big_s = (min(column) for column in zip(*runs[1:]))
+        return prefill_cost.fit(small, big, small_s, big_s, after_big_s)
+
+    def _timed_prefill(
+        self, tokens: int, after: int, kv_scales: list[KVScales] | None
+    ) -> tuple[float, float]:
+        """Seconds to prefill ``tokens`` tokens into a fresh cache, then (0 if ``after`` is
+        0) seconds to compute ``after`` more over them."""
+        total = tokens + after
+        table = list(range(-(-total // self.block_size)))
+        cache = self.spec.allocate(len(table), self.device)
+        prompt = [0] * total
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else lambda _: None
+        seconds = []
+        for start, count in ((0, tokens), (tokens, after)):
+            if not count:
+                seconds.append(0.0)
+                continue
+            sync(self.device)
+            begin = time.perf_counter()
+            batch = self.prepare([prompt], [start], [count], [table], [1])
+            hidden = self.model(batch.input_ids, batch.positions, cache, batch.meta, kv_scales)
+            torch.softmax(self.model.compute_logits(hidden[batch.logits_indices]), dim=-1)
+            sync(self.device)
+            seconds.append(time.perf_counter() - begin)
+        return seconds[0], seconds[1]
 
     @torch.inference_mode()
     def calibrate_fp8_scales(self, token_ids: list[int]) -> list[KVScales]:

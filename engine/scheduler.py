@@ -49,7 +49,8 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.connector import KVConnector, SavedBlock
 from engine.request_queue import make_waiting_queue, priority_key
-from engine.scheduler_loads import Load, Loads, PrefillCost, left_queue
+from engine.prefill_cost import PrefillCost
+from engine.scheduler_loads import Load, Loads, left_queue
 from engine.sequence import Sequence, SequenceStatus
 from engine.stats import StatsCollector
 
@@ -243,7 +244,7 @@ class Scheduler(Loads):
                 looking.append(self.waiting.pop_first())
                 continue
             if num_external:
-                head = self._head_to_recompute(seq, num_external)
+                head = self._head_to_recompute(seq, len(gpu_hit), num_external)
                 if not self._start_load(seq, gpu_hit, num_external, head):
                     waits_for_held = self.block_manager.num_held_only_blocks > 0
                     break

@@ -43,13 +43,6 @@ logger = logging.getLogger("engine.scheduler")
 MIN_OVERLAP_BLOCKS = 4
 
 
-class PrefillCost(NamedTuple):
-    """A prefill step's seconds: ``fixed_s + per_token_s * tokens``."""
-
-    fixed_s: float
-    per_token_s: float
-
-
 class Load(NamedTuple):
     """A load in flight: ``seq``'s blocks ``first .. first + num_blocks - 1``."""
 
@@ -102,13 +95,14 @@ class Loads:
             return None
         return max(0, min(matched, max_hit_blocks - num_hit_blocks))
 
-    def _head_to_recompute(self, seq: Sequence, num_external: int) -> int:
-        """How many of the ``num_external`` blocks after the GPU hit to recompute while the
-        rest loads: 0 (load them all) unless nothing else runs and both the load and a
-        prefill can be timed. With ``L`` seconds to load a block and a step costing
-        ``a + b * tokens``, recomputing ``k`` blocks takes as long as loading the other
-        ``n - k`` when ``a + b * k * block_size = L * (n - k)``; with ``a`` once per step
-        when the head takes several steps of ``max_num_batched_tokens``."""
+    def _head_to_recompute(self, seq: Sequence, first: int, num_external: int) -> int:
+        """How many of the ``num_external`` blocks after the GPU hit (``first`` blocks) to
+        recompute while the rest loads: 0 (load them all) unless nothing else runs and both
+        the load and a prefill can be timed. The most blocks ``k`` whose recompute takes no
+        longer than loading the other ``num_external - k``; the recompute runs in steps of
+        ``max_num_batched_tokens`` from the hit's end, each with its fixed cost and
+        attention over the context before each token
+        (:meth:`~engine.prefill_cost.PrefillCost.seconds`)."""
         cost = self.prefill_cost
         busy = self.running or self.loading or self.tail_loads
         if cost is None or busy or seq.num_preemptions:
@@ -116,13 +110,17 @@ class Loads:
         seconds = self.connector.estimate_load_seconds(seq.request_id, num_external)
         if not seconds or seconds <= 0:
             return 0
-        per_block = cost.per_token_s * self.block_size + seconds / num_external
-        head = int((seconds - cost.fixed_s) / per_block)
-        # a head past one step's budget takes several steps, each with the fixed cost
-        steps = -(-head * self.block_size // self.config.max_num_batched_tokens)
-        if steps > 1:
-            head = int((seconds - steps * cost.fixed_s) / per_block)
-        return head if MIN_OVERLAP_BLOCKS <= head < num_external else 0
+        start, budget = first * self.block_size, self.config.max_num_batched_tokens
+
+        def fits(k: int) -> bool:
+            head_s = cost.seconds(start, k * self.block_size, budget)
+            return head_s <= seconds * (num_external - k) / num_external
+
+        low, high = 0, num_external  # fits(low); the answer is below high
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid)
+        return low if low >= MIN_OVERLAP_BLOCKS else 0
 
     def _start_load(
         self, seq: Sequence, gpu_hit: list[int], num_external: int, head: int = 0

@@ -124,7 +124,7 @@ def test_the_gpu_session_script_passes_only_flags_its_benchmarks_take():
 def test_overlapped_load_serves_each_hit_whole_or_split(tmp_path):
     got = run("overlapped_load.py", "--quick", "--slowdowns", "3", out=tmp_path / "overlap.json")
     (row,) = got["rows"]
-    assert got["prefill_per_token_s"] > 0
+    assert got["prefill_per_token_s"] > 0 or got["prefill_per_token_context_s"] > 0
     assert row["whole_cached_tokens"] == got["prefix_tokens"]  # loaded whole
     assert 0 < row["overlapped_cached_tokens"] < got["prefix_tokens"]  # its head recomputed
     assert row["whole_s"] > 0 and row["overlapped_s"] > 0 and row["recompute_s"] > 0
