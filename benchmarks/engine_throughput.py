@@ -17,8 +17,12 @@ default; ``1b`` and ``8b`` as in ``gpu_tiers.py``, bf16, the CUDA default).
               - ``engine-sync``: the same engine with ``async_scheduling`` off (CUDA only
                 unless ``--engines`` names it).
               Output tokens per second of wall time, prefill included, after a warm-up
-              call on the same workload (the engine's own first call is reported apart). On CUDA, the GPU busy fraction of the engine's decode (kernel time over
-              wall time, from the torch profiler) and the engine's start-up seconds.
+              call on the same workload (the engine's own first call is reported apart).
+              The engine's timed call is also split in two: the time until every
+              request has its first token, then milliseconds per decode step. On CUDA,
+              the GPU busy fraction of the engine's decode (kernel time over wall time,
+              from the torch profiler), the workload's costliest kernels, and the
+              engine's start-up seconds.
   ttft        Requests that share a prefix and differ in a 16-token suffix, one at a time
               (max_tokens=1): time to first token with prefix caching off, and on.
 
@@ -110,6 +114,18 @@ def gpu_busy(fn, device: torch.device, kernels: dict | None = None) -> float | N
     return sum(by_name.values()) / 1e6 / wall
 
 
+def phases(outs, start: float, new: int) -> dict:
+    """Where a timed ``generate`` went: seconds until every request had its first token
+    (the prefills, chunked, with the first decodes mixed in), and then milliseconds per
+    decode step until the last token."""
+    firsts = [o.times.first_token for o in outs if o.times and o.times.first_token]
+    lasts = [o.times.last_token for o in outs if o.times and o.times.last_token]
+    if len(firsts) < len(outs) or len(lasts) < len(outs) or new < 2:
+        return {}
+    return {"prefill_phase_s": max(firsts) - start,
+            "decode_step_ms": 1e3 * (max(lasts) - max(firsts)) / (new - 1)}
+
+
 def run_transformers(model, prompts, new, static: bool, device) -> dict:
     # Warm-up. A compiled model specializes on the static cache's length and the prompt's
     # shape: it warms up on the timed call itself, or its timed run would compile again.
@@ -130,10 +146,11 @@ def run_engine(llm: LLM, prompts, new, device, synchronous: bool = False) -> dic
     # that a shape uses first here compiles, or loads from Triton's disk cache, in this
     # call, not in the timed one. Its time is kept apart as the first call's.
     _, first = timed(lambda: llm.generate(prompts, params), device)
+    start = time.perf_counter()
     outs, seconds = timed(lambda: llm.generate(prompts, params), device)
     result = {"s": seconds, "tok_s": len(prompts) * new / seconds,
               "first_call_tok_s": len(prompts) * new / first,
-              "tokens": [o.token_ids for o in outs]}
+              "tokens": [o.token_ids for o in outs], **phases(outs, start, new)}
     # Busy fraction of a decode-heavy run: short prompts, so decode dominates.
     short = [p[:16] for p in prompts]
     busy = gpu_busy(lambda: llm.generate(short, params), device)
@@ -251,6 +268,11 @@ def print_tables(rows: list[dict], tt: dict | None, device: torch.device) -> Non
               f"{tok_s('compiled')} | {tok_s('engine')} | {ratio('compiled')} | "
               f"{ratio('transformers')} | {busy('engine')} | {tok_s('engine-sync')} | "
               f"{busy('engine-sync')} | {same} |")
+    split = [f"{r['batch']} x {r['prompt']} -> {r['new']}: {r['engine']['prefill_phase_s'] * 1e3:.1f} ms "
+             f"to every first token, then {r['engine']['decode_step_ms']:.2f} ms a decode step"
+             for r in rows if "decode_step_ms" in r.get("engine", {})]
+    if split:
+        print("engine, timed call: " + "; ".join(split))
     firsts = [f"{r['batch']} x {r['prompt']} -> {r['new']}: {r['engine']['first_call_tok_s']:,.0f}"
               for r in rows if "first_call_tok_s" in r.get("engine", {})]
     if firsts:

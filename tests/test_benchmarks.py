@@ -60,6 +60,10 @@ def test_engine_throughput_quick_matches_transformers_and_hits_its_prefix(tmp_pa
     for row in rows:
         assert row["engine"]["tok_s"] > 0 and row["transformers"]["tok_s"] > 0
         assert row["identical_outputs"] == row["batch"], row  # greedy, fp32: the same tokens
+        engine = row["engine"]  # its timed call, split: the prefills, then the decode steps
+        assert 0 < engine["prefill_phase_s"] < engine["s"]
+        decode_s = engine["decode_step_ms"] / 1e3 * (row["new"] - 1)
+        assert 0 < decode_s < engine["s"] - engine["prefill_phase_s"] + 1e-3
     ttft = got["ttft"]
     assert ttft["caching_on"]["num_cached_tokens"][1:] == [ttft["prefix_tokens"]] * (ttft["requests"] - 1)
     assert not any(ttft["caching_off"]["num_cached_tokens"])
