@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from bench_common import machine, timed, write_json
-from engine import LLM
+from engine import LLM, startup_probes
 from engine.prefill_cost import PrefillCost
 from tiered_kv import TierConfig, block_loader, build_llm
 
@@ -47,7 +47,7 @@ def prefill_cost(engine_kwargs: dict) -> PrefillCost:
     """What a step costs (:mod:`engine.prefill_cost`), measured as the engine measures it on
     CUDA, each timing the fastest of three."""
     with LLM(**engine_kwargs) as llm:
-        return llm.engine.model_runner.time_prefill(None, repeats=3)
+        return startup_probes.time_prefill(llm.engine.model_runner, None, repeats=3)
 
 
 class SlowReads:

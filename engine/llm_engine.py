@@ -18,6 +18,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from engine import startup_probes
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.connector import KVConnector
@@ -93,17 +94,17 @@ class LLMEngine:
         if config.kv_cache_dtype == "fp8":
             calibration = self.tokenizer.encode(FP8_CALIBRATION_TEXT)
             limit = min(config.max_model_len - 1, config.max_num_batched_tokens)
-            kv_scales = self.model_runner.calibrate_fp8_scales(calibration[:limit])
+            kv_scales = startup_probes.calibrate_fp8_scales(self.model_runner, calibration[:limit])
         draft_bytes = draft_kv_spec(draft, config.block_size).bytes_per_block if draft else 0
         # what a prefill costs sizes the head an overlapped load recomputes (engine.scheduler)
         prefill_cost = None
         if self.device.type == "cuda" and kv_connector is not None:
-            prefill_cost = self.model_runner.time_prefill(kv_scales)
+            prefill_cost = startup_probes.time_prefill(self.model_runner, kv_scales)
             logger.info("prefill step: %.2f ms + %.2f us a token + %.3f ns a token per token "
                         "before it", prefill_cost.fixed_s * 1e3, prefill_cost.per_token_s * 1e6,
                         prefill_cost.per_token_context_s * 1e9)
         num_blocks = num_pool_blocks(
-            config, spec, lambda: self.model_runner.profile_peak_memory(kv_scales), draft_bytes
+            config, spec, lambda: startup_probes.profile_peak_memory(self.model_runner, kv_scales), draft_bytes
         )
         kv_cache = self.model_runner.init_kv_cache(num_blocks, kv_scales)
         if self.device.type == "cuda" and not config.enforce_eager:

@@ -2,21 +2,19 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Sequence as Seq
 
 import numpy as np
 import torch
 
-from engine import prefill_cost, prompt_logprobs
+from engine import prompt_logprobs
 from engine.attention import AttentionMetadata, KVScales
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.decode_inputs import DecodeInputs
-from engine.kv_cache import KVCacheSpec, fp8_scales_from_cache
+from engine.kv_cache import KVCacheSpec
 from engine.host_staging import to_device, upload
 from engine.lookahead import Lookahead
-from engine.prefill_cost import PrefillCost
 from engine.sampler import Sample, SampleError, Sampler, SamplingRow
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
@@ -300,86 +298,6 @@ class ModelRunner:
         if launched is not None:
             self.num_lookahead_wasted += 1
             launched.wait()
-
-    @torch.inference_mode()
-    def profile_peak_memory(self, kv_scales: list[KVScales] | None) -> int:
-        """Peak CUDA bytes of a ``max_num_batched_tokens`` forward plus logits, less its cache."""
-        budget = self.config.max_num_batched_tokens
-        num_seqs = min(self.config.max_num_seqs, budget)
-        lengths = [budget // num_seqs + (i < budget % num_seqs) for i in range(num_seqs)]
-        lengths = [min(n, self.config.max_model_len - 1) for n in lengths]
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        cache = self._forward_on_fresh_cache([[0] * n for n in lengths], self.spec, kv_scales)
-        torch.cuda.synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device) - cache.numel() * cache.element_size()
-
-    @torch.inference_mode()
-    def time_prefill(self, kv_scales: list[KVScales] | None, repeats: int = 1) -> PrefillCost:
-        """What a prefill step costs (:mod:`engine.prefill_cost`), from three steps: ``big``
-        tokens (one step's budget, or what fits the model), a sixteenth of that, and that
-        sixteenth after the ``big`` ones. Each timing is the fastest of ``repeats`` runs
-        after one that compiles the kernels."""
-        big = min(self.config.max_num_batched_tokens, (self.config.max_model_len - 1) * 16 // 17)
-        small = big // 16
-        if small < 1:
-            seconds = min(self._timed_prefill(big, 0, kv_scales)[0] for _ in range(1 + repeats))
-            return PrefillCost(0.0, seconds / max(big, 1))
-        runs = [
-            (*self._timed_prefill(small, 0, kv_scales)[:1], *self._timed_prefill(big, small, kv_scales))
-            for _ in range(1 + repeats)
-        ]
-        small_s, big_s, after_big_s = (min(column) for column in zip(*runs[1:]))
-        return prefill_cost.fit(small, big, small_s, big_s, after_big_s)
-
-    def _timed_prefill(
-        self, tokens: int, after: int, kv_scales: list[KVScales] | None
-    ) -> tuple[float, float]:
-        """Seconds to prefill ``tokens`` tokens into a fresh cache, then (0 if ``after`` is
-        0) seconds to compute ``after`` more over them."""
-        total = tokens + after
-        table = list(range(-(-total // self.block_size)))
-        cache = self.spec.allocate(len(table), self.device)
-        prompt = [0] * total
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else lambda _: None
-        seconds = []
-        for start, count in ((0, tokens), (tokens, after)):
-            if not count:
-                seconds.append(0.0)
-                continue
-            sync(self.device)
-            begin = time.perf_counter()
-            batch = self.prepare([prompt], [start], [count], [table], [1])
-            hidden = self.model(batch.input_ids, batch.positions, cache, batch.meta, kv_scales)
-            torch.softmax(self.model.compute_logits(hidden[batch.logits_indices]), dim=-1)
-            sync(self.device)
-            seconds.append(time.perf_counter() - begin)
-        return seconds[0], seconds[1]
-
-    @torch.inference_mode()
-    def calibrate_fp8_scales(self, token_ids: list[int]) -> list[KVScales]:
-        """Per-layer fp8 scales from the K/V the model writes for ``token_ids``."""
-        model_dtype = next(self.model.parameters()).dtype
-        cache = self._forward_on_fresh_cache(
-            [token_ids], dataclasses.replace(self.spec, dtype=model_dtype), None
-        )
-        return fp8_scales_from_cache(cache)
-
-    def _forward_on_fresh_cache(
-        self, prompts: list[list[int]], spec: KVCacheSpec, kv_scales: list[KVScales] | None
-    ) -> torch.Tensor:
-        """Prefill ``prompts`` into a new cache just big enough for them (and compute logits)."""
-        tables, num_blocks = [], 0
-        for prompt in prompts:
-            count = -(-len(prompt) // self.block_size)
-            tables.append(list(range(num_blocks, num_blocks + count)))
-            num_blocks += count
-        cache = spec.allocate(num_blocks, self.device)  # [num_blocks, L, 2, T, H, D]
-        lengths = [len(p) for p in prompts]
-        batch = self.prepare(prompts, [0] * len(prompts), lengths, tables, [1] * len(prompts))
-        hidden = self.model(batch.input_ids, batch.positions, cache, batch.meta, kv_scales)
-        torch.softmax(self.model.compute_logits(hidden[batch.logits_indices]), dim=-1)
-        return cache
 
     def prepare(
         self,

@@ -11,7 +11,7 @@ attention is most of a step (recomputing 32K took 7× as long as 8K on an H200, 
 
 :func:`fit` solves the three coefficients from three timed steps: ``small`` tokens and
 ``big`` tokens from an empty cache, and ``small`` tokens after ``big`` (the engine's
-:meth:`~engine.model_runner.ModelRunner.time_prefill` on CUDA, and
+:func:`~engine.startup_probes.time_prefill` on CUDA, and
 ``benchmarks/overlapped_load.py`` on the CPU).
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-from engine import LLM
+from engine import LLM, startup_probes
 from engine.prefill_cost import PrefillCost, fit
 from engine.scheduler_loads import MIN_OVERLAP_BLOCKS, Loads
 
@@ -114,11 +114,11 @@ def test_the_runner_fits_its_cost_from_three_timed_steps(monkeypatch):
     with LLM(device="cpu", max_model_len=256, num_gpu_blocks_override=64) as llm:
         runner = llm.engine.model_runner
         # the real steps run on any device: a fresh prefill, then more tokens over it
-        small_s, nothing = runner._timed_prefill(15, 0, None)
-        big_s, after_s = runner._timed_prefill(240, 15, None)
+        small_s, nothing = startup_probes.timed_prefill(runner, 15, 0, None)
+        big_s, after_s = startup_probes.timed_prefill(runner, 240, 15, None)
         assert min(small_s, big_s, after_s) > 0 and nothing == 0.0
-        monkeypatch.setattr(runner, "_timed_prefill", timed)
-        got = runner.time_prefill(None, repeats=2)
+        monkeypatch.setattr(startup_probes, "timed_prefill", lambda _, *args: timed(*args))
+        got = startup_probes.time_prefill(runner, None, repeats=2)
     # 240 tokens (what fits 256 with a sixteenth more), 15, and 15 after the 240
     assert calls == [(15, 0), (240, 15)] * 3
     assert got == pytest.approx(truth, rel=1e-9)
