@@ -117,6 +117,8 @@ def disk_child(args_path: Path) -> None:
         scheduler.prefill_cost = cost
         rows += [row(run, p, "disk hit", args["codec"], **hits(llm, run, p, "disk"))
                  for p in run.prefixes]
+    for r in rows:  # what sized the overlapped heads (engine/prefill_cost.py)
+        r["prefill_cost"] = None if cost is None else cost._asdict()
     print(json.dumps(rows))
 
 
