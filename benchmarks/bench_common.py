@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import DTYPES
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.llm import LLM

@@ -48,7 +48,7 @@ import transformers
 
 from bench_common import DTYPES, SHAPES, Shape, machine, write_json, write_random_llama
 from engine.llm import LLM
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = 0

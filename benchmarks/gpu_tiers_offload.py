@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from engine.llm import LLM
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from tiered_kv.config import TierConfig
 from tiered_kv.tier_manager import build_llm
 from bench_common import BLOCK, timed

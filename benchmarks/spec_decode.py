@@ -36,7 +36,7 @@ import torch
 from bench_common import Shape, machine, write_json, write_random_llama
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = 0

@@ -52,7 +52,7 @@ import torch
 import transformers
 
 from engine.llm import LLM
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from tiered_kv.config import TierConfig
 from tiered_kv.tier_manager import build_llm
 from bench_common import ONE, machine, timed, write_json, write_random_llama

@@ -6,7 +6,7 @@ from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import PromptLogprob, RequestOutput, RequestOutputKind
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "AsyncLLM", "EngineConfig", "LLMEngine", "PromptLogprob", "RequestOutput",
            "RequestOutputKind", "SamplingParams"]

@@ -26,7 +26,7 @@ from engine.config import EngineConfig
 from engine.connector import KVConnector
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 from engine.tokenizer import Tokenizer
 

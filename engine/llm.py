@@ -10,7 +10,7 @@ from engine.config import EngineConfig
 from engine.connector import KVConnector
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, RequestOutputKind
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 
 Prompt = str | list[int]

@@ -32,7 +32,8 @@ from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput, RequestOutputKind
 from engine.penalties import TokenCounts
 from engine.request_checks import checked_request
-from engine.sampler import Sample, SampleError, SamplingParams
+from engine.sampler import Sample, SampleError
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.spec_decode.draft import DraftProposer, draft_kv_spec

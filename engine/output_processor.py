@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Sequence as Seq
 
 from engine.outputs import PromptLogprob, RequestOutput, RequestTimes, frozen
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 
 

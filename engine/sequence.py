@@ -25,7 +25,8 @@ import torch
 from engine.hashing import hash_blocks
 from engine.outputs import PromptLogprob
 from engine.penalties import TokenCounts
-from engine.sampler import SamplingParams, SamplingRow
+from engine.sampler import SamplingRow
+from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarState
 
 

@@ -9,7 +9,7 @@ import torch
 from engine.connector import FinishedTransfers, KVConnector, SavedBlock
 from engine.hashing import root_hash
 from engine.models.tiny import write_tiny_tokenizer
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 

@@ -9,7 +9,7 @@ import torch
 from engine.models.tiny import END_ID, EOS_ID, write_tiny_tokenizer
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput, RequestTimes, frozen
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from engine.tokenizer import Tokenizer
 

@@ -8,7 +8,8 @@ import torch
 from engine import LLM
 import engine.sampler
 from engine.penalties import TokenCounts, apply_penalties
-from engine.sampler import Sample, SampleError, Sampler, SamplingParams, SamplingRow
+from engine.sampler import Sample, SampleError, Sampler, SamplingRow
+from engine.sampling_params import SamplingParams
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
 
 VOCAB = 50
@@ -135,44 +136,6 @@ def test_a_row_that_raises_fails_alone(monkeypatch):
     out = Sampler()(x.clone(), [row(SamplingParams()), row(cursed), row(SamplingParams(temperature=0.0))])
     assert isinstance(out[0], Sample) and out[2].token_id == x[2].argmax().item()
     assert isinstance(out[1], SampleError) and str(out[1].error) == "cursed row"
-
-
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        {"temperature": -0.1},
-        {"temperature": float("nan")},
-        {"top_p": 0.0},
-        {"top_p": 1.5},
-        {"top_k": 0},
-        {"top_k": -1},
-        {"max_tokens": 0},
-        {"min_tokens": 5, "max_tokens": 4},
-        {"stop": [""]},
-        {"stop_token_ids": [-1]},
-        {"seed": -(2**63) - 1},
-        {"seed": 2**63},
-        {"logprobs": -1},
-        {"ignore_eos": "yes"},
-        {"presence_penalty": 2.5},
-        {"frequency_penalty": -3},
-        {"repetition_penalty": 0},
-        {"repetition_penalty": float("inf")},
-        {"min_p": 1.5},
-        {"logit_bias": {3: 101.0}},
-        {"logit_bias": {-1: 1.0}},
-    ],
-)
-def test_invalid_params_raise_value_error(kwargs):
-    with pytest.raises(ValueError):
-        SamplingParams(**kwargs)
-
-
-def test_params_normalize_stop_arguments():
-    p = SamplingParams(stop="\n", stop_token_ids=[5, 6])
-    assert p.stop == ("\n",) and p.stop_token_ids == (5, 6)
-    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
-    hash(p)
 
 
 # Penalties, min_p and logit_bias, on hand-made logits.

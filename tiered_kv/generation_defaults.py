@@ -14,7 +14,7 @@ import math
 import os
 from pathlib import Path
 
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 
 FILE_NAME = "generation_config.json"
 _FLOAT_KEYS = ("temperature", "top_p", "min_p", "repetition_penalty")

@@ -5,7 +5,7 @@ know is a 400 naming it (nothing is ignored silently), and values this server ca
 (``tools``, ``suffix``...) are refused by :meth:`to_sampling_params` with a
 :class:`RequestError` naming the parameter. Sampling values follow vLLM's rules
 (``temperature`` in [0, 2], ``top_p`` in (0, 1], ``top_k`` -1 or 0 for off or at least 1,
-``max_tokens`` at least 1, penalties as :class:`engine.sampler.SamplingParams` says);
+``max_tokens`` at least 1, penalties as :class:`engine.sampling_params.SamplingParams` says);
 integers must fit int64. Values left out come from the model's generation config
 (:class:`~tiered_kv.generation_defaults.GenerationDefaults`), else vLLM's defaults.
 """
@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.outputs import RequestOutputKind
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from tiered_kv.generation_defaults import GenerationDefaults
 from tiered_kv.protocol_errors import RequestError
 from tiered_kv.structured_output_fields import StructuredOutputError, structured_output_spec

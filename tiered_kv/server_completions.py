@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from tiered_kv import server_responses
 from tiered_kv.generation_defaults import GenerationDefaults
 from tiered_kv.protocol_errors import RequestError

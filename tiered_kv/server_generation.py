@@ -18,7 +18,7 @@ from fastapi import Request
 
 from engine.async_engine import EngineDeadError, RequestFailedError
 from engine.outputs import RequestOutput
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputSpec
 from tiered_kv.protocol_errors import RequestError
 from tiered_kv.server_state import ServerState

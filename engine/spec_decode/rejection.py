@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from engine.host_staging import to_device
-from engine.sampler import Sample, SampleError, SamplingParams, draw, filtered_probs
+from engine.sampler import Sample, SampleError, draw, filtered_probs
+from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.spec_decode.speculator import composes_with_speculation, place_drafts
 

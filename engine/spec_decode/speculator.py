@@ -15,7 +15,8 @@ from typing import NamedTuple, Protocol
 import torch
 
 from engine.host_staging import to_device
-from engine.sampler import SampleError, SamplingParams
+from engine.sampler import SampleError
+from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram import propose_ngram
