@@ -9,33 +9,26 @@ fields, so a new field is a new flag, environment variable, YAML key and docs ro
 A value comes from, first to last: a command-line flag, a ``TIERED_KV_<FIELD>`` environment
 variable, another environment variable the field names (``VLLM_CPU_KVCACHE_SPACE``,
 ``HF_HOME``...), a key of the YAML ``--config`` file, the default. Invalid values raise
-``ValueError`` naming the flag; the CLI turns that into one line and exit code 2.
+``ValueError`` naming the flag (the checks are in ``serve_checks``); the CLI turns that into
+one line and exit code 2. :meth:`ServeConfig.engine_config` and :meth:`ServeConfig.tier_config`
+build the engine's and the tiers' configs (``serve_conversions``).
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from collections.abc import Mapping
 from typing import Any
 
 from engine.config import DTYPES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, EngineConfig
-from engine.kv_events import KVEventsConfig
-from engine.spec_decode import SpeculativeConfig
-from tiered_kv.config import (
-    GiB, MiB, OFFLOAD_MODES, REMOTE_WRITE_POLICIES, WRITE_POLICIES, TierConfig, load_tenant_priorities,
-)
-from tiered_kv.generation_defaults import GenerationDefaults, parse_override
+from tiered_kv.config import GiB, MiB, OFFLOAD_MODES, REMOTE_WRITE_POLICIES, WRITE_POLICIES, TierConfig
+from tiered_kv import serve_conversions
+from tiered_kv.serve_checks import check
 from tiered_kv.serve_option import ENGINE, SERVER, TIERS, EnvAlias, Setting, option, settings_of
-from tiered_kv.serve_option import flag_name as _flag
 from tiered_kv.serve_sources import merge
 
 ENV_PREFIX = "TIERED_KV_"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-SINGLE_DEVICE = (
-    "this server runs the model on one device; run one server per GPU behind a load balancer "
-    "(they share KV through --kv-remote-url)"
-)
 
 
 def _gib_to_bytes(text: str) -> int | None:
@@ -296,57 +289,7 @@ class ServeConfig:
     )
 
     def __post_init__(self) -> None:
-        for setting in SETTINGS:
-            setting.check_choice(getattr(self, setting.name))
-        _str("model", self.model)
-        for name in ("served_model_name", "api_key"):  # one value or several
-            value = getattr(self, name)
-            values = (value,) if isinstance(value, str) else () if value is None else value
-            if not isinstance(values, (tuple, list)):
-                raise ValueError(f"{_flag(name)} must be one or more strings, got {value!r}")
-            object.__setattr__(self, name, tuple(values))
-            for v in values:
-                _str(name, v)
-        for name in ("admin_api_key", "revision", "chat_template", "tokenizer"):
-            if getattr(self, name) is not None:
-                _str(name, getattr(self, name))
-        if self.override_generation_config is not None:  # refused now, not after the model loaded
-            overrides = parse_override(self.override_generation_config)
-            GenerationDefaults.from_dict(overrides, "--override-generation-config")
-        _str("host", self.host)
-        _str("generation_config", self.generation_config)
-        if _bad_int(self.port, 1) or self.port > 65535:
-            raise ValueError(f"--port must be an integer in [1, 65535], got {self.port!r}")
-        if _bad_int(self.max_logprobs, -1):
-            raise ValueError(f"--max-logprobs must be an integer >= -1, got {self.max_logprobs!r}")
-        if _bad_int(self.max_queue_len, 0):
-            raise ValueError(f"--max-queue-len must be an integer >= 0, got {self.max_queue_len!r}")
-        if not _positive_number(self.max_request_body_mib):
-            raise ValueError(
-                f"--max-request-body-mib must be a number of MiB > 0, got {self.max_request_body_mib!r}"
-            )
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            value = getattr(self, name)
-            if value != 1:
-                raise ValueError(f"{_flag(name)} {value}: only 1 is supported: {SINGLE_DEVICE}")
-        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
-            value = getattr(self, name)
-            if not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value):
-                raise ValueError(f"{_flag(name)} must be a list of non-empty strings, got {value!r}")
-        for name in ("kv_offloading_size", "kv_disk_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-                math.isfinite(value) and value >= 0
-            ):
-                raise ValueError(f"{_flag(name)} must be a number of GiB >= 0, got {value!r}")
-        if not isinstance(self.kv_cache_dir, str):
-            raise ValueError(f"--kv-cache-dir must be a path, got {self.kv_cache_dir!r}")
-        # The engine's and the tiers' own checks, with their field names mapped to flags.
-        for build in (self.engine_config, self.tier_config):
-            try:
-                build()
-            except ValueError as e:
-                raise ValueError(_with_flag_names(str(e))) from None
+        check(self, SETTINGS)
 
     @property
     def model_name(self) -> str:
@@ -371,80 +314,15 @@ class ServeConfig:
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The :class:`engine.EngineConfig` fields (without ``model``)."""
-        return dict(
-            device=self.device,
-            dtype=self.dtype,
-            max_model_len=self.max_model_len,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            block_size=self.block_size,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            num_gpu_blocks_override=self.num_gpu_blocks_override,
-            cpu_kv_cache_bytes=self.cpu_kv_cache_bytes,
-            kv_cache_dtype=self.kv_cache_dtype,
-            enable_prefix_caching=self.enable_prefix_caching,
-            enforce_eager=self.enforce_eager,
-            async_scheduling=self.async_scheduling,
-            scheduling_policy=self.scheduling_policy,
-            seed=self.seed,
-            kv_events_config=self._kv_events(),
-            speculative_config=self._speculative(),
-        )
-
-    def _kv_events(self) -> KVEventsConfig | None:
-        if self.kv_events_config is None:
-            return None
-        try:
-            return KVEventsConfig.from_json(self.kv_events_config)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"--kv-events-config: {e}") from None
-
-    def _speculative(self) -> SpeculativeConfig | None:
-        if self.speculative_config is None:
-            return None
-        try:
-            return SpeculativeConfig.from_json(self.speculative_config)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"--speculative-config: {e}") from None
+        return serve_conversions.engine_kwargs(self)
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(model=self.model, **self.engine_kwargs())
+        return serve_conversions.engine_config(self)
 
     def tier_config(self) -> TierConfig | None:
         """The tiers, or ``None`` when both sizes are 0 and there is no remote tier (GPU
-        prefix caching only).
-
-        ``--kv-disk-size 0`` turns the disk tier off, ``--kv-offloading-size 0`` the CPU pool;
-        ``--kv-remote-url`` adds the shared remote tier.
-        """
-        cpu_bytes = int(self.kv_offloading_size * GiB)
-        disk_bytes = int(self.kv_disk_size * GiB)
-        if not cpu_bytes and not disk_bytes and self.kv_remote_url is None:
-            return None
-        return TierConfig(
-            kv_cache_dir=self.kv_cache_dir if disk_bytes else None,
-            cpu_bytes=cpu_bytes,
-            disk_bytes=max(disk_bytes, 1),
-            codec=self.kv_codec,
-            write_policy=self.kv_write_policy,
-            offload=self.kv_offload,
-            remote_url=self.kv_remote_url,
-            remote_write_policy=self.kv_remote_write_policy,
-            remote_timeout_s=self.kv_remote_timeout,
-            remote_ttl_s=self.kv_remote_ttl,
-            remote_secret_file=self.kv_secret_file,
-            remote_secret=self.secret,
-            tenant_priorities=self._tenant_priorities(),
-        )
-
-    def _tenant_priorities(self) -> dict[str, int]:
-        if self.tenant_priorities is None:
-            return {}
-        try:
-            return load_tenant_priorities(self.tenant_priorities)
-        except ValueError as e:
-            raise ValueError(f"--tenant-priorities: {e}") from None
+        prefix caching only)."""
+        return serve_conversions.tier_config(self)
 
     @classmethod
     def load(
@@ -461,42 +339,4 @@ class ServeConfig:
 
 
 SETTINGS: tuple[Setting, ...] = settings_of(ServeConfig)
-SETTINGS_BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
 
-
-_RENAMED = {  # engine/tier field -> the flag that sets it
-    "kv_cache_dir": "--kv-cache-dir",
-    "cpu_bytes": "--kv-offloading-size",
-    "disk_bytes": "--kv-disk-size",
-    "codec": "--kv-codec",
-    "write_policy": "--kv-write-policy",
-    "offload": "--kv-offload",
-    "remote_url": "--kv-remote-url",
-    "remote_write_policy": "--kv-remote-write-policy",
-    "remote_timeout_s": "--kv-remote-timeout",
-    "remote_ttl_s": "--kv-remote-ttl",
-    "remote_secret_file": "--kv-secret-file",
-}
-
-
-def _with_flag_names(message: str) -> str:
-    head, sep, rest = message.partition(" ")
-    if head in _RENAMED:
-        return _RENAMED[head] + sep + rest
-    if head in SETTINGS_BY_NAME:
-        return _flag(head) + sep + rest
-    return message
-
-
-def _bad_int(value: object, minimum: int) -> bool:
-    return isinstance(value, bool) or not isinstance(value, int) or value < minimum
-
-
-def _positive_number(value: object) -> bool:
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return number and math.isfinite(value) and value > 0
-
-
-def _str(name: str, value: object) -> None:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{_flag(name)} must be a non-empty string, got {value!r}")
