@@ -5,7 +5,8 @@ it takes longer than a forward, the GPU waits for it.
 
 For each batch size B and prompt length P: B requests of P token ids on the tiny model
 (CPU), prefilled, then decode steps timed in CPU time, the fastest of 6 chunks (a shared VM
-is noisy). ``--output-kind final_only`` asks for final outputs only, as ``LLM.generate``
+is noisy), with the garbage collector's pauses over all of them (a pause stops the engine's
+thread as well; the fastest chunk leaves them out). ``--output-kind final_only`` asks for final outputs only, as ``LLM.generate``
 does; the default is every step's output, as the server streams.
 
 ``--runner`` keeps the model runner (decode from the graph buffers, without capture, and
@@ -19,6 +20,7 @@ That is all the host does between two graph replays on a GPU, the forward aside.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -58,13 +60,40 @@ def host_ms_per_step(
         engine.model_runner.run = run
     per_chunk = steps // CHUNKS
     best = float("inf")
-    for _ in range(CHUNKS):
-        start = time.process_time()
-        for _ in range(per_chunk):
-            engine.step()
-        best = min(best, (time.process_time() - start) / per_chunk)
+    with CollectorPauses() as pauses:
+        for _ in range(CHUNKS):
+            start = time.process_time()
+            for _ in range(per_chunk):
+                engine.step()
+            best = min(best, (time.process_time() - start) / per_chunk)
     llm.engine.close()
-    return 1e3 * best
+    return 1e3 * best, pauses.summary(per_chunk * CHUNKS)
+
+
+class CollectorPauses:
+    """The garbage collector's pauses while it is entered (they stop the engine's thread
+    too): ``summary(steps)`` gives their number, milliseconds per step and the longest."""
+
+    def __init__(self) -> None:
+        self.pauses: list[float] = []
+        self._start = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.pauses.append(time.perf_counter() - self._start)
+
+    def __enter__(self) -> CollectorPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self, steps: int) -> dict:
+        return {"gc_collections": len(self.pauses), "gc_ms_per_step": 1e3 * sum(self.pauses) / steps,
+                "gc_longest_ms": 1e3 * max(self.pauses, default=0.0)}
 
 
 def stub_model(runner) -> None:
@@ -105,13 +134,15 @@ def main() -> None:
     rows = []
     stubbed = "the model" if args.runner else "the model runner"
     print(f"engine host work per decode step, {stubbed} stubbed ({kind.value} outputs)")
-    print("| batch | prompt tokens | ms / step | µs / request |")
-    print("|---|---|---|---|")
+    print("| batch | prompt tokens | ms / step | µs / request | garbage collections | "
+          "their ms / step | longest ms |")
+    print("|---|---|---|---|---|---|---|")
     for b in batches:
         for p in prompts:
-            ms = host_ms_per_step(b, p, args.steps, kind, args.runner)
-            rows.append({"batch": b, "prompt": p, "ms_per_step": ms})
-            print(f"| {b} | {p} | {ms:.3f} | {1e3 * ms / b:.1f} |", flush=True)
+            ms, gc_pauses = host_ms_per_step(b, p, args.steps, kind, args.runner)
+            rows.append({"batch": b, "prompt": p, "ms_per_step": ms, **gc_pauses})
+            print(f"| {b} | {p} | {ms:.3f} | {1e3 * ms / b:.1f} | {gc_pauses['gc_collections']} | "
+                  f"{gc_pauses['gc_ms_per_step']:.3f} | {gc_pauses['gc_longest_ms']:.1f} |", flush=True)
     write_json(args.out, {"machine": machine(), "output_kind": kind.value, "runner": args.runner,
                           "steps": args.steps, "rows": rows})
 

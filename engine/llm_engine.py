@@ -18,7 +18,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from engine import startup_probes
+from engine import gc_heap, startup_probes
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.connector import KVConnector
@@ -158,6 +158,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self._counter = itertools.count()
         self._closed = False
+        gc_heap.freeze_startup_heap()  # no collection walks the start-up heap again
 
     @property
     def num_blocks(self) -> int:
@@ -370,6 +371,7 @@ class LLMEngine:
             self._kv_publisher.close()
         if self.speculator is not None and isinstance(self.speculator.proposer, DraftProposer):
             self.speculator.proposer.close()
+        gc_heap.thaw()  # what this engine leaves in cycles is collected again
         self.model_runner.free_kv_cache()
 
     def _load_draft(self, target: LoadedModel) -> LoadedModel | None:
