@@ -104,9 +104,10 @@ class LLMEngine:
             logger.info("prefill step: %.2f ms + %.2f us a token + %.3f ns a token per token "
                         "before it", prefill_cost.fixed_s * 1e3, prefill_cost.per_token_s * 1e6,
                         prefill_cost.per_token_context_s * 1e9)
-        num_blocks = num_pool_blocks(
-            config, spec, lambda: startup_probes.profile_peak_memory(self.model_runner, kv_scales), draft_bytes
-        )
+        def peak_memory() -> int:  # of a step, measured only if the pool is sized from it
+            return startup_probes.profile_peak_memory(self.model_runner, kv_scales)
+
+        num_blocks = num_pool_blocks(config, spec, peak_memory, draft_bytes)
         kv_cache = self.model_runner.init_kv_cache(num_blocks, kv_scales)
         if self.device.type == "cuda" and not config.enforce_eager:
             graphs = self.model_runner.enable_decode_graphs(capture=True)
