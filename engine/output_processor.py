@@ -8,16 +8,23 @@ may be the start of a stop string, so no output ever shows text that a stop late
 
     text:  | sent | new, shown | held back (could begin a stop) |
                   ^num_sent_chars
+
+A request whose text nothing reads before its finish (``FINAL_ONLY``, no stop strings) is
+detokenized at its finish instead (an abort's too), all its tokens in one decode, with the
+text that token by token gives, where the tokenizer's decoder allows it
+(:func:`engine.detokenizer.decodes_in_context`). An output read while it runs would
+detokenize the tokens so far and go on token by token.
 """
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence as Seq
 
-from engine.outputs import PromptLogprob, RequestOutput, RequestTimes, frozen
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import PromptLogprob, RequestOutput, RequestOutputKind, RequestTimes, frozen
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.tokenizer import Tokenizer
 
 DETOKENIZER_CONTEXT = 4  # prompt tokens decoded before the first output token
 
@@ -29,6 +36,7 @@ class _TextState:
     detokenizer: IncrementalDetokenizer
     prompt_token_ids: list[int]  # every output of the request shares this one list
     stop_ids: tuple[int, ...] = ()  # the request's stop_token_ids, and the eos ids unless ignore_eos
+    deferred: bool = False  # its output tokens wait for its text to be read (at its finish)
     # the text in pieces, joined when read (text()): one string grown by each token's piece
     # was copied whole per token, and a request that neither has stop strings nor streams
     # reads its text once
@@ -71,7 +79,12 @@ class OutputProcessor:
             raise ValueError(f"request id {request_id!r} is already in use")
         detokenizer = self._detokenizer(prompt_token_ids, params)
         stop_ids = params.stop_token_ids + (() if params.ignore_eos else self.eos_token_ids)
-        self._texts[request_id] = _TextState(detokenizer, prompt_token_ids, stop_ids)
+        deferred = (
+            params.output_kind is RequestOutputKind.FINAL_ONLY
+            and not params.stop
+            and self.tokenizer.decodes_in_context is not None
+        )
+        self._texts[request_id] = _TextState(detokenizer, prompt_token_ids, stop_ids, deferred)
 
     def drop(self, request_id: str) -> None:
         """Forget a request that did not start after all."""
@@ -85,31 +98,32 @@ class OutputProcessor:
         ends with it (the caller finishes it): ``"stop"`` for a stop token, the end of its
         grammar or a stop string (the text is cut before it; ``stop_reason`` is the string, or
         a token of the request's ``stop_token_ids``), ``"length"`` for
-        ``max_tokens`` or ``max_model_len``."""
+        ``max_tokens`` or ``max_model_len``. A stop token is not detokenized."""
         params, state = seq.params, self._texts[seq.request_id]
         reason = None
         num_tokens = len(seq.token_ids)
         num_out = num_tokens - seq.num_prompt_tokens
-        may_stop = num_out >= params.min_tokens
-        new_text = ""
+        stop_token = num_out >= params.min_tokens and token in state.stop_ids
         # As vLLM: stop_reason names a stop token the request asked for; the model's own
         # eos (or the end of a grammar) leaves it None, the mark of a natural end.
-        if may_stop and token in state.stop_ids:
+        if stop_token or grammar_ended:
             reason = "stop"
             state.stop_reason = token if token in params.stop_token_ids else None
-        else:
-            new_text = state.detokenizer.add(token)
-            if grammar_ended:
-                reason = "stop"
-                state.stop_reason = token if token in params.stop_token_ids else None
-            elif (params.max_tokens is not None and num_out >= params.max_tokens) or (
-                num_tokens >= self.max_model_len
-            ):
-                reason = "length"
+        elif (params.max_tokens is not None and num_out >= params.max_tokens) or (
+            num_tokens >= self.max_model_len
+        ):
+            reason = "length"
+        if state.deferred:
+            if reason is not None:
+                state.deferred = False
+                ids = seq.token_ids[seq.num_prompt_tokens : num_tokens - 1 if stop_token else None]
+                state.pieces.append(state.detokenizer.finish_with(ids))
+            return reason
+        new_text = "" if stop_token else state.detokenizer.add(token)
         if reason is not None:
             new_text += state.detokenizer.finish()
         state.pieces.append(new_text)
-        if params.stop and may_stop:
+        if params.stop and num_out >= params.min_tokens:
             text = state.text()
             cut = _find_stop(text, params.stop, len(text) - len(new_text))
             if cut is not None:
@@ -124,6 +138,12 @@ class OutputProcessor:
         A finished request's text state is dropped."""
         finished = seq.is_finished
         state = self._texts.pop(seq.request_id) if finished else self._texts[seq.request_id]
+        if state.deferred:  # read before stop() finished it: aborted, or read while it runs
+            state.deferred, ids = False, seq.output_token_ids
+            if finished:
+                state.pieces.append(state.detokenizer.finish_with(ids, held_back=False))
+            else:  # from here on, token by token
+                state.pieces.extend(map(state.detokenizer.add, ids))
         text, stops = state.text(), seq.params.stop
         if stops and not finished:
             text = text[: max(len(text) - max(map(len, stops)) + 1, state.num_sent_chars)]

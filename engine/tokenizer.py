@@ -1,4 +1,4 @@
-"""Text ↔ token ids, chat templates, and streaming detokenization.
+"""Text ↔ token ids and chat templates (streaming detokenization: :mod:`engine.detokenizer`).
 
 A :class:`Tokenizer` is read from a model folder: ``tokenizer.json`` (the ``tokenizers``
 format, required), ``tokenizer_config.json`` (special tokens and ``chat_template``,
@@ -17,11 +17,9 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 import tokenizers
-from tokenizers.decoders import DecodeStream
 
+from engine.detokenizer import decodes_in_context
 from engine.json_config import read_object
-
-REPLACEMENT_CHAR = "\ufffd"
 
 
 class Tokenizer:
@@ -109,6 +107,12 @@ class Tokenizer:
         entry (byte-level entries have a character per byte, so this bounds the text too)."""
         return max(map(len, self._backend.get_vocab(with_added_tokens=True)), default=1)
 
+    @functools.cached_property
+    def decodes_in_context(self) -> dict[int, int] | None:
+        """The ids of the byte-fallback tokens if the decoder decodes a window in one call as
+        token by token, else None (:func:`engine.detokenizer.decodes_in_context`)."""
+        return decodes_in_context(self._backend)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer's post-processor
         adds (a BOS for Llama). Encode a rendered chat prompt with ``add_special_tokens=False``:
@@ -194,79 +198,6 @@ def _open_final_message(rendered: str, messages: list[dict]) -> str:
     raise ValueError(
         "continue_final_message: the chat template does not show the last message's text as sent"
     )
-
-
-class IncrementalDetokenizer:
-    """Turns a stream of token ids into a stream of text pieces.
-
-    ``add`` returns only text that is complete: while the bytes seen so far end in the
-    middle of a UTF-8 character (a byte-level tokenizer splits characters across tokens),
-    it returns ``""`` and waits. ``finish`` returns whatever is still held back. The
-    pieces joined equal ``tokenizer.decode(all_ids)``.
-
-    Decoding runs over a short window of ids, not the whole output::
-
-        ids:  ... | emitted, context |  held back  |
-                  ^prefix            ^read         ^len(ids)
-
-    Text for ``ids[read:]`` is ``decode(ids[prefix:])`` minus ``decode(ids[prefix:read])``;
-    the context token keeps decoders that strip a leading space from changing the text.
-
-    ``tokenizers``' own ``DecodeStream`` runs that window in one call per token (a third of
-    the Python version's cost, which is per running request per decode step); the window's
-    bounds are kept here too, for ``finish`` and for a decoder whose text of a window does
-    not begin with its context's text, which ``DecodeStream`` refuses and the slice below
-    takes as it comes.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
-        self._tokenizer = tokenizer
-        self._skip = skip_special_tokens
-        self._ids: list[int] = []
-        self._prefix = 0
-        self._read = 0
-        self._stream: DecodeStream | None = DecodeStream(skip_special_tokens=skip_special_tokens)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return list(self._ids)
-
-    def add(self, token_id: int) -> str:
-        ids = self._ids
-        ids.append(token_id)
-        if self._stream is None:
-            piece = self._pending()
-            if not piece or piece[-1] == REPLACEMENT_CHAR:
-                return ""
-        else:
-            try:
-                piece = self._stream.step(self._tokenizer._backend, token_id)
-            except Exception:  # the window's text does not begin with its context's
-                self._stream = None
-                return self.add(ids.pop())
-            if piece is None:  # held back: the same rule as the window's (empty, or ends in U+FFFD)
-                return ""
-        self._prefix, self._read = self._read, len(ids)
-        return piece
-
-    def finish(self) -> str:
-        """The held-back rest (text the ids end with that is not valid UTF-8, decoded with
-        replacement characters, as ``decode`` would)."""
-        piece = self._pending()
-        self._prefix = self._read = len(self._ids)
-        if self._stream is not None:  # the stream still holds the rest: start it clean
-            self._stream = DecodeStream(skip_special_tokens=self._skip)
-        return piece
-
-    def _pending(self) -> str:
-        tokenizer, ids, prefix, skip = self._tokenizer, self._ids, self._prefix, self._skip
-        if self._read - prefix == 1:  # the usual context: the one token emitted last
-            context = tokenizer.decode_one(ids[prefix], skip)
-        else:
-            context = tokenizer.decode(ids[prefix : self._read], skip)
-        # the slice is a new list already: straight to the backend (decode() copies it)
-        text = tokenizer._backend.decode(ids[prefix:], skip_special_tokens=skip)
-        return text[len(context) :]
 
 
 def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:

@@ -9,8 +9,11 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, RequestOutput, RequestOutputKind, SamplingParams
+from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheSpec
 from engine.models import tiny_model_path
+from engine.models.tiny import BOS_ID
+from engine.structured_output import StructuredOutputSpec
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -301,6 +304,57 @@ def test_output_text_keeps_the_leading_space_of_sentencepiece_decoders():
     full = backend.decode(final.prompt_token_ids + final.token_ids)
     assert final.text == full[len("w1 w2 w3") :] and final.text.startswith(" w")
     assert "".join(o.delta_text for o in outs) == final.text
+
+
+STREAMED_PARAMS = [  # the tiny model writes random bytes: broken UTF-8, special tokens
+    SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+    SamplingParams(temperature=1.0, seed=1, max_tokens=41, stop_token_ids=[20]),
+    SamplingParams(temperature=1.0, seed=2, max_tokens=37, min_tokens=12, stop_token_ids=[6, 7],
+                   logprobs=2),
+    SamplingParams(temperature=0.8, seed=3, max_tokens=50, skip_special_tokens=False),
+    SamplingParams(temperature=1.0, seed=4, max_tokens=60, ignore_eos=True,  # the grammar ends it
+                   structured_output=StructuredOutputSpec("regex", "[a-zé你]{2,9}")),
+]
+
+
+@pytest.mark.parametrize("self_draft", [False, True], ids=["plain", "self-draft"])
+def test_generate_ends_with_the_outputs_streaming_ends_with(self_draft, monkeypatch):
+    """The same requests through ``LLM.generate`` (final-only: detokenized at the finish,
+    the tokens not one by one) and streamed from ``step`` (token by token) end with the same
+    outputs; among the prompts one that ends inside a character, among the requests one that
+    a grammar ends. The tiny model drafting for
+    itself has all its drafts accepted: steps of four tokens, stops among them."""
+    speculative = {"model": str(tiny_model_path()), "num_speculative_tokens": 3} if self_draft else None
+    prompts = ["Hello", "Grüße 你好", "abcabcabcabcabcabc", [BOS_ID, *"x你".encode()[:-1]]]
+    requests = [(p, sp) for p in prompts for sp in STREAMED_PARAMS]
+    adds, add = [0], IncrementalDetokenizer.add
+
+    def counted(self, token_id):
+        adds[0] += 1
+        return add(self, token_id)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "add", counted)
+    with LLM(max_model_len=128, num_gpu_blocks_override=64, enable_prefix_caching=False,
+             speculative_config=speculative, device="cpu") as llm:
+        finals = llm.generate([p for p, _ in requests], [sp for _, sp in requests])
+        assert adds[0] <= 4 * len(requests)  # the prompts' last tokens, for context
+        engine = llm.engine
+        assert engine.stats().spec_num_accepted_tokens > 0 or not self_draft
+        ids = [engine.add_request(p, dataclasses.replace(sp, output_kind=RequestOutputKind.CUMULATIVE))
+               for p, sp in requests]
+        streamed: dict[str, RequestOutput] = {}
+        while engine.has_unfinished_requests():
+            streamed.update((o.request_id, o) for o in engine.step())
+    reasons = set()
+    for final, request_id in zip(finals, ids):
+        last = streamed[request_id]
+        assert final.delta_text == final.text
+        assert dataclasses.replace(final, request_id="", delta_text="", times=None) == (
+            dataclasses.replace(last, request_id="", delta_text="", times=None)
+        )
+        reasons.add((final.finish_reason, final.stop_reason))
+    assert {("length", None), ("stop", 20), ("stop", None)} <= reasons
+    assert any("\ufffd" in o.text for o in finals)
 
 
 def test_nvml_memory_is_queried_at_most_once_per_ttl(monkeypatch):

@@ -1,17 +1,23 @@
-"""OutputProcessor: detokenizing token by token, the stop conditions, and the outputs built."""
+"""OutputProcessor: detokenizing token by token or at the finish, the stop conditions, and
+the outputs built."""
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 import torch
+from tokenizers import decoders
 
 from engine.models.tiny import END_ID, EOS_ID, write_tiny_tokenizer
 from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput, RequestTimes, frozen
+from engine.outputs import RequestOutput, RequestOutputKind, RequestTimes, frozen
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from engine.tokenizer import Tokenizer
+from tokenizer_testing import crossing_bpe, random_ids, sentencepiece, tiny
+
+FINAL_ONLY, CUMULATIVE = RequestOutputKind.FINAL_ONLY, RequestOutputKind.CUMULATIVE
 
 MAX_MODEL_LEN = 64
 
@@ -144,3 +150,108 @@ def test_outputs_built_without_their_init_are_the_same_frozen_outputs():
         out.text = "c"
     with pytest.raises(TypeError, match="needs all of its fields"):
         frozen(RequestTimes, arrival=1.0)
+
+
+# --- final-only requests: detokenized at their finish ---------------------------------------
+
+TOKENIZERS = {
+    "tiny": tiny,
+    "byte-level BPE": crossing_bpe,
+    "llama 2": sentencepiece,  # metaspace, byte fallback
+    "t5": lambda: sentencepiece(decoders.Metaspace(prepend_scheme="first")),
+}
+
+
+def random_params(rng: random.Random, tokenizer: Tokenizer) -> SamplingParams:
+    size = tokenizer.backend.get_vocab_size()
+    max_tokens = rng.choice([None, rng.randint(1, 30)])
+    return SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=rng.choice([0, 0, rng.randint(0, max_tokens or 5)]),
+        ignore_eos=rng.random() < 0.2,
+        stop_token_ids=rng.sample(range(size), rng.choice([0, 0, 1, 3])),
+        skip_special_tokens=rng.random() < 0.5,
+        logprobs=rng.choice([None, 0, 2]),
+    )
+
+
+def run_side_by_side(proc: OutputProcessor, rng: random.Random, case: int):
+    """One random request fed to a streamed request (an output after every step) and to a
+    final-only one: steps of 1-3 tokens (accepted drafts), eos ids among them, a grammar
+    that may end, an abort that may come, the final-only one's output that may be read
+    while it runs. Their final outputs, and the text that read gave."""
+    tokenizer = proc.tokenizer
+    params = random_params(rng, tokenizer)
+    prompt = random_ids(tokenizer, rng, rng.randint(1, 8))
+    seqs = []
+    for kind in (CUMULATIVE, FINAL_ONLY):
+        rid = f"{case}-{kind.value}"
+        kind_params = dataclasses.replace(params, output_kind=kind)
+        seqs.append(Sequence(rid, prompt, kind_params, block_size=16, root_hash=bytes(32),
+                             generator=torch.Generator()))
+        proc.add(rid, prompt, kind_params)
+    assert proc._texts[seqs[1].request_id].deferred
+    eos = list(proc.eos_token_ids)
+    grammar_end, abort_at = rng.randint(1, 60), rng.choice([None, rng.randint(0, 20)])
+    read_at, read = rng.randint(0, 20) if rng.random() < 0.1 else None, ""
+    for step in range(1000):
+        if step == abort_at:
+            return *finish(proc, seqs, "abort"), read
+        if step == read_at:  # read while it runs: detokenized token by token from here on
+            read = proc.output(seqs[1]).text
+        ids = [rng.choice(eos) if rng.random() < 0.05 else random_ids(tokenizer, rng, 1)[0]
+               for _ in range(rng.randint(1, 3))]
+        for token in ids:
+            logprob, top = rng.random(), {token: rng.random()}
+            reasons = []
+            for seq in seqs:
+                seq.append_token(token)
+                if seq.logprobs is not None:
+                    seq.logprobs.append(logprob)
+                if seq.top_logprobs is not None:
+                    seq.top_logprobs.append(top)
+                reasons.append(proc.stop(seq, token, grammar_ended=seq.num_output_tokens == grammar_end))
+            assert reasons[0] == reasons[1]
+            if reasons[0] is not None:
+                return *finish(proc, seqs, reasons[0]), read
+        proc.output(seqs[0])
+    raise AssertionError("the request did not end")
+
+
+def finish(proc: OutputProcessor, seqs: list[Sequence], reason: str) -> list[RequestOutput]:
+    for seq in seqs:
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+    return [proc.output(seq) for seq in seqs]
+
+
+@pytest.mark.parametrize("family", TOKENIZERS)
+def test_final_only_outputs_detokenized_at_the_finish_are_the_streamed_ones(family):
+    """300 seeded random requests per tokenizer (stop ids and eos, min_tokens, max_tokens,
+    max_model_len, a grammar's end, aborts, either skip setting, logprobs, several tokens a
+    step, prompts and outputs that end inside a character): the final-only request's output
+    is the streamed one's, field for field, its delta the whole text (less what a read while
+    it ran gave)."""
+    tokenizer = TOKENIZERS[family]()
+    proc = OutputProcessor(tokenizer, tokenizer.eos_token_ids, max_model_len=32)
+    ends = set()
+    for case in range(300):
+        streamed, final, read = run_side_by_side(proc, random.Random(f"{family}-{case}"), case)
+        assert final.delta_text == final.text[len(read) :]
+        assert dataclasses.replace(final, request_id="", delta_text="", times=None) == (
+            dataclasses.replace(streamed, request_id="", delta_text="", times=None)
+        ), case
+        at_max_model_len = len(final.prompt_token_ids) + len(final.token_ids) == 32
+        ends.add((final.finish_reason, final.stop_reason is not None, at_max_model_len))
+    assert proc.request_ids() == []
+    assert {("stop", False, False), ("stop", True, False), ("length", False, False),
+            ("length", False, True), ("abort", False, False)} <= ends
+
+
+def test_only_final_only_requests_without_stop_strings_wait_for_their_finish(proc):
+    start(proc, SamplingParams(output_kind=FINAL_ONLY), rid="final")
+    start(proc, SamplingParams(output_kind=FINAL_ONLY, stop=["x"]), rid="stop strings")
+    start(proc, SamplingParams(output_kind=CUMULATIVE), rid="streamed")
+    assert [s.deferred for s in proc._texts.values()] == [True, False, False]
+    other = OutputProcessor(sentencepiece(decoders.WordPiece()), (), MAX_MODEL_LEN)
+    other.add("r", [3, 4], SamplingParams(output_kind=FINAL_ONLY))
+    assert not other._texts["r"].deferred

@@ -1,4 +1,4 @@
-"""Tokenizer: round trips, chat templates, and streaming detokenization."""
+"""Tokenizer: round trips and chat templates (streaming detokenization: test_detokenizer.py)."""
 from __future__ import annotations
 
 import json
@@ -6,21 +6,9 @@ import threading
 import time
 
 import pytest
-import tokenizers
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from tokenizers import decoders, models, pre_tokenizers
 
-from engine.models.tiny import (
-    BOS_ID,
-    END_ID,
-    EOS_ID,
-    SPECIAL_TOKENS,
-    build_tiny_tokenizer,
-    byte_to_unicode,
-    write_tiny_tokenizer,
-)
-from engine.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer
+from engine.models.tiny import BOS_ID, END_ID, EOS_ID, build_tiny_tokenizer, write_tiny_tokenizer
+from engine.tokenizer import Tokenizer
 
 TEXTS = [
     "",
@@ -37,44 +25,6 @@ def tok(tmp_path_factory) -> Tokenizer:
     folder = tmp_path_factory.mktemp("tok")
     write_tiny_tokenizer(folder)
     return Tokenizer.from_folder(folder, eos_token_ids=[EOS_ID, END_ID])
-
-
-def crossing_bpe() -> Tokenizer:
-    """Byte-level BPE whose merges cross UTF-8 character boundaries: in "ää" the bytes
-    C3 A4 C3 A4 become the tokens [C3] [A4 C3] [A4]."""
-    b2u = byte_to_unicode()
-    vocab = {char: b for b, char in b2u.items()}
-    merges = [(b2u[0xA4], b2u[0xC3]), (b2u[0xE4], b2u[0xBD]), ("t", "h"), (b2u[0x20], "th")]
-    for a, b in merges:
-        vocab[a + b] = len(vocab)
-    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    return Tokenizer(backend)
-
-
-def metaspace() -> Tokenizer:
-    """SentencePiece-style: spaces become "▁" and decoding drops the text's leading space."""
-    chars = ["▁", *"abcdefghij"]
-    vocab = {"<unk>": 0, **{c: i + 1 for i, c in enumerate(chars)}, "▁a": 12, "▁b": 13, "ab": 14}
-    backend = tokenizers.Tokenizer(
-        models.BPE(vocab=vocab, merges=[("▁", "a"), ("▁", "b"), ("a", "b")], unk_token="<unk>")
-    )
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
-    backend.decoder = decoders.Metaspace(prepend_scheme="first")
-    return Tokenizer(backend)
-
-
-def stream(
-    tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool = True, *, window_only: bool = False
-) -> list[str]:
-    """The pieces of ``ids``; ``window_only``: without ``tokenizers``' DecodeStream, the
-    detokenizer's own window (what it falls back to)."""
-    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
-    if window_only:
-        detok._stream = None
-    pieces = [detok.add(i) for i in ids]
-    return pieces + [detok.finish()]
 
 
 # --- encode / decode ---------------------------------------------------------------------
@@ -211,76 +161,3 @@ def test_template_is_sandboxed():
     tok = Tokenizer(build_tiny_tokenizer(), chat_template="{{ ''.__class__.__mro__[1].__subclasses__() }}")
     with pytest.raises(ValueError, match="chat template"):
         tok.apply_chat_template([])
-
-
-# --- incremental detokenization ----------------------------------------------------------
-
-
-def test_multibyte_character_waits_for_its_last_byte(tok):
-    ids = tok.encode("a你🙂", add_special_tokens=False)  # 1 + 3 + 4 byte tokens
-    assert stream(tok, ids) == ["a", "", "", "你", "", "", "", "🙂", ""]
-
-
-def test_invalid_tail_comes_out_at_finish(tok):
-    ids = [ord("A"), 0xE4, 0xBD]  # "A" and the first two bytes of a three-byte character
-    pieces = stream(tok, ids)
-    assert pieces[:3] == ["A", "", ""]
-    assert "".join(pieces) == tok.decode(ids) and pieces[3].startswith(REPLACEMENT_CHAR)
-
-
-def test_special_tokens_in_the_stream(tok):
-    ids = [BOS_ID, *"hé".encode(), END_ID, *"x".encode()]
-    assert "".join(stream(tok, ids)) == "héx"
-    assert "".join(stream(tok, ids, skip_special_tokens=False)) == "<|bos|>hé<|end|>x"
-
-
-valid_text = st.text(st.characters(codec="utf-8", exclude_characters=REPLACEMENT_CHAR), max_size=40)
-
-
-@settings(max_examples=150, deadline=None)
-@given(text=valid_text)
-def test_stream_equals_decode_byte_level(tok, text):
-    ids = tok.encode(text)
-    pieces = stream(tok, ids)
-    assert "".join(pieces) == tok.decode(ids)
-    assert not any(REPLACEMENT_CHAR in p for p in pieces)
-    if not any(special in text for special in SPECIAL_TOKENS):  # those encode to their id
-        assert tok.decode(ids) == text
-
-
-@settings(max_examples=150, deadline=None)
-@given(text=st.text(st.sampled_from("ää你th 🙂x"), max_size=30))
-def test_stream_equals_decode_with_merges_across_characters(text):
-    tok = crossing_bpe()
-    ids = tok.encode(text)
-    pieces = stream(tok, ids)
-    assert "".join(pieces) == tok.decode(ids) == text
-    assert not any(REPLACEMENT_CHAR in p for p in pieces)
-
-
-@settings(max_examples=150, deadline=None)
-@given(text=st.text(st.sampled_from("abcj  "), max_size=30))
-def test_stream_equals_decode_metaspace(text):
-    tok = metaspace()
-    ids = tok.encode(text)
-    assert "".join(stream(tok, ids)) == tok.decode(ids)
-
-
-@settings(max_examples=100, deadline=None)
-@given(data=st.data())
-def test_decode_stream_gives_the_windows_pieces(tok, data):
-    """DecodeStream and the detokenizer's own window cut the text at the same tokens, for
-    every kind of tokenizer above, whatever ids come (special ones and broken UTF-8 too)."""
-    kind = data.draw(st.sampled_from(["byte-level", "crossing", "metaspace"]))
-    t = {"byte-level": tok, "crossing": crossing_bpe(), "metaspace": metaspace()}[kind]
-    ids = data.draw(st.lists(st.integers(0, t._backend.get_vocab_size() - 1), max_size=30))
-    skip = data.draw(st.booleans())
-    assert stream(t, ids, skip) == stream(t, ids, skip, window_only=True)
-
-
-def test_a_decoder_that_rewrites_its_context_falls_back_to_the_window():
-    """Fusing "ab" into "XYZ" makes the text of [a, b] not begin with that of [a]: DecodeStream
-    refuses it, and the window's slice takes over for the rest of the request."""
-    backend = tokenizers.Tokenizer(models.WordLevel(vocab={"a": 0, "b": 1, "c": 2}, unk_token="a"))
-    backend.decoder = decoders.Sequence([decoders.Fuse(), decoders.Replace("ab", "XYZ")])
-    assert stream(Tokenizer(backend), [0, 1, 2, 0]) == ["a", "YZ", "c", "a", ""]

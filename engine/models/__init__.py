@@ -10,7 +10,8 @@ from engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from engine.models.llama import CausalLM
 from engine.models.loader import LoadedModel, load_model
 from engine.models.tiny import tiny_model_path, write_tiny_checkpoint
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.detokenizer import IncrementalDetokenizer
+from engine.tokenizer import Tokenizer
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
