@@ -6,7 +6,8 @@ The tiers' sizes are in GiB as floats in the settings and in bytes in :class:`Ti
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.kv_events import KVEventsConfig
@@ -15,6 +16,8 @@ from tiered_kv.config import GiB, TierConfig, load_tenant_priorities
 
 if TYPE_CHECKING:
     from tiered_kv.serve_config import ServeConfig
+
+T = TypeVar("T")
 
 
 def engine_kwargs(config: ServeConfig) -> dict[str, Any]:
@@ -74,27 +77,24 @@ def tier_config(config: ServeConfig) -> TierConfig | None:
 
 
 def _kv_events(config: ServeConfig) -> KVEventsConfig | None:
-    if config.kv_events_config is None:
-        return None
-    try:
-        return KVEventsConfig.from_json(config.kv_events_config)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"--kv-events-config: {e}") from None
+    return _parsed(config.kv_events_config, KVEventsConfig.from_json, "--kv-events-config")
 
 
 def _speculative(config: ServeConfig) -> SpeculativeConfig | None:
-    if config.speculative_config is None:
-        return None
-    try:
-        return SpeculativeConfig.from_json(config.speculative_config)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"--speculative-config: {e}") from None
+    return _parsed(config.speculative_config, SpeculativeConfig.from_json, "--speculative-config")
 
 
 def _tenant_priorities(config: ServeConfig) -> dict[str, int]:
-    if config.tenant_priorities is None:
-        return {}
+    parsed = _parsed(config.tenant_priorities, load_tenant_priorities, "--tenant-priorities")
+    return {} if parsed is None else parsed
+
+
+def _parsed(text: str | None, parse: Callable[[str], T], flag: str) -> T | None:
+    """``parse(text)`` (``None`` for no text); its ``TypeError`` or ``ValueError`` becomes a
+    ``ValueError`` that names ``flag``."""
+    if text is None:
+        return None
     try:
-        return load_tenant_priorities(config.tenant_priorities)
-    except ValueError as e:
-        raise ValueError(f"--tenant-priorities: {e}") from None
+        return parse(text)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{flag}: {e}") from None
