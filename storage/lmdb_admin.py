@@ -21,7 +21,7 @@ from storage.base import BlockKey, StoreError
 from storage.lmdb_committer import QUARANTINE_HEAD
 from storage.lmdb_directory import copy_key_file, fsync_dir, make_file_private
 from storage.lmdb_layout import (
-    DATA_NAME, DB_QUARANTINE, DESCRIPTOR_NAME, KEYS_CHUNK, StoreDescriptor,
+    DATA_NAME, DB_QUARANTINE, DESCRIPTOR_NAME, StoreDescriptor,
 )
 from storage.record import RecordError, decode_record
 from storage.seal import KEY_FILE_NAME
@@ -70,22 +70,9 @@ class Admin:
     def quarantined(self) -> Iterator[QuarantineEntry]:
         """Records moved aside because they failed verification, with the reason."""
         self._check_open()
-        last: bytes | None = None
-        while True:
-            batch: list[tuple[bytes, bytes]] = []
-            with self._lmdb_errors(), self._env.begin(db=self._dbs[DB_QUARANTINE]) as txn:
-                cursor = txn.cursor()
-                more = cursor.set_range(last) if last is not None else cursor.first()
-                if more and last is not None and cursor.key() == last:
-                    more = cursor.next()
-                while more and len(batch) < KEYS_CHUNK:
-                    batch.append(cursor.item())
-                    more = cursor.next()
-            for kb, value in batch:
+        for chunk in self._chunks_in_key_order(DB_QUARANTINE, None, values=True):
+            for kb, value in chunk:
                 yield _unpack_quarantine(kb, value)
-            if not more or not batch:
-                return
-            last = batch[-1][0]
 
     def clear_quarantine(self) -> int:
         """Forget every quarantined record; returns how many there were."""

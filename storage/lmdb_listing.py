@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 from storage.base import KEY_SIZE, BlockKey
-from storage.lmdb_layout import DB_META, DB_RECORDS, KEYS_CHUNK
+from storage.lmdb_layout import DB_META, DB_RECORDS
 from storage.lmdb_meta import unpack_meta
 from storage.record import Record, RecordError, decode_record
 
@@ -93,28 +93,11 @@ class Listing:
     def metadata(self, namespace: bytes | None = None) -> Iterator[RecordMeta]:
         """Committed records' metadata in key order, each chunk from its own read transaction."""
         self._check_open()
-        prefix = namespace or b""
-        last: bytes | None = None
-        while True:
-            chunk: list[RecordMeta] = []
-            with self._lmdb_errors(), self._env.begin(db=self._dbs[DB_META]) as txn:
-                cursor = txn.cursor()
-                more = cursor.set_range(last if last is not None else prefix)
-                if more and last is not None and cursor.key() == last:
-                    more = cursor.next()
-                while more and len(chunk) < KEYS_CHUNK:
-                    kb, value = cursor.item()
-                    if not kb.startswith(prefix):
-                        more = False
-                        break
-                    last = kb
-                    meta = unpack_meta(value) if len(kb) == KEY_SIZE else None
-                    if meta is not None:
-                        chunk.append(RecordMeta(BlockKey.from_bytes(kb), *meta))
-                    more = cursor.next()
-            yield from chunk
-            if not more:
-                return
+        for chunk in self._chunks_in_key_order(DB_META, namespace, values=True):
+            for kb, value in chunk:
+                meta = unpack_meta(value) if len(kb) == KEY_SIZE else None
+                if meta is not None:
+                    yield RecordMeta(BlockKey.from_bytes(kb), *meta)
 
     def raw_records(self, namespace: bytes | None = None) -> Iterator[tuple[BlockKey, bytes]]:
         """Committed records exactly as stored (not verified), one short read transaction each.

@@ -204,11 +204,22 @@ class Reader:
 
     def _committed_key_chunks(self, namespace: bytes | None) -> Iterator[list[bytes]]:
         """Committed record keys in key order, each chunk from its own read transaction."""
+        for chunk in self._chunks_in_key_order(DB_RECORDS, namespace, values=False):
+            keys = [kb for kb in chunk if len(kb) == KEY_SIZE]
+            if keys:
+                yield keys
+
+    def _chunks_in_key_order(
+        self, db: bytes, namespace: bytes | None, *, values: bool
+    ) -> Iterator[list]:
+        """The entries of ``db`` under ``namespace`` in key order, :data:`KEYS_CHUNK` at a
+        time, each chunk from its own read transaction (short ones keep old pages
+        reusable): keys, or ``(key, value)`` pairs with ``values``."""
         prefix = namespace or b""
         last: bytes | None = None
         while True:
-            chunk: list[bytes] = []
-            with self._lmdb_errors(), self._env.begin(db=self._dbs[DB_RECORDS]) as txn:
+            chunk: list = []
+            with self._lmdb_errors(), self._env.begin(db=self._dbs[db]) as txn:
                 cursor = txn.cursor()
                 more = cursor.set_range(last if last is not None else prefix)
                 if more and last is not None and cursor.key() == last:
@@ -218,8 +229,7 @@ class Reader:
                     if not kb.startswith(prefix):
                         more = False
                         break
-                    if len(kb) == KEY_SIZE:
-                        chunk.append(kb)
+                    chunk.append(cursor.item() if values else kb)
                     last = kb
                     more = cursor.next()
             if chunk:
