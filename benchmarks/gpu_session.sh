@@ -13,6 +13,7 @@
 #   disk     disk_restore.py, 1B and 8B blocks
 #   qa       multi_round_qa.py --shape 1b: tiers against GPU-only prefix caching over HTTP
 #   probe    hit_profile.py, 1B shape: host launches, syncs and kernels of a hit and a miss
+#   serve    serve_stream.py, 1B shape: the HTTP server's tokens/s streamed and not, beside the engine
 # A stage's limit is LIMIT_<stage> seconds (defaults below). Logs and JSON go to $OUT
 # (default benchmarks/results/gpu); each stage prints its log's tail. Wheels the machine
 # lacks are installed from .whl/ when it is there: `bash benchmarks/gpu_wheels.sh` fills it.
@@ -64,6 +65,8 @@ for stage in "${stages[@]}"; do
             --out "$OUT/multi_round_qa_1b.json" --plot "$OUT/multi_round_qa_1b.png" ;;
         probe) run_stage probe 120 python3 benchmarks/hit_profile.py --device cuda --shape 1b \
             --prefix 1024,8192 --out "$OUT/hit_profile_1b.json" ;;
-        *) echo "unknown stage $stage (tests, suite, engine, tiers, tiers8b, disk, qa, probe)" >&2; exit 2 ;;
+        serve) run_stage serve 240 python3 benchmarks/serve_stream.py --shape 1b --device cuda \
+            --batch 128 --new 256 --out "$OUT/serve_stream_1b.json" ;;
+        *) echo "unknown stage $stage (tests, suite, engine, tiers, tiers8b, disk, qa, probe, serve)" >&2; exit 2 ;;
     esac
 done

@@ -12,7 +12,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform any -d .whl \
     lmdb zstandard blake3 msgspec pyzmq nvidia-ml-py "xgrammar>=0.2.8,<0.3" apache-tvm-ffi \
-    fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn valkey \
+    fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn httptools uvloop valkey \
     opentelemetry-api typing-extensions \
     "openai<2" distro jiter sniffio jsonschema jsonschema-specifications referencing rpds-py attrs \
     2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true

@@ -2,9 +2,15 @@
 
 The engine thread owns the :class:`~engine.llm_engine.LLMEngine` and everything in it. Other
 threads talk to it only through a command queue (add, abort, stop); it answers each request
-on that request's ``asyncio.Queue`` via ``loop.call_soon_threadsafe``. While no request is
-unfinished the thread blocks on the command queue, so an idle engine costs nothing, and
-the model forward never runs on the event loop.
+on that request's ``asyncio.Queue``, a step's outputs for one event loop in one
+``loop.call_soon_threadsafe`` (one wake-up of the loop, not one per request). While no
+request is unfinished the thread blocks on the command queue, so an idle engine costs
+nothing, and the model forward never runs on the event loop.
+
+A consumer that falls behind the engine (a streamed request whose event loop is busy) gets
+the outputs waiting for it merged into one: the latest, with the waiting ``delta_text`` s
+joined. The outputs are cumulative, so nothing is lost, and a loop that is behind builds one
+response chunk for several steps instead of one per step.
 
 A request that fails on its own (adding it, sampling or detokenizing it raised) raises
 :class:`RequestFailedError` from its generator; the engine thread and the other requests
@@ -144,13 +150,20 @@ class AsyncLLM:
             if self._stopped.is_set():
                 raise EngineDeadError("the engine is shut down") from self._error
             self._commands.put(add)
-        finished = False
+        finished, pending = False, None
         try:
             while True:
-                item = await stream.get()
+                item = pending if pending is not None else await stream.get()
+                pending = None
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                while not item.finished and not stream.empty():  # behind: merge what waits
+                    later = stream.get_nowait()
+                    if isinstance(later, BaseException):
+                        pending = later
+                        break
+                    item = _merged(item, later)
                 finished = item.finished
                 if item.finish_reason == "error":
                     raise RequestFailedError(f"the engine failed on request {request_id}")
@@ -201,8 +214,7 @@ class AsyncLLM:
                 # Stats first: a client that has its output and then reads /metrics must see
                 # the step that produced it (e.g. the tokens its request loaded).
                 self._stats = engine.stats()
-                for output in outputs:
-                    self._deliver(output.request_id, output, output.finished)
+                self._deliver_step(outputs)
         except Exception as e:  # a failed step leaves the engine in an unknown state
             logger.exception("the engine thread failed")
             self._error = e
@@ -244,6 +256,26 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             self.engine.abort_request(request_id)
 
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs, in one hand-off per event loop; a request whose loop is closed
+        is aborted."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Add, RequestOutput]]] = {}
+        streams = self._streams
+        for output in outputs:
+            request_id = output.request_id
+            target = streams.pop(request_id, None) if output.finished else streams.get(request_id)
+            if target is not None:
+                by_loop.setdefault(target.loop, []).append((target, output))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, [(target.stream, output) for target, output in items])
+            except RuntimeError:  # the loop is closed: nobody reads these requests any more
+                for target, output in items:
+                    if not output.finished:
+                        streams.pop(target.request_id, None)
+                        self.engine.abort_request(target.request_id)
+                self._stats = self.engine.stats()  # the aborts, before the thread may idle
+
     def _answer_leftovers(self) -> None:
         while True:
             try:
@@ -259,6 +291,18 @@ class AsyncLLM:
             if output is not None:
                 self._deliver(request_id, output, True)
         self._streams.clear()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for stream, output in items:
+        stream.put_nowait(output)
+
+
+def _merged(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """``later`` (cumulative) with the text new since before ``earlier`` as its delta."""
+    if not earlier.delta_text:
+        return later
+    return dataclasses.replace(later, delta_text=earlier.delta_text + later.delta_text)
 
 
 def _send(target: _Add, item: RequestOutput | BaseException) -> bool:

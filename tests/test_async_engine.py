@@ -47,13 +47,72 @@ async def collect(llm: AsyncLLM, prompt, params=GREEDY, **kw):
 
 def test_streaming_yields_growing_outputs(llm):
     outs = asyncio.run(collect(llm, "Stream me", request_id="s1"))
-    assert [len(o.token_ids) for o in outs] == list(range(1, 11))
+    # one output a step, unless the consumer fell behind (then what waited is merged)
+    lengths = [len(o.token_ids) for o in outs]
+    assert lengths == sorted(set(lengths)) and lengths[0] >= 1 and lengths[-1] == 10
     assert all(o.request_id == "s1" for o in outs)
-    assert [o.finished for o in outs] == [False] * 9 + [True]
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
     assert outs[-1].finish_reason == "length"
     assert "".join(o.delta_text for o in outs) == outs[-1].text
     for a, b in zip(outs, outs[1:]):
         assert b.token_ids[: len(a.token_ids)] == a.token_ids and b.text.startswith(a.text)
+
+
+def test_a_consumer_that_falls_behind_gets_the_waiting_outputs_merged(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    offline = LLM(max_model_len=256, num_gpu_blocks_override=64, device="cpu")
+    try:
+        expected = offline.generate(["Fall behind"], params)[0]
+    finally:
+        offline.engine.close()
+
+    async def main():
+        outs = []
+        async for out in llm.generate("Fall behind", params):
+            outs.append(out)
+            if len(outs) == 1:
+                time.sleep(0.5)  # the event loop is busy: the engine steps on meanwhile
+        return outs
+
+    outs = asyncio.run(main())
+    assert len(outs[1].token_ids) - len(outs[0].token_ids) > 1  # merged, not one a step
+    assert len(outs) < 60
+    assert outs[-1].token_ids == expected.token_ids and outs[-1].text == expected.text
+    assert "".join(o.delta_text for o in outs) == expected.text
+
+
+def test_a_steps_outputs_reach_each_event_loop_in_one_hand_off(fresh, monkeypatch):
+    calls = []
+    real = asyncio.BaseEventLoop.call_soon_threadsafe
+
+    def counted(loop, callback, *args, **kwargs):
+        calls.append(callback)
+        return real(loop, callback, *args, **kwargs)
+
+    monkeypatch.setattr(asyncio.BaseEventLoop, "call_soon_threadsafe", counted)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    async def main():
+        return await asyncio.gather(*(collect(fresh, f"prompt {i}", params) for i in range(6)))
+
+    results = asyncio.run(main())
+    assert all(outs[-1].finished and len(outs[-1].token_ids) == 12 for outs in results)
+    outputs = sum(len(outs) for outs in results)
+    # one hand-off per step that had outputs (12 steps or a few more as requests join),
+    # not one per output (6 a step)
+    assert len(calls) < outputs / 2, (len(calls), outputs)
+
+
+def test_a_request_whose_event_loop_closed_is_aborted(fresh):
+    loop = asyncio.new_event_loop()
+    stream = fresh.generate("Nobody reads me", ENDLESS)
+    first = loop.run_until_complete(stream.__anext__())
+    assert not first.finished
+    loop.close()  # the consumer's loop is gone, its generator left suspended
+    stats = wait_idle(fresh)
+    assert stats.num_used_blocks == 0
+    with pytest.raises(RuntimeError):
+        loop.run_until_complete(stream.aclose())
 
 
 def test_streams_match_offline_generation_and_run_concurrently(fresh):

@@ -79,6 +79,16 @@ def test_engine_host_measures_each_batch_and_prompt(tmp_path):
     assert got["runner"] and got["rows"][0]["ms_per_step"] > 0
 
 
+def test_serve_stream_serves_every_token_streamed_and_not(tmp_path):
+    """The script itself fails unless every request got all its tokens (from the usage)."""
+    got = run("serve_stream.py", "--batch", "4", "--new", "8", "--rounds", "1",
+              out=tmp_path / "serve.json")
+    assert list(got["rows"]) == ["engine alone", "not streamed", "streamed"]
+    assert all(row["tok_s"] > 0 for row in got["rows"].values())
+    assert got["rows"]["not streamed"]["events_per_request"] == 0
+    assert got["rows"]["streamed"]["events_per_request"] >= 1
+
+
 def test_waiting_host_times_each_kind_of_waiting_request(tmp_path):
     """The script itself fails if the long request got in (it must wait) or the batch was
     preempted (the pool was sized wrong)."""
@@ -115,7 +125,7 @@ def test_the_gpu_session_script_passes_only_flags_its_benchmarks_take():
     commands = re.findall(r"python3 (benchmarks/\w+\.py)([^;\n]*)", script)
     assert {name for name, _ in commands} >= {
         "benchmarks/engine_throughput.py", "benchmarks/gpu_tiers.py", "benchmarks/disk_restore.py",
-        "benchmarks/multi_round_qa.py", "benchmarks/hit_profile.py",
+        "benchmarks/multi_round_qa.py", "benchmarks/hit_profile.py", "benchmarks/serve_stream.py",
     }
     for name, args in commands:
         shown = subprocess.run(
