@@ -1,5 +1,5 @@
-"""The bodies the generation routes answer with: whole responses, usage and logprobs, and
-the server-sent events of a stream (OpenAI's chunk format, ending in ``data: [DONE]``).
+"""The bodies the generation routes answer with when they are not streamed: whole responses,
+with their usage and logprobs (a stream's events: :mod:`tiered_kv.server_stream`).
 
 A request's generations are prompt-major: generation ``k`` is choice ``k`` of prompt
 ``k // per_prompt``. With ``best_of`` above ``n``, each prompt's generations are ranked by
@@ -7,28 +7,16 @@ cumulative logprob and its best ``n`` become choices ``prompt * n + rank``, as v
 """
 from __future__ import annotations
 
-import contextlib
-import json
-import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
-
-from fastapi.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
 
 from engine.outputs import RequestOutput
-from tiered_kv.protocol_errors import RequestError
 from tiered_kv.protocol_requests import ChatCompletionRequest, CompletionRequest
 from tiered_kv.protocol_responses import (
     ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionResponse,
     ChatMessageOut,
     CompletionChoice,
     CompletionResponse,
-    DeltaMessage,
     PromptTokensDetails,
     Usage,
 )
@@ -119,7 +107,7 @@ def _best(outs: list[RequestOutput], n: int) -> list[RequestOutput]:
     return sorted(outs, key=lambda out: sum(out.logprobs or ()), reverse=True)[:n]
 
 
-def _prompt_usage(out: RequestOutput) -> Usage:
+def prompt_usage(out: RequestOutput) -> Usage:
     """The usage of a choice that has no token yet: its prompt's."""
     prompt = len(out.prompt_token_ids)
     return Usage(
@@ -142,127 +130,3 @@ def usage(by_prompt: list[list[RequestOutput]]) -> Usage:
     )
 
 
-class _SSEResponse(StreamingResponse):
-    """Closes its body iterator however the response ends (a client that disconnects
-    cancels the send, not the iterator), so the request is aborted at once."""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
-
-
-def sse(chunks: AsyncIterator[dict[str, Any]]) -> Response:
-    """A stream of ``chunks``. An error after the status line went out (the engine failed on
-    the request) is sent as a last ``{"error": ...}`` event before ``[DONE]``, as vLLM does."""
-
-    async def body() -> AsyncIterator[str]:
-        try:
-            async for chunk in chunks:
-                yield _event(chunk)
-        except RequestError as e:
-            yield _event(e.body())
-        finally:
-            await chunks.aclose()
-        yield "data: [DONE]\n\n"
-
-    return _SSEResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-def _event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-async def completion_chunks(
-    state: ServerState, group: Generations, body: CompletionRequest, prompt_texts: list[str]
-) -> AsyncIterator[dict]:
-    """Chunks of every choice as they come (``best_of > n`` is not streamed: all are sent)."""
-    config, llm = state.config, state.llm
-    created = int(time.time())
-    count = len(group.generations)
-    sent_logprobs, offsets, last = [0] * count, [0] * count, [None] * count
-    echo = [body.echo] * count
-    try:
-        async with contextlib.aclosing(group.outputs()) as outputs:
-            async for k, out in outputs:
-                last[k] = out
-                logprobs = None
-                if body.logprobs is not None:
-                    logprobs = completion_logprobs(llm, out, sent_logprobs[k], offsets[k])
-                    sent_logprobs[k] = len(out.logprobs or [])
-                    offsets[k] += sum(len(t) for t in logprobs.tokens)
-                text = out.delta_text
-                if echo[k]:
-                    text, echo[k] = prompt_texts[k // body.n] + text, False
-                if not text and not out.finished and not (logprobs and logprobs.tokens):
-                    continue
-                choice = CompletionChoice(
-                    index=k, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
-                    stop_reason=out.stop_reason,
-                )
-                chunk = CompletionResponse(
-                    id=group.id, created=created, model=config.model_name, choices=[choice],
-                    usage=usage([[out]]) if body.continuous_usage else None,
-                )
-                yield _chunk_dict(chunk, body.include_usage)
-        if body.include_usage and all(last):
-            usage_chunk = CompletionResponse(
-                id=group.id, created=created, model=config.model_name, choices=[],
-                usage=usage([last[i : i + body.n] for i in range(0, count, body.n)]),
-            )
-            yield usage_chunk.model_dump()
-    finally:
-        await group.close()
-
-
-async def chat_chunks(state: ServerState, group: Generations, body: ChatCompletionRequest) -> AsyncIterator[dict]:
-    config, llm = state.config, state.llm
-    created = int(time.time())
-    count = len(group.generations)
-    sent_logprobs, last = [0] * count, [None] * count
-
-    def chunk(
-        k: int, delta: DeltaMessage, finish_reason: str | None = None, logprobs=None, stop_reason=None
-    ) -> dict:
-        choice = ChatChunkChoice(
-            index=k, delta=delta, finish_reason=finish_reason, logprobs=logprobs, stop_reason=stop_reason
-        )
-        running = None
-        if body.continuous_usage:  # before the first output (the role chunk): no tokens yet
-            running = usage([[last[k]]]) if last[k] is not None else _prompt_usage(group.generations[k].first)
-        c = ChatCompletionChunk(
-            id=group.id, created=created, model=config.model_name, choices=[choice], usage=running
-        )
-        d = _chunk_dict(c, body.include_usage)
-        d["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
-        return d
-
-    try:
-        for k in range(count):
-            yield chunk(k, DeltaMessage(role="assistant", content=""))
-        async with contextlib.aclosing(group.outputs()) as outputs:
-            async for k, out in outputs:
-                last[k] = out
-                logprobs = None
-                if body.logprobs:
-                    logprobs = chat_logprobs(llm, out, sent_logprobs[k])
-                    sent_logprobs[k] = len(out.logprobs or [])
-                if out.delta_text or (logprobs and logprobs.content):
-                    yield chunk(k, DeltaMessage(content=out.delta_text), logprobs=logprobs)
-                if out.finished:
-                    yield chunk(k, DeltaMessage(), finish_reason=out.finish_reason, stop_reason=out.stop_reason)
-        if body.include_usage and all(last):
-            usage_chunk = ChatCompletionChunk(
-                id=group.id, created=created, model=config.model_name, choices=[], usage=usage([last])
-            )
-            yield usage_chunk.model_dump()
-    finally:
-        await group.close()
-
-
-def _chunk_dict(chunk: CompletionResponse | ChatCompletionChunk, include_usage: bool) -> dict:
-    d = chunk.model_dump()
-    if not include_usage:  # with include_usage every chunk has "usage": null, as OpenAI sends
-        d.pop("usage")
-    return d
