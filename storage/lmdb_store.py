@@ -1,11 +1,12 @@
 """The disk tier: checksummed records in one LMDB environment per cache directory.
 
 :class:`LmdbStore` is the store API. This module opens the store and holds its LRU index,
-stats, puts and deletes, eviction, flush and close; its other parts live beside it:
+stats, flush and close; its other parts live beside it:
 
 - :mod:`storage.lmdb_layout`: the directory, descriptor, writer lock and LMDB options;
 - :mod:`storage.lmdb_file`: ``data.mdb`` checked without mapping it;
 - :mod:`storage.lmdb_reader`: lookups, reads, verification and key listings;
+- :mod:`storage.lmdb_writes`: puts and deletes, eviction to the capacity;
 - :mod:`storage.lmdb_committer`: pending operations and the writer thread;
 - :mod:`storage.lmdb_meta`: the ``meta`` db's values;
 - :mod:`storage.lmdb_recovery`: a full map, a full or failing disk;
@@ -30,15 +31,8 @@ Threads
     call caused it or on the writer thread; it must be quick and must not call ``flush``.
 
 Capacity
-    ``capacity_bytes`` bounds the sum of encoded record sizes of the store as seen by
-    readers (committed plus pending). A ``put`` that would exceed it evicts at once, in
-    the order of :class:`~storage.priority_lru.PriorityLru`: the records put with the
-    highest ``priority`` value first (a lower value matters more, as a request's
-    priority does), the least recently accessed first within one priority. A put that
-    could only make room by evicting records that matter more is refused (``dropped``).
-    The writer deletes the victims in the same transaction that stores the new record.
-    A record's priority is stored with its metadata (the latest put's), so records found
-    at start-up keep theirs; those of a version-1 store have the default, 0.
+    ``capacity_bytes`` bounds the encoded records readers see (committed plus pending);
+    :mod:`storage.lmdb_writes` says which records a put evicts and when it is refused.
     See ``docs/disk_tier.md`` for the crash-safety guarantees.
 """
 from __future__ import annotations
@@ -46,19 +40,18 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import itertools
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import lmdb
 
 from storage.base import BlockKey, BlockStore, StoreError, StoreStats
 from storage.lmdb_admin import Admin, QuarantineEntry, StoreInfo, VerifyResult
-from storage.lmdb_committer import QUARANTINE_KEEP_BYTES, Committer, Op
+from storage.lmdb_committer import QUARANTINE_KEEP_BYTES, Committer
 from storage.lmdb_file import DamagedStore, check_data_file, check_structure
 from storage.lmdb_directory import LOCK_NAME, move_aside
 from storage.lmdb_layout import (
@@ -68,13 +61,14 @@ from storage.lmdb_layout import (
     Opened, lmdb_errors, open_for_reading, open_for_writing,
 )
 from storage.lmdb_listing import Listing, RecordMeta
-from storage.lmdb_meta import check_priority, unpack_meta
+from storage.lmdb_meta import unpack_meta
 from storage.lmdb_pages import Leak
 from storage.lmdb_reader import Reader
 from storage.lmdb_recovery import Recovery
 from storage.lmdb_repair import Repair, RepairResult
-from storage.priority_lru import DEFAULT_PRIORITY, PriorityLru
-from storage.record import Record, encode_record_buffer
+from storage.lmdb_writes import Writes
+from storage.priority_lru import PriorityLru
+from storage.record import Record
 
 __all__ = [
     "DESCRIPTOR_NAME", "FORMAT_NAME", "LOCK_NAME", "QUARANTINE_KEEP_BYTES", "STORE_VERSION", "DamagedStore",
@@ -97,7 +91,7 @@ class LmdbStats(StoreStats):
     write_errors: int = 0  # commits that failed on a full or failing disk (see degraded)
 
 
-class LmdbStore(Admin, Listing, Repair, Reader, Recovery, Committer, BlockStore[Record]):
+class LmdbStore(Writes, Admin, Listing, Repair, Reader, Recovery, Committer, BlockStore[Record]):
     """LMDB-backed block store holding encoded :class:`Record` s.
 
     ``capacity_bytes`` may be ``None`` to use the capacity recorded in an existing store.
@@ -269,93 +263,7 @@ class LmdbStore(Admin, Listing, Repair, Reader, Recovery, Committer, BlockStore[
         with self._lock:
             return self._pending_bytes
 
-    # ------------------------------------------------------------------ writes
-
-    def put(self, key: BlockKey, value: Record, *, priority: int = DEFAULT_PRIORITY) -> bool:
-        return self.put_many([(key, value)], priorities=[priority])[0]
-
-    def put_many(
-        self,
-        items: Iterable[tuple[BlockKey, Record]],
-        *,
-        priorities: Iterable[int] | None = None,
-    ) -> list[bool]:
-        """Queue records for the writer, in groups of up to one write batch.
-
-        ``priorities``: one per item (default: all ``0``; integers of 64 bits, signed), the
-        order of eviction (see Capacity above), stored with each record; a record put again
-        takes the new one. Records are encoded on the calling thread; each group is queued at
-        once, so the writer commits it in one transaction.
-        """
-        self._check_writable()
-        results: list[bool] = []
-        evicted: list[bytes] = []
-        group: list[tuple[bytes, bytes | memoryview | None, int, int]] = []
-        group_bytes = 0
-        ranks = iter(priorities) if priorities is not None else itertools.repeat(DEFAULT_PRIORITY)
-        for (key, record), priority in zip(items, ranks, strict=priorities is not None):
-            key.validate()
-            check_priority(priority)
-            if record.key != key:
-                raise ValueError(f"record is for {record.key.short()}, put under {key.short()}")
-            data = encode_record_buffer(record, self.seal_key)
-            if len(data) > self.max_record_bytes:
-                data = None
-            group.append((key.to_bytes(), data, record.created_ns, priority))
-            group_bytes += len(data) if data is not None else 0
-            if group_bytes >= self._max_batch_bytes or len(group) >= self._max_batch_items:
-                self._queue_puts(group, results, evicted)
-                group, group_bytes = [], 0
-        if group:
-            self._queue_puts(group, results, evicted)
-        self._notify_gone(evicted)
-        return results
-
-    def _queue_puts(
-        self,
-        group: list[tuple[bytes, bytes | memoryview | None, int, int]],
-        results: list[bool],
-        evicted: list[bytes],
-    ) -> None:
-        with self._lock:
-            for kb, data, created_ns, priority in group:
-                if data is None:
-                    self._stats.dropped += 1
-                    results.append(False)
-                    continue
-                self._wait_for_room_locked(len(data))
-                self._check_writable()
-                if len(data) > self._room_locked(kb, priority):
-                    self._stats.dropped += 1  # only records that matter more could make room
-                    results.append(False)
-                    continue
-                if kb in self._index:  # replaced: set updates it, no removal
-                    self._used -= self._index[kb]
-                self._index.set(kb, len(data), priority)
-                self._used += len(data)
-                self._enqueue_locked(kb, Op.PUT, data, created_ns=created_ns, priority=priority)
-                self._stats.puts += 1
-                evicted.extend(self._evict_to_budget_locked(keep=kb))
-                results.append(True)
-
-    def delete(self, key: BlockKey) -> bool:
-        return self.delete_many([key]) == 1
-
-    def delete_many(self, keys: Sequence[BlockKey]) -> int:
-        self._check_writable()
-        removed = 0
-        with self._lock:
-            self._check_writable()
-            for key in keys:
-                kb = key.to_bytes()
-                size = self._index.pop(kb, None)
-                if size is None:
-                    continue
-                self._used -= size
-                self._touched.pop(kb, None)
-                self._enqueue_locked(kb, Op.DELETE, None)
-                removed += 1
-        return removed
+    # ------------------------------------------------------------------ flush and close
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything queued before the call is committed (and fsynced).
@@ -423,33 +331,3 @@ class LmdbStore(Admin, Listing, Repair, Reader, Recovery, Committer, BlockStore[
             raise StoreError(f"{self.path} is open read-only")
         if self._closing:
             raise StoreError(f"{self.path}: the store is closed")
-
-    def _room_locked(self, kb: bytes, priority: int) -> int:
-        """Bytes a put of ``kb`` at ``priority`` may take: what is free, what it may evict,
-        and the record it replaces."""
-        room = self.capacity_bytes - self._used + self._index.weight_evicted_before(priority)
-        if kb in self._index and self._index.priority(kb) < priority:
-            room += self._index[kb]  # not among those it may evict, but replaced
-        return room
-
-    def _evict_to_budget_locked(self, keep: bytes | None = None) -> list[bytes]:
-        evicted = []
-        while self._used > self.capacity_bytes and self._index:
-            victim = next(iter(self._index))
-            if victim == keep:
-                break
-            self._used -= self._index.pop(victim)
-            self._touched.pop(victim, None)
-            self._enqueue_locked(victim, Op.DELETE, None)
-            self._stats.evictions += 1
-            evicted.append(victim)
-        return evicted
-
-    def _notify_gone(self, gone: list[bytes]) -> None:
-        if self._on_evict is None:
-            return
-        for kb in gone:
-            try:
-                self._on_evict(BlockKey.from_bytes(kb))
-            except Exception:
-                logger.exception("%s: on_evict callback failed", self.path)
