@@ -18,7 +18,7 @@ from engine.llm import LLM
 from storage.base import BlockKey
 from tiered_kv import block_mover
 from tiered_kv.config import TierConfig
-from tiered_kv.tier_manager import build_llm
+from tiered_kv.tiered_llm import build_llm
 from bench_common import BLOCK, timed
 from gpu_tiers_report import STAGED_CPU_HIT, WHOLE_DISK_HIT
 from gpu_tiers_run import FLUSH_TIMEOUT_S, Run, free_device, hits, row, set_threads, warm_up

@@ -15,7 +15,7 @@ from pathlib import Path
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tiered_kv.config import TierConfig
-from tiered_kv.tier_manager import build_llm
+from tiered_kv.tiered_llm import build_llm
 from bench_common import BLOCK, timed
 from gpu_tiers_run import FLUSH_TIMEOUT_S, MiB, Run, tokens, warm_up
 

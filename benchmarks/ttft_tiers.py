@@ -54,7 +54,7 @@ import transformers
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tiered_kv.config import TierConfig
-from tiered_kv.tier_manager import build_llm
+from tiered_kv.tiered_llm import build_llm
 from bench_common import ONE, machine, timed, write_json, write_random_llama
 from loopback_server import LoopbackServer
 from reference_copies import memcpy_bandwidth, plain_read_bandwidth

@@ -28,7 +28,7 @@ from engine import RequestOutputKind, SamplingParams
 from engine.sequence import Sequence
 from engine_host import CHUNKS, stub_model
 from tiered_kv.config import TierConfig
-from tiered_kv.tier_manager import build_llm
+from tiered_kv.tiered_llm import build_llm
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = 16

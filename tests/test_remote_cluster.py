@@ -24,7 +24,7 @@ from storage.remote_store import RemoteStore
 from storage.seal import SealKey
 from test_remote_tier import SECRET, remote
 from test_tier_manager import BLOCK, FLUSH, GREEDY, PROMPTS, hit_tokens, make_llm
-from tiered_kv import TierConfig, tier_manager
+from tiered_kv import TierConfig, tier_stores
 
 NS = hashlib.sha256(b"cluster-ns").digest()
 KEY = SealKey(b"the deployment's shared secret for the cluster tests")
@@ -324,7 +324,7 @@ def test_an_engine_runs_on_while_a_node_is_down_and_hits_again_after(
 ):
     breaker = BreakerConfig(failures=2, cooldown_s=0.5)
     monkeypatch.setattr(
-        tier_manager, "RemoteStore", functools.partial(RemoteStore, breaker=breaker)
+        tier_stores, "RemoteStore", functools.partial(RemoteStore, breaker=breaker)
     )
     # A stopped node refuses connections at once, so the deadline is not what this test
     # is about; a short one turned a busy moment on a loaded 2-core machine into misses.

@@ -16,7 +16,7 @@ from remote_testing import ANSWER_S, SILENT_S
 from storage.circuit_breaker import BreakerConfig
 from storage.remote_store import RemoteStore
 from test_tier_manager import BLOCK, FLUSH, GREEDY, PROMPTS, hit_tokens, make_llm
-from tiered_kv import TierConfig, tier_manager
+from tiered_kv import TierConfig, tier_stores
 from tiered_kv.config import remote_seal_key
 from tiered_kv.tier_manager import TierManager
 
@@ -198,7 +198,7 @@ def test_hits_resume_after_the_server_was_frozen(tmp_path, reference, monkeypatc
     server.start()
     breaker = BreakerConfig(failures=2, cooldown_s=0.5)
     monkeypatch.setattr(
-        tier_manager, "RemoteStore", functools.partial(RemoteStore, breaker=breaker)
+        tier_stores, "RemoteStore", functools.partial(RemoteStore, breaker=breaker)
     )
     writer = remote(server.url)
     reader = TierConfig(

@@ -861,7 +861,7 @@ def test_closing_gives_back_the_kv_cache_and_the_pool_while_the_llm_lives_on(dis
     llm = make_llm(tiers)
     llm.generate(PROMPTS[:1], GREEDY)
     cache = weakref.ref(llm.engine.model_runner.kv_cache)
-    slab = weakref.ref(llm.engine.connector._pool.slab)
+    slab = weakref.ref(llm.engine.connector._stores.pool.slab)
     llm.close()
     gc.collect()
     assert cache() is None and slab() is None

@@ -9,7 +9,8 @@ from __future__ import annotations
 from importlib import metadata
 
 from tiered_kv.config import TierConfig
-from tiered_kv.tier_manager import TierManager, build_llm
+from tiered_kv.tier_manager import TierManager
+from tiered_kv.tiered_llm import build_llm
 
 try:
     __version__ = metadata.version("tiered-kv")

@@ -21,54 +21,41 @@ Lookups go CPU → disk → remote: the run of blocks the CPU pool and the disk 
 extended by the remote tier with one pipelined round-trip for the rest of the chain, on a
 lookup thread (:class:`tiered_kv.tier_lookup.TierLookup`).
 
-This module builds the stores, the pool and the worker side, delegates the connector
-methods to the lookup and save sides, runs the loads, and reports finished transfers to
-``poll``; it also flushes, closes and counts.
-
-Keys. A block's key is ``BlockKey(namespace, block_hash)`` with the engine's chained hash
-(which covers the request's ``cache_salt``). The namespace is the engine's, so another
-model, KV dtype or block size never hits; with a lossy codec it is a digest of the
-engine's namespace and the codec, so lossy records never serve a lossless configuration
-(and the reverse). See ``docs/tiers.md``.
+The stores and the pool, and the namespace of the tiers' keys, are
+:mod:`tiered_kv.tier_stores`'s. This module builds the worker side on them, delegates the
+connector methods to the lookup and save sides, runs the loads, and reports finished
+transfers to ``poll``; it also flushes, closes and counts.
 """
 from __future__ import annotations
 
 import atexit
 import concurrent.futures
 import functools
-import hashlib
 import logging
-import os
 import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from prometheus_client import CollectorRegistry
 
 from engine.connector import FinishedTransfers, KVConnector, SavedBlock
-from engine.llm import LLM
-from storage.base import BlockStore, StoreStats
+from storage.base import BlockStore
 from storage.codecs import get_codec
-from storage.cpu_pool import CpuBlockPool
-from storage.lmdb_store import LmdbStore
-from storage.remote_store import RemoteStore
 from tiered_kv.block_loader import BlockLoader, LoadResult
 from tiered_kv.block_mover import BlockMover
 from tiered_kv.block_saver import BlockSaver
-from tiered_kv.config import TierConfig, remote_seal_key
+from tiered_kv.config import TierConfig
 from tiered_kv.load_clock import LoadClock
 from tiered_kv.metrics import QueueStats, TierMetrics
 from tiered_kv.pool_writer import PoolWriter
 from tiered_kv.tier_lookup import TierLookup
+from tiered_kv.tier_stores import TierStores, storage_namespace
 
 logger = logging.getLogger(__name__)
 
 LOAD_WORKERS = 2  # requests loaded at once
-STORE_PENDING_BYTES = 128 << 20  # LMDB puts accepted but not yet committed (two batches)
-_LOSSY_NAMESPACE = b"tiered-kv/lossy-codec"
 # The engine thread gives up the GIL at every device sync and lock wait; while the tier
 # threads run Python it can then wait a whole switch interval (CPython's default: 5 ms) to
 # get it back, several times a step. A manager lowers the process's interval to this.
@@ -79,10 +66,11 @@ class TierManager(KVConnector):
     """Implements :class:`engine.connector.KVConnector` with the tiers ``config`` describes.
 
     Pass it to the engine (``LLM(model, kv_connector=TierManager(config))``, or use
-    :func:`build_llm`). The disk store is opened here, so a directory problem (not a store,
-    already open for writing by another process) raises :class:`storage.base.StoreError`
-    at once, and a missing or unusable remote secret raises ``ValueError`` before anything
-    is opened; the CPU pool is reserved when the engine registers its KV cache.
+    :func:`tiered_kv.build_llm`). The disk store is opened here, so a directory problem (not
+    a store, already open for writing by another process) raises
+    :class:`storage.base.StoreError` at once, and a missing or unusable remote secret raises
+    ``ValueError`` before anything is opened; the CPU pool is reserved when the engine
+    registers its KV cache.
     One manager serves one engine.
     """
 
@@ -94,27 +82,9 @@ class TierManager(KVConnector):
                 ("cpu", config.has_cpu), ("disk", config.has_disk), ("remote", config.has_remote)
             ) if present
         )
-        self.metrics = TierMetrics(tiers, self._store_stats, self._queue_stats)
-        self._pool: CpuBlockPool | None = None
-        self._disk: LmdbStore | None = None
-        self._remote: RemoteStore | None = None
+        self._stores = TierStores(config)
+        self.metrics = TierMetrics(tiers, self._stores.stats, self._queue_stats)
         self._writers: list[PoolWriter] = []
-        self._final_stats: dict[str, StoreStats] | None = None
-        remote_key = remote_seal_key(config) if config.has_remote else None
-        if config.has_disk:
-            self._disk = LmdbStore(
-                config.cache_path, config.disk_bytes, sync=config.sync,
-                max_pending_bytes=STORE_PENDING_BYTES,
-                replace_damaged=True,  # a damaged file is moved aside: serve, never crash
-            )
-        if config.has_remote:
-            self._remote = RemoteStore(
-                config.remote_url,
-                seal_key=remote_key,
-                prefix=config.remote_prefix,
-                timeout_s=config.remote_timeout_s,
-                ttl_s=config.remote_ttl_s,
-            )
         self._kv_cache: torch.Tensor | None = None  # [num_blocks, L, 2, T, H, D]
         self._mover: BlockMover | None = None
         self._loader: BlockLoader | None = None
@@ -155,14 +125,7 @@ class TierManager(KVConnector):
         """The open stores by tier (``cpu`` once the engine registered its cache and when
         the pool is a tier, ``disk``, ``remote``), for admin views; they must not be used
         after :meth:`close`."""
-        stores: dict[str, BlockStore] = {}
-        if self._pool is not None and self.config.has_cpu:
-            stores["cpu"] = self._pool
-        if self._disk is not None:
-            stores["disk"] = self._disk
-        if self._remote is not None:
-            stores["remote"] = self._remote
-        return stores
+        return self._stores.by_tier()
 
     def stats(self) -> dict[str, dict[str, int | float]]:
         """Per tier (``cpu``, ``disk``, ``remote``): counters, occupancy and load bandwidth."""
@@ -188,7 +151,8 @@ class TierManager(KVConnector):
         for writer in self._writers:
             if not writer.drain(remaining()):
                 return False
-        if self._disk is not None and not self._disk.flush(remaining()):
+        disk = self._stores.disk
+        if disk is not None and not disk.flush(remaining()):
             return False
         dropped = self._num_dropped()
         lost, self._dropped_at_flush = dropped - self._dropped_at_flush, dropped
@@ -221,13 +185,7 @@ class TierManager(KVConnector):
             for writer in self._writers:
                 writer.close(max(deadline - time.monotonic(), 0.0))
         finally:
-            self._final_stats = self._store_stats()
-            if self._disk is not None:
-                self._disk.close()
-            if self._remote is not None:
-                self._remote.close()
-            if self._pool is not None:
-                self._pool.close()
+            self._stores.close()
             self._kv_cache = self._mover = self._loader = self._saver = None
 
     # ------------------------------------------------------------------ connector
@@ -247,48 +205,34 @@ class TierManager(KVConnector):
         self._block_shape = (num_layers, 2, block_size, heads, head_dim)
         self._block_nbytes = kv_cache[0].numel() * kv_cache.element_size()
         self._load_clock = LoadClock(self._block_nbytes)
-        self._namespace = self.storage_namespace(namespace, config.codec)
+        self._namespace = storage_namespace(namespace, config.codec)
         # A slot holds a block in the codec's tensor stage (a KIVI payload is smaller).
         slot_nbytes = self._codec.stage.payload_size(kv_cache.dtype, self._block_shape)
-        pool_bytes = config.cpu_bytes if config.has_cpu else config.staging_bytes
-        setting = "cpu_bytes" if config.has_cpu else "staging_bytes"
-        if pool_bytes < slot_nbytes:
-            raise ValueError(
-                f"{setting}={pool_bytes} holds no KV block ({slot_nbytes} bytes each); "
-                f"raise it" + (" or set 0 for no CPU tier" if config.has_cpu else "")
-            )
-        try:
-            self._pool = CpuBlockPool(
-                pool_bytes, block_nbytes=slot_nbytes, keep_clean=config.has_cpu,
-                pin_memory=kv_cache.is_cuda,
-            )
-        except ValueError as e:  # more than the host can pin
-            raise ValueError(f"{setting}={pool_bytes}: {e}; lower it") from None
+        pool = self._stores.reserve_pool(slot_nbytes, pin_memory=kv_cache.is_cuda)
+        disk, remote = self._stores.disk, self._stores.remote
         self._kv_cache = kv_cache
-        self._mover = BlockMover(kv_cache, self._pool.slab, self._codec.stage)
+        self._mover = BlockMover(kv_cache, pool.slab, self._codec.stage)
         block = (kv_cache.dtype, self._block_shape)
         stores: dict[str, BlockStore] = {}
-        if self._disk is not None:
-            stores["disk"] = self._disk
+        if disk is not None:
+            stores["disk"] = disk
             self._writers.append(PoolWriter(
-                self._pool, self._disk, self._codec, self.metrics, "disk",
+                pool, disk, self._codec, self.metrics, "disk",
                 write_back=config.write_policy == "write-back", by_priority=True,
-                low_watermark=max(1, self._pool.num_slots // 8), block=block,
+                low_watermark=max(1, pool.num_slots // 8), block=block,
             ))
-        if self._remote is not None:
-            stores["remote"] = self._remote
+        if remote is not None:
+            stores["remote"] = remote
             if config.remote_write_policy == "write-through":
                 self._writers.append(
-                    PoolWriter(
-                        self._pool, self._remote, self._codec, self.metrics, "remote", block=block
-                    )
+                    PoolWriter(pool, remote, self._codec, self.metrics, "remote", block=block)
                 )
         self._lookup = TierLookup(
-            self._namespace, self._pool, self._disk, self._remote, self.metrics,
+            self._namespace, pool, disk, remote, self.metrics,
             count_cpu=config.has_cpu, on_answer=self._report,
         )
         self._loader = BlockLoader(
-            self._pool, self._mover, stores, self.metrics,
+            pool, self._mover, stores, self.metrics,
             block_shape=self._block_shape, dtype=kv_cache.dtype, promote=self._promote_to,
             pool_tier="cpu" if config.has_cpu else None,
         )
@@ -298,22 +242,12 @@ class TierManager(KVConnector):
         if sys.getswitchinterval() > SWITCH_INTERVAL_S:
             sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._saver = BlockSaver(
-            config, self._namespace, self._pool, self._mover, self._disk, self.metrics,
+            config, self._namespace, pool, self._mover, disk, self.metrics,
             pending_tiers=tuple(writer.tier for writer in self._writers),
-            drop_tier="cpu" if config.has_cpu else self._first_lower_tier(),
+            drop_tier="cpu" if config.has_cpu else self._stores.first_lower_tier(),
             block_nbytes=self._block_nbytes,
             on_saved=lambda block_ids: self._report(saved=block_ids),
         )
-
-    @staticmethod
-    def storage_namespace(engine_namespace: bytes, codec: str) -> bytes:
-        """The namespace of the tiers' keys: the engine's, or for a lossy codec a digest of
-        the engine's and the codec's quantizer (so ``kivi4`` and ``kivi4+zstd`` share)."""
-        spec = get_codec(codec)
-        if spec.lossless:
-            return engine_namespace
-        quantizer = spec.name.split("+")[0].encode("ascii")
-        return hashlib.sha256(_LOSSY_NAMESPACE + b"\0" + engine_namespace + quantizer).digest()
 
     def get_num_matched_blocks(
         self, request_id: str, block_hashes: Sequence[bytes], num_computed_blocks: int
@@ -341,7 +275,7 @@ class TierManager(KVConnector):
             wanted = self._lookup.wanted(request_id, block_hashes, block_ids, priority)
         if not wanted:
             if wanted is None:  # cannot check the records' chain: recompute instead
-                self.metrics.add(self._first_lower_tier(), load_failures=1)
+                self.metrics.add(self._stores.first_lower_tier(), load_failures=1)
             self._report(loaded={request_id: 0})
             return
         # on the engine thread: the blocks may still be written by a forward queued before now
@@ -388,7 +322,10 @@ class TierManager(KVConnector):
     def _promote_to(self, tier: str) -> tuple[str, ...]:
         """The lower tiers a block loaded from ``tier`` still has to reach: a remote hit is
         written to disk with write-through."""
-        if tier == "remote" and self._disk is not None and self.config.write_policy == "write-through":
+        if (
+            tier == "remote" and self._stores.disk is not None
+            and self.config.write_policy == "write-through"
+        ):
             return ("disk",)
         return ()
 
@@ -398,7 +335,7 @@ class TierManager(KVConnector):
         try:
             for tier, blocks in result.by_tier.items():
                 if tier == "cpu" and not self.config.has_cpu:  # the staging buffer's blocks
-                    tier = self._first_lower_tier()
+                    tier = self._stores.first_lower_tier()
                 self.metrics.observe_load(
                     tier, result.seconds, blocks, self._block_size, blocks * self._block_nbytes
                 )
@@ -423,47 +360,12 @@ class TierManager(KVConnector):
                 self._saved.extend(saved)
             self._finished.notify_all()
 
-    def _first_lower_tier(self) -> str:
-        return "disk" if self._disk is not None else ("remote" if self._remote else "cpu")
-
     # ------------------------------------------------------------------ stats
-
-    def _store_stats(self) -> dict[str, StoreStats]:
-        if self._final_stats is not None:
-            return self._final_stats
-        stats: dict[str, StoreStats] = {}
-        if self.config.has_cpu:
-            stats["cpu"] = (
-                self._pool.stats()
-                if self._pool is not None
-                else StoreStats(tier="cpu", capacity_bytes=self.config.cpu_bytes)
-            )
-        if self._disk is not None:
-            stats["disk"] = self._disk.stats()
-        if self._remote is not None:
-            stats["remote"] = self._remote.stats()
-        return stats
 
     def _queue_stats(self) -> QueueStats | None:
         """Blocks in the pool still to be written to disk."""
-        if self._pool is None or self._disk is None:
+        pool = self._stores.pool
+        if pool is None or self._stores.disk is None:
             return None
-        blocks = self._pool.num_pending("disk")
+        blocks = pool.num_pending("disk")
         return QueueStats(blocks, blocks * self._block_nbytes)
-
-
-def build_llm(
-    model: str | os.PathLike[str] = "tiny",
-    tier_config: TierConfig | None = None,
-    **engine_config: Any,
-) -> LLM:
-    """An :class:`engine.LLM` whose KV connector is a new :class:`TierManager`.
-
-    The manager is ``llm.engine.connector``; closing the LLM closes it (and flushes it).
-    """
-    manager = TierManager(tier_config)
-    try:
-        return LLM(model, kv_connector=manager, **engine_config)
-    except BaseException:
-        manager.close()
-        raise
