@@ -139,8 +139,12 @@ def test_a_slot_on_the_move_is_followed_through_ask_and_moved(redis_cluster):
         ids = [c.execute_command("CLUSTER MYID") for c in clients]
         clients[dst].execute_command("CLUSTER SETSLOT", slot, "IMPORTING", ids[src])
         clients[src].execute_command("CLUSTER SETSLOT", slot, "MIGRATING", ids[dst])
+        # every key of the slot (other tests' keys may share it): the source may give the
+        # slot away only once it holds none
+        keys = clients[src].execute_command("CLUSTER GETKEYSINSLOT", slot, 10_000)
+        assert kb.decode() in keys
         clients[src].execute_command(
-            "MIGRATE", "127.0.0.1", redis_cluster.nodes[dst].port, "", 0, 5000, "KEYS", kb
+            "MIGRATE", "127.0.0.1", redis_cluster.nodes[dst].port, "", 0, 5000, "KEYS", *keys
         )
         assert same(s.get(key(0)), record(0))  # ASK: the key is on the importing node
         assert s.contains(key(0))
