@@ -1,13 +1,17 @@
 """A stream's text-only chunks come from a template per choice: the same bytes as building and
-serializing each chunk."""
+serializing each chunk; and a stream whose event loop falls behind loses nothing."""
 from __future__ import annotations
 
 import json
 import random
+import time
 import zlib
 
 import pytest
 
+from engine import AsyncLLM
+from engine_testing import one_thread  # noqa: F401  (autouse fixture)
+from server_testing import BLOCK, GREEDY, MAX_MODEL_LEN, run, sse_events
 from tiered_kv.protocol_responses import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -15,6 +19,7 @@ from tiered_kv.protocol_responses import (
     CompletionResponse,
     DeltaMessage,
 )
+from tiered_kv.server_generation import Generation
 from tiered_kv.server_stream import _MARK, TextEvents, _chunk_dict, event
 
 PIECES = ["a", " the", "é", "日本", "\U0001f600", '"', "\\", "\n", "\t", "\x00", "\x1f", "\u2028",
@@ -67,3 +72,56 @@ def test_a_choice_whose_chunk_holds_the_marker_elsewhere_is_rendered_whole():
     for text in ["one", _MARK, ""]:
         assert events.event(0, text) == event(render(0, text))
     assert events._halves == {0: None}
+
+
+# ---------------------------------------------------------------- a slow event loop, end to end
+
+@pytest.fixture(scope="module")
+def llm():
+    llm = AsyncLLM("tiny", max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=64, block_size=BLOCK,
+                   device="cpu")
+    yield llm
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_a_stream_whose_event_loop_falls_behind_loses_nothing(llm, monkeypatch, route):
+    """The event loop stalls after every output, so the engine's outputs wait and arrive
+    merged: the stream still carries every token's text and logprob once, and its usage."""
+    params = {**GREEDY, "max_tokens": 24}
+    if route == "completions":
+        path, body = "/v1/completions", {"prompt": "Tell me", "logprobs": 1, **params}
+    else:
+        path, body = "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "Tell me"}], "logprobs": True, "top_logprobs": 1,
+            **params}
+
+    async def test(c):
+        whole = (await c.post(path, json=body)).json()
+        real_next = Generation._next
+
+        async def slow_next(self):
+            time.sleep(0.03)  # the loop is busy: the engine steps on meanwhile
+            return await real_next(self)
+
+        monkeypatch.setattr(Generation, "_next", slow_next)
+        stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        return whole, (await c.post(path, json=stream)).text
+
+    whole, text = run(llm, test)
+    events = sse_events(text)
+    usage = events[-1]["usage"]
+    assert usage == whole["usage"] and usage["completion_tokens"] == 24
+    chunks = [e["choices"][0] for e in events[:-1]]
+    if route == "completions":
+        assert "".join(ch["text"] for ch in chunks) == whole["choices"][0]["text"]
+        tokens = [t for ch in chunks if ch["logprobs"] for t in ch["logprobs"]["tokens"]]
+        offsets = [o for ch in chunks if ch["logprobs"] for o in ch["logprobs"]["text_offset"]]
+        assert tokens == whole["choices"][0]["logprobs"]["tokens"]
+        assert offsets == whole["choices"][0]["logprobs"]["text_offset"]
+    else:
+        assert "".join(ch["delta"].get("content") or "" for ch in chunks) == \
+            whole["choices"][0]["message"]["content"]
+        content = [t for ch in chunks if ch.get("logprobs") for t in ch["logprobs"]["content"]]
+        assert [t["token"] for t in content] == [t["token"] for t in whole["choices"][0]["logprobs"]["content"]]
+    assert len(chunks) < 24  # merged: fewer chunks than tokens
