@@ -9,7 +9,8 @@ nothing, and the model forward never runs on the event loop.
 
 A consumer that falls behind the engine (a streamed request whose event loop is busy) gets
 the outputs waiting for it merged into one: the latest, with the waiting ``delta_text`` s
-joined. The outputs are cumulative, so nothing is lost, and a loop that is behind builds one
+joined (and, for :attr:`~engine.outputs.RequestOutputKind.DELTA` outputs, their token ids,
+text and logprobs joined too). Nothing is lost, and a loop that is behind builds one
 response chunk for several steps instead of one per step.
 
 A request that fails on its own (adding it, sampling or detokenizing it raised) raises
@@ -31,7 +32,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.connector import KVConnector
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, RequestOutputKind
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 from engine.tokenizer import Tokenizer
@@ -151,6 +152,7 @@ class AsyncLLM:
                 raise EngineDeadError("the engine is shut down") from self._error
             self._commands.put(add)
         finished, pending = False, None
+        merge = _joined if add.params.output_kind is RequestOutputKind.DELTA else _merged
         try:
             while True:
                 item = pending if pending is not None else await stream.get()
@@ -160,10 +162,10 @@ class AsyncLLM:
                     raise item
                 while not item.finished and not stream.empty():  # behind: merge what waits
                     later = stream.get_nowait()
-                    if isinstance(later, BaseException):
-                        pending = later
+                    if isinstance(later, BaseException) or later.finish_reason == "error":
+                        pending = later  # what came before it is yielded first
                         break
-                    item = _merged(item, later)
+                    item = merge(item, later)
                 finished = item.finished
                 if item.finish_reason == "error":
                     raise RequestFailedError(f"the engine failed on request {request_id}")
@@ -303,6 +305,21 @@ def _merged(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
     if not earlier.delta_text:
         return later
     return dataclasses.replace(later, delta_text=earlier.delta_text + later.delta_text)
+
+
+def _joined(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two ``DELTA`` outputs as one: what both brought, and ``later``'s state."""
+    def both(a: list | None, b: list | None) -> list | None:
+        return a + b if a is not None and b is not None else b
+
+    return dataclasses.replace(
+        later,
+        token_ids=earlier.token_ids + later.token_ids,
+        text=earlier.text + later.text,
+        delta_text=earlier.delta_text + later.delta_text,
+        logprobs=both(earlier.logprobs, later.logprobs),
+        top_logprobs=both(earlier.top_logprobs, later.top_logprobs),
+    )
 
 
 def _send(target: _Add, item: RequestOutput | BaseException) -> bool:

@@ -42,6 +42,7 @@ class _TextState:
     # reads its text once
     pieces: list[str] = dataclasses.field(default_factory=list)
     num_sent_chars: int = 0
+    num_sent_tokens: int = 0  # DELTA: output tokens (and logprobs) in outputs already built
     stop_reason: str | int | None = None
     # [None, *entries] once the prompt's entries are complete: every output shares it
     prompt_logprobs: list[PromptLogprob | None] | None = None
@@ -144,37 +145,57 @@ class OutputProcessor:
                 state.pieces.append(state.detokenizer.finish_with(ids, held_back=False))
             else:  # from here on, token by token
                 state.pieces.extend(map(state.detokenizer.add, ids))
-        text, stops = state.text(), seq.params.stop
+        params = seq.params
+        if params.output_kind is RequestOutputKind.DELTA:
+            return self._delta(seq, state)
+        text, stops = state.text(), params.stop
         if stops and not finished:
             text = text[: max(len(text) - max(map(len, stops)) + 1, state.num_sent_chars)]
         delta, state.num_sent_chars = text[state.num_sent_chars :], len(text)
-        return frozen(
-            RequestOutput,
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            token_ids=seq.output_token_ids,
-            text=text,
-            delta_text=delta,
-            num_cached_tokens=seq.num_cached_tokens or 0,
-            finish_reason=seq.finish_reason,
-            stop_reason=state.stop_reason,
-            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-            top_logprobs=list(seq.top_logprobs) if seq.top_logprobs is not None else None,
-            prompt_logprobs=state.prompt_logprobs_of(seq),
-            times=_times(seq),
+        return _output(
+            seq, state, seq.output_token_ids, text, delta,
+            list(seq.logprobs) if seq.logprobs is not None else None,
+            list(seq.top_logprobs) if seq.top_logprobs is not None else None,
+        )
+
+    @staticmethod
+    def _delta(seq: Sequence, state: _TextState) -> RequestOutput:
+        """A ``DELTA`` output: the tokens, logprobs and text since the previous one. Without
+        stop strings the text's pieces since then are all it joins (and then forgets)."""
+        sent, stops = state.num_sent_tokens, seq.params.stop
+        if stops:
+            text = state.text()
+            if not seq.is_finished:
+                text = text[: max(len(text) - max(map(len, stops)) + 1, state.num_sent_chars)]
+            delta, state.num_sent_chars = text[state.num_sent_chars :], len(text)
+        else:
+            delta = "".join(state.pieces)
+            state.pieces.clear()
+        tokens = seq.token_ids[seq.num_prompt_tokens + sent :]
+        state.num_sent_tokens = sent + len(tokens)
+        return _output(
+            seq, state, tokens, delta, delta,
+            seq.logprobs[sent:] if seq.logprobs is not None else None,
+            seq.top_logprobs[sent:] if seq.top_logprobs is not None else None,
         )
 
     def failed(self, seq: Sequence) -> RequestOutput:
         """The final output of a request that failed (``finish_reason="error"``): the text
         already sent, no delta. Its text state is dropped."""
         state = self._texts.pop(seq.request_id, None)
+        delta = seq.params.output_kind is RequestOutputKind.DELTA
+        token_ids = seq.output_token_ids
+        if delta:  # nothing new is sent
+            token_ids = token_ids[state.num_sent_tokens :] if state is not None else token_ids
+            text = ""
+        else:
+            text = state.text()[: state.num_sent_chars] if state is not None else ""
         return RequestOutput(
             request_id=seq.request_id,
             prompt=seq.prompt,
             prompt_token_ids=state.prompt_token_ids if state is not None else seq.prompt_token_ids,
-            token_ids=seq.output_token_ids,
-            text=state.text()[: state.num_sent_chars] if state is not None else "",
+            token_ids=token_ids,
+            text=text,
             delta_text="",
             num_cached_tokens=seq.num_cached_tokens or 0,
             finish_reason="error",
@@ -192,6 +213,28 @@ class OutputProcessor:
         if not pieces[-1]:  # the prompt ends inside a character: start clean instead
             detokenizer.finish()
         return detokenizer
+
+
+def _output(
+    seq: Sequence, state: _TextState, token_ids: list[int], text: str, delta: str,
+    logprobs: list[float] | None, top_logprobs: list[dict[int, float]] | None,
+) -> RequestOutput:
+    return frozen(
+        RequestOutput,
+        request_id=seq.request_id,
+        prompt=seq.prompt,
+        prompt_token_ids=state.prompt_token_ids,
+        token_ids=token_ids,
+        text=text,
+        delta_text=delta,
+        num_cached_tokens=seq.num_cached_tokens or 0,
+        finish_reason=seq.finish_reason,
+        stop_reason=state.stop_reason,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        prompt_logprobs=state.prompt_logprobs_of(seq),
+        times=_times(seq),
+    )
 
 
 def _times(seq: Sequence) -> RequestTimes:

@@ -11,11 +11,15 @@ T = TypeVar("T")
 class RequestOutputKind(enum.Enum):
     """Which outputs :meth:`engine.llm_engine.LLMEngine.step` hands back for a request (as
     vLLM's ``SamplingParams.output_kind``). ``CUMULATIVE``: one after every step that gave
-    it tokens, each with everything so far (streaming). ``FINAL_ONLY``: only the finished
-    one; the steps before build none, which spares the engine thread a copy of the request's
-    token ids and text per step (``LLM.generate`` asks for this)."""
+    it tokens, each with everything so far. ``DELTA``: one after every such step, each with
+    only what is new since the request's previous output (its ``token_ids``, ``text``,
+    ``logprobs`` and ``top_logprobs``), so that building it does not grow with the output
+    (the server streams these). ``FINAL_ONLY``: only the finished one, cumulative; the
+    steps before build none, which spares the engine thread a copy of the request's token
+    ids and text per step (``LLM.generate`` asks for this)."""
 
     CUMULATIVE = "cumulative"
+    DELTA = "delta"
     FINAL_ONLY = "final_only"
 
 
@@ -47,10 +51,11 @@ class RequestOutput:
     """The state of one request after a step; the last one has ``finished`` set.
 
     ``prompt_token_ids`` is one list shared by every output of the request: read it, do
-    not change it. ``token_ids``, ``text`` and ``logprobs`` are cumulative; ``delta_text``
-    is the text that is new since the previous output of the same request (for
-    streaming). While a request has stop strings, the last ``len(longest stop) - 1``
-    characters are held back until it is clear they do not start a stop string.
+    not change it. ``token_ids``, ``text`` and ``logprobs`` are cumulative, or with
+    :attr:`RequestOutputKind.DELTA` only what is new since the request's previous output;
+    ``delta_text`` is the text that is new since then (for streaming). While a request has
+    stop strings, the last ``len(longest stop) - 1`` characters are held back until it is
+    clear they do not start a stop string.
     """
 
     request_id: str

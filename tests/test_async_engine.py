@@ -1,13 +1,14 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
 import pytest
 import torch
 
-from engine import LLM, AsyncLLM, SamplingParams
+from engine import LLM, AsyncLLM, RequestOutputKind, SamplingParams
 from engine import llm_engine
 from engine.async_engine import EngineDeadError, RequestFailedError
 from engine.output_processor import OutputProcessor
@@ -58,8 +59,9 @@ def test_streaming_yields_growing_outputs(llm):
         assert b.token_ids[: len(a.token_ids)] == a.token_ids and b.text.startswith(a.text)
 
 
-def test_a_consumer_that_falls_behind_gets_the_waiting_outputs_merged(llm):
-    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+@pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA])
+def test_a_consumer_that_falls_behind_gets_the_waiting_outputs_merged(llm, kind):
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, logprobs=1)
     offline = LLM(max_model_len=256, num_gpu_blocks_override=64, device="cpu")
     try:
         expected = offline.generate(["Fall behind"], params)[0]
@@ -68,17 +70,25 @@ def test_a_consumer_that_falls_behind_gets_the_waiting_outputs_merged(llm):
 
     async def main():
         outs = []
-        async for out in llm.generate("Fall behind", params):
+        async for out in llm.generate("Fall behind", dataclasses.replace(params, output_kind=kind)):
             outs.append(out)
             if len(outs) == 1:
                 time.sleep(0.5)  # the event loop is busy: the engine steps on meanwhile
         return outs
 
     outs = asyncio.run(main())
-    assert len(outs[1].token_ids) - len(outs[0].token_ids) > 1  # merged, not one a step
     assert len(outs) < 60
-    assert outs[-1].token_ids == expected.token_ids and outs[-1].text == expected.text
     assert "".join(o.delta_text for o in outs) == expected.text
+    if kind is RequestOutputKind.CUMULATIVE:
+        assert len(outs[1].token_ids) - len(outs[0].token_ids) > 1  # merged, not one a step
+        assert outs[-1].token_ids == expected.token_ids and outs[-1].text == expected.text
+        assert outs[-1].logprobs == pytest.approx(expected.logprobs)
+    else:  # each output brings its own tokens: joined, they are the whole
+        assert len(outs[1].token_ids) > 1
+        assert [t for o in outs for t in o.token_ids] == expected.token_ids
+        assert "".join(o.text for o in outs) == expected.text
+        assert [lp for o in outs for lp in o.logprobs] == pytest.approx(expected.logprobs)
+        assert [len(o.top_logprobs) for o in outs] == [len(o.token_ids) for o in outs]
 
 
 def test_a_steps_outputs_reach_each_event_loop_in_one_hand_off(fresh, monkeypatch):
@@ -218,10 +228,53 @@ def test_a_request_that_fails_in_the_engine_fails_alone(fresh, monkeypatch):
         return seen, both, await collect(fresh, "after it")
 
     seen, (failed, beside), after = asyncio.run(main())
-    assert isinstance(failed, RequestFailedError) and len(seen) == 2
+    # two tokens before the failure (in one output if the consumer fell behind)
+    assert isinstance(failed, RequestFailedError) and len(seen[-1].token_ids) == 2
     assert beside[-1].finish_reason == "length" and len(beside[-1].token_ids) == 200
     assert after[-1].finish_reason == "length" and fresh.is_running
     assert wait_idle(fresh).num_used_blocks == 0
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA])
+def test_outputs_waiting_before_a_failure_are_yielded_before_it_raises(fresh, monkeypatch, kind):
+    """The consumer falls behind, so the outputs before the failure and the failure wait
+    together: the outputs are merged and yielded, then the failure raises."""
+    marked = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True, seed=14, output_kind=kind)
+    real = OutputProcessor._detokenizer
+
+    def detokenizer(self, prompt_token_ids, params):
+        detokenizer = real(self, prompt_token_ids, params)
+        if params == marked:
+            add, count = detokenizer.add, [0]
+
+            def failing_add(token_id):
+                count[0] += 1
+                if count[0] == 12:
+                    raise RuntimeError("detokenizer broke")
+                return add(token_id)
+
+            detokenizer.add = failing_add
+        return detokenizer
+
+    monkeypatch.setattr(OutputProcessor, "_detokenizer", detokenizer)
+
+    async def consume(stall: bool):
+        seen = []
+        with pytest.raises(RequestFailedError):
+            async for out in fresh.generate("fail me later", marked):
+                seen.append(out)
+                if stall and len(seen) == 1:
+                    time.sleep(0.5)  # the rest of the outputs and the failure queue up
+        return seen
+
+    def tokens(seen):
+        return seen[-1].token_ids if kind is RequestOutputKind.CUMULATIVE else [
+            t for out in seen for t in out.token_ids]
+
+    steady, stalled = asyncio.run(consume(False)), asyncio.run(consume(True))
+    assert len(stalled) == 2 < len(steady)
+    assert tokens(stalled) == tokens(steady) and len(tokens(steady)) > 2
+    assert "".join(o.delta_text for o in stalled) == "".join(o.delta_text for o in steady)
 
 
 def test_a_prompt_that_is_not_unicode_is_refused(fresh):

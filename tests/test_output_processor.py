@@ -255,3 +255,79 @@ def test_only_final_only_requests_without_stop_strings_wait_for_their_finish(pro
     other = OutputProcessor(sentencepiece(decoders.WordPiece()), (), MAX_MODEL_LEN)
     other.add("r", [3, 4], SamplingParams(output_kind=FINAL_ONLY))
     assert not other._texts["r"].deferred
+
+
+# --- delta outputs: what is new since the previous output ---------------------------------
+
+
+@pytest.mark.parametrize("family", TOKENIZERS)
+def test_delta_outputs_are_the_cumulative_outputs_differences(family):
+    """200 seeded random requests per tokenizer, with and without stop strings, fed token by
+    token (1-3 a step) to a cumulative and a delta request side by side, their outputs read
+    after every step, some aborted or failed: each delta output is what the cumulative one
+    added (tokens, text, logprobs), with the same finish."""
+    tokenizer = TOKENIZERS[family]()
+    proc = OutputProcessor(tokenizer, tokenizer.eos_token_ids, max_model_len=48)
+    stops_seen = 0
+    for case in range(200):
+        rng = random.Random(f"delta-{family}-{case}")
+        params = random_params(rng, tokenizer)
+        if rng.random() < 0.4:  # stop strings: pieces of what the tokenizer decodes
+            text = tokenizer.decode(random_ids(tokenizer, rng, 6), skip_special_tokens=True)
+            stops = [text[i : i + rng.randint(1, 3)] for i in rng.sample(range(max(1, len(text))), 2)]
+            params = dataclasses.replace(params, stop=tuple(s for s in stops if s) or ("zz",))
+            stops_seen += 1
+        prompt = random_ids(tokenizer, rng, rng.randint(1, 8))
+        seqs = []
+        for kind in (CUMULATIVE, RequestOutputKind.DELTA):
+            rid = f"{case}-{kind.value}"
+            kind_params = dataclasses.replace(params, output_kind=kind)
+            seqs.append(Sequence(rid, prompt, kind_params, block_size=16, root_hash=bytes(32),
+                                 generator=torch.Generator()))
+            proc.add(rid, prompt, kind_params)
+        end = rng.choice(["run", "run", "abort", "fail"])
+        end_at = rng.randint(0, 15)
+        previous = None
+        for step in range(1000):
+            if end != "run" and step == end_at:
+                if end == "fail":
+                    cumulative, delta = (proc.failed(seq) for seq in seqs)
+                    assert delta.text == delta.delta_text == ""
+                    assert delta.token_ids == cumulative.token_ids[len(previous.token_ids) if previous else 0 :]
+                    break
+                for seq in seqs:
+                    seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            else:
+                reasons = []
+                for token in [rng.choice(list(proc.eos_token_ids)) if rng.random() < 0.05
+                              else random_ids(tokenizer, rng, 1)[0] for _ in range(rng.randint(1, 3))]:
+                    logprob, top = rng.random(), {token: rng.random()}
+                    reasons = []
+                    for seq in seqs:
+                        seq.append_token(token)
+                        if seq.logprobs is not None:
+                            seq.logprobs.append(logprob)
+                        if seq.top_logprobs is not None:
+                            seq.top_logprobs.append(top)
+                        reasons.append(proc.stop(seq, token, grammar_ended=False))
+                    assert reasons[0] == reasons[1]
+                    if reasons[0] is not None:
+                        for seq in seqs:
+                            seq.status, seq.finish_reason = SequenceStatus.FINISHED, reasons[0]
+                        break
+            cumulative, delta = (proc.output(seq) for seq in seqs)
+            before = previous.token_ids if previous is not None else []
+            assert delta.token_ids == cumulative.token_ids[len(before) :], case
+            assert delta.text == delta.delta_text == cumulative.delta_text, case
+            if cumulative.logprobs is not None:
+                assert delta.logprobs == cumulative.logprobs[len(before) :]
+            if cumulative.top_logprobs is not None:
+                assert delta.top_logprobs == cumulative.top_logprobs[len(before) :]
+            assert (delta.finish_reason, delta.stop_reason) == (cumulative.finish_reason, cumulative.stop_reason)
+            assert delta.prompt_token_ids == cumulative.prompt_token_ids
+            previous = cumulative
+            if cumulative.finished:
+                break
+        else:
+            raise AssertionError("the request did not end")
+    assert proc.request_ids() == [] and stops_seen > 40

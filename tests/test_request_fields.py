@@ -296,7 +296,7 @@ def test_only_a_streamed_request_asks_the_engine_for_every_output(stream):
     from engine.outputs import RequestOutputKind
     from tiered_kv.protocol_requests import ChatCompletionRequest, CompletionRequest
 
-    kind = RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY
+    kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     completion = CompletionRequest(model="m", prompt="Hi", stream=stream)
     chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Hi"}], stream=stream)
     assert completion.to_sampling_params().output_kind is kind

@@ -127,8 +127,8 @@ class _SamplingFields(StrictRequest):
                 structured_output=structured,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
-                # a response that is not streamed needs only the last output
-                output_kind=RequestOutputKind.CUMULATIVE if self.stream else RequestOutputKind.FINAL_ONLY,
+                # a stream sends what is new in each output; a whole response needs the last
+                output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             )
         except ValueError as e:
             raise RequestError(str(e), param=str(e).split(" ")[0]) from None

@@ -17,7 +17,7 @@ from typing import NamedTuple, TypeVar
 from fastapi import Request
 
 from engine.async_engine import EngineDeadError, RequestFailedError
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, RequestOutputKind
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputSpec
 from tiered_kv.protocol_errors import RequestError
@@ -36,15 +36,17 @@ class Generation:
     in the server (released when the stream is closed)."""
 
     def __init__(
-        self, state: ServerState, request_id: str, arrival: float, stream: AsyncIterator[RequestOutput]
+        self, state: ServerState, request_id: str, arrival: float, stream: AsyncIterator[RequestOutput],
+        delta: bool = False,
     ) -> None:
         self.state = state
         self.id = request_id
         self.arrival = arrival
         self.stream = stream
+        self.delta = delta  # its outputs bring only their new tokens (streamed)
         self.first: RequestOutput | None = None
+        self.num_tokens = 0  # generated so far, in the outputs read
         self._last_time = arrival
-        self._num_tokens = 0
         self._finished = False
         self._released = False
 
@@ -68,23 +70,25 @@ class Generation:
         gets one output, its last); each later token's share of the time since the last."""
         metrics = self.state.metrics
         now = time.perf_counter()
-        new = len(out.token_ids) - self._num_tokens
-        if new > 0 and self._num_tokens == 0:
+        total = self.num_tokens + len(out.token_ids) if self.delta else len(out.token_ids)
+        new = total - self.num_tokens
+        if new > 0 and self.num_tokens == 0:
             stamped = out.times.first_token if out.times is not None else None
             first = stamped if stamped is not None else now
             if metrics is not None:
                 metrics.ttft.observe(max(0.0, first - self.arrival))
-            self._num_tokens, self._last_time, new = 1, first, new - 1
+            self._last_time, new = first, new - 1
         if metrics is not None and new > 0:
             for _ in range(new):
                 metrics.itl.observe(max(0.0, now - self._last_time) / new)
         if new > 0:
-            self._num_tokens, self._last_time = len(out.token_ids), now
+            self._last_time = now
+        self.num_tokens = total
         if out.finished:
             self._finish(out.finish_reason)
             if metrics is not None:
                 metrics.cached_prompt_tokens.inc(out.num_cached_tokens)
-                metrics.observe_finished(out)
+                metrics.observe_finished(out, total)
 
     def _finish(self, reason: str) -> None:
         self._finished = True
@@ -166,7 +170,8 @@ class Generations:
             stream = state.llm.generate(
                 job.prompt_ids, job.params, request_id=engine_id, cache_salt=cache_salt, priority=priority
             )
-            generations.append(Generation(state, engine_id, arrival, stream))
+            delta = job.params.output_kind is RequestOutputKind.DELTA
+            generations.append(Generation(state, engine_id, arrival, stream, delta))
         group = cls(request_id, generations)
         try:
             primed = asyncio.gather(*(g._prime() for g in generations), return_exceptions=True)

@@ -159,8 +159,9 @@ class ServerMetrics:
         except KeyError:
             pass
 
-    def observe_finished(self, out: RequestOutput) -> None:
-        """A finished generation's phases (from the engine's stamps) and token counts."""
+    def observe_finished(self, out: RequestOutput, num_tokens: int) -> None:
+        """A finished generation's phases (from the engine's stamps) and token counts
+        (``num_tokens`` generated)."""
         times = out.times
         if times is not None and times.scheduled is not None:
             self.phases["queue"].observe(times.scheduled - times.arrival)
@@ -169,7 +170,7 @@ class ServerMetrics:
                 self.phases["decode"].observe(times.last_token - times.first_token)
                 self.phases["inference"].observe(times.last_token - times.scheduled)
         self.prompt_tokens.observe(len(out.prompt_token_ids))
-        self.generation_tokens.observe(len(out.token_ids))
+        self.generation_tokens.observe(num_tokens)
 
 
 def _cache_info(config: EngineConfig, stats: EngineStats) -> dict[str, str]:

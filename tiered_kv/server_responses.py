@@ -116,11 +116,13 @@ def prompt_usage(out: RequestOutput) -> Usage:
     )
 
 
-def usage(by_prompt: list[list[RequestOutput]]) -> Usage:
+def usage(by_prompt: list[list[RequestOutput]], completion: int | None = None) -> Usage:
     """Each prompt counted once (its cached tokens as its first choice found them), every
-    choice's tokens counted."""
+    choice's tokens counted (or ``completion`` tokens, for outputs that bring only their
+    new ones)."""
     prompt = sum(len(outs[0].prompt_token_ids) for outs in by_prompt)
-    completion = sum(len(out.token_ids) for outs in by_prompt for out in outs)
+    if completion is None:
+        completion = sum(len(out.token_ids) for outs in by_prompt for out in outs)
     cached = sum(outs[0].num_cached_tokens for outs in by_prompt)
     return Usage(
         prompt_tokens=prompt,

@@ -1,5 +1,8 @@
 """The server-sent events of a streamed response: OpenAI's chunk format, one event per
-output that brings something, ending in ``data: [DONE]``.
+output that brings something, ending in ``data: [DONE]``. A streamed generation's outputs
+are :attr:`~engine.outputs.RequestOutputKind.DELTA` ones: each brings its new tokens, text
+and logprobs only, and its :class:`~tiered_kv.server_generation.Generation` counts the
+tokens for the usage.
 
 A chunk that carries only new text (no logprobs, no finish, no running usage), which is
 nearly every chunk of a stream, is rendered from a template of its choice: the chunk built
@@ -92,8 +95,9 @@ async def completion_chunks(
     """Chunks of every choice as they come (``best_of > n`` is not streamed: all are sent)."""
     config, llm = state.config, state.llm
     created = int(time.time())
-    count = len(group.generations)
-    sent_logprobs, offsets, last = [0] * count, [0] * count, [None] * count
+    generations = group.generations
+    count = len(generations)
+    offsets, last = [0] * count, [None] * count
     echo = [body.echo] * count
 
     def render(k: int, text: str, out=None, logprobs=None) -> dict:
@@ -102,9 +106,11 @@ async def completion_chunks(
             finish_reason=out.finish_reason if out is not None else None,
             stop_reason=out.stop_reason if out is not None else None,
         )
+        running = None
+        if body.continuous_usage and out is not None:
+            running = usage([[out]], generations[k].num_tokens)
         chunk = CompletionResponse(
-            id=group.id, created=created, model=config.model_name, choices=[choice],
-            usage=usage([[out]]) if body.continuous_usage and out is not None else None,
+            id=group.id, created=created, model=config.model_name, choices=[choice], usage=running,
         )
         return _chunk_dict(chunk, body.include_usage)
 
@@ -120,8 +126,7 @@ async def completion_chunks(
                     continue
                 logprobs = None
                 if body.logprobs is not None:
-                    logprobs = completion_logprobs(llm, out, sent_logprobs[k], offsets[k])
-                    sent_logprobs[k] = len(out.logprobs or [])
+                    logprobs = completion_logprobs(llm, out, 0, offsets[k])
                     offsets[k] += sum(len(t) for t in logprobs.tokens)
                 text = out.delta_text
                 if echo[k]:
@@ -132,7 +137,8 @@ async def completion_chunks(
         if body.include_usage and all(last):
             usage_chunk = CompletionResponse(
                 id=group.id, created=created, model=config.model_name, choices=[],
-                usage=usage([last[i : i + body.n] for i in range(0, count, body.n)]),
+                usage=usage([last[i : i + body.n] for i in range(0, count, body.n)],
+                            sum(g.num_tokens for g in generations)),
             )
             yield usage_chunk.model_dump()
     finally:
@@ -142,8 +148,9 @@ async def completion_chunks(
 async def chat_chunks(state: ServerState, group: Generations, body: ChatCompletionRequest) -> AsyncIterator[dict | str]:
     config, llm = state.config, state.llm
     created = int(time.time())
-    count = len(group.generations)
-    sent_logprobs, last = [0] * count, [None] * count
+    generations = group.generations
+    count = len(generations)
+    last = [None] * count
 
     def chunk(
         k: int, delta: DeltaMessage, finish_reason: str | None = None, logprobs=None, stop_reason=None
@@ -153,7 +160,8 @@ async def chat_chunks(state: ServerState, group: Generations, body: ChatCompleti
         )
         running = None
         if body.continuous_usage:  # before the first output (the role chunk): no tokens yet
-            running = usage([[last[k]]]) if last[k] is not None else prompt_usage(group.generations[k].first)
+            running = (usage([[last[k]]], generations[k].num_tokens) if last[k] is not None
+                       else prompt_usage(generations[k].first))
         c = ChatCompletionChunk(
             id=group.id, created=created, model=config.model_name, choices=[choice], usage=running
         )
@@ -175,15 +183,15 @@ async def chat_chunks(state: ServerState, group: Generations, body: ChatCompleti
                     continue
                 logprobs = None
                 if body.logprobs:
-                    logprobs = chat_logprobs(llm, out, sent_logprobs[k])
-                    sent_logprobs[k] = len(out.logprobs or [])
+                    logprobs = chat_logprobs(llm, out, 0)
                 if out.delta_text or (logprobs and logprobs.content):
                     yield chunk(k, DeltaMessage(content=out.delta_text), logprobs=logprobs)
                 if out.finished:
                     yield chunk(k, DeltaMessage(), finish_reason=out.finish_reason, stop_reason=out.stop_reason)
         if body.include_usage and all(last):
             usage_chunk = ChatCompletionChunk(
-                id=group.id, created=created, model=config.model_name, choices=[], usage=usage([last])
+                id=group.id, created=created, model=config.model_name, choices=[],
+                usage=usage([last], sum(g.num_tokens for g in generations)),
             )
             yield usage_chunk.model_dump()
     finally:
