@@ -3,7 +3,9 @@ by two tiers-off engines and one tiers-on engine in one process, taking turns; a
 tiers-on engine with its connector taken out for a round ("on, detached"), which compares
 tiers on and off on the same engine (the same pool, graphs and memory), without the
 variance between two engines (two identical tiers-off engines differed by 23.5 % on an
-H200)."""
+H200). During each cold request a :class:`~gil_probe.GilProbe` samples how long a thread
+waits for the interpreter lock, so that tiers-on and tiers-off runs show whether the tiers'
+threads hold it against the engine's."""
 from __future__ import annotations
 
 import contextlib
@@ -17,6 +19,7 @@ from engine.sampling_params import SamplingParams
 from tiered_kv.config import TierConfig
 from tiered_kv.tiered_llm import build_llm
 from bench_common import BLOCK, timed
+from gil_probe import GilProbe
 from gpu_tiers_run import FLUSH_TIMEOUT_S, MiB, Run, tokens, warm_up
 
 
@@ -86,7 +89,11 @@ def offload_overhead(run: Run, cache: Path, prompts: int, prompt_tokens: int, ma
                 batch = [tokens(vocab, prompt_tokens, seed + i) for i in range(prompts)]
                 with detached(llm) if name == "on, detached" else contextlib.nullcontext():
                     result = generate_steps(llm, batch, params)
-                    result["cold_ttft_s"] = timed(llm, tokens(vocab, cold_tokens, seed + 999))[0]
+                    with GilProbe() as probe:  # who keeps the engine's thread waiting
+                        result["cold_ttft_s"] = timed(llm, tokens(vocab, cold_tokens, seed + 999))[0]
+                    gil = probe.summary()
+                    result["cold_gil_late_ms"] = gil["late_ms_total"]
+                    result["cold_gil_longest_ms"] = gil["longest_late_ms"]
                 runs[name].append(result)
                 if name == "on":
                     on.engine.connector.flush(FLUSH_TIMEOUT_S)  # nothing spills into "off"

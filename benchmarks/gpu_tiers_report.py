@@ -142,12 +142,15 @@ def print_report(r: dict) -> None:
         print(f"\nOffload overhead ({o['shape']}): {o['prompts']} prompts x {o['prompt_tokens']} "
               f"tokens + {o['max_tokens']} new, {o['rounds']} rounds taking turns; cold request "
               f"of {o['cold_tokens']} tokens; medians:")
-        print("| tiers | output tok/s | decode tok/s | cold TTFT ms |")
-        print("|---|---|---|---|")
+        print("| tiers | output tok/s | decode tok/s | cold TTFT ms | cold: late GIL wake-ups, ms "
+              "(longest) |")
+        print("|---|---|---|---|---|")
         for name in ("off", "off-2", "off, both", "on", "on, detached"):
             m = o["median"][name]
+            gil = (f"{m['cold_gil_late_ms']:.1f} ({m['cold_gil_longest_ms']:.1f})"
+                   if "cold_gil_late_ms" in m else "–")
             print(f"| {name} | {m['output_tok_s']:.1f} | {m['decode_tok_s']:.1f} | "
-                  f"{ms(m['cold_ttft_s'])} |")
+                  f"{ms(m['cold_ttft_s'])} | {gil} |")
         print(f"overhead vs both tiers-off engines: decode {100 * o['decode_overhead']:.1f} % "
               f"(the two differ by {100 * o['decode_noise']:.1f} %), output "
               f"{100 * o['output_overhead']:.1f} %; cold {o['cold_ratio']:.2f}x; "
