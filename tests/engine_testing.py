@@ -235,3 +235,27 @@ def _due(pending: list[list]) -> list:
     due = [item for left, item in pending if left == 0]
     pending[:] = [[left - 1, item] for left, item in pending if left > 0]
     return due
+
+
+def fail_detokenizing(monkeypatch, marked, at_call: int, message: str = "detokenizer broke") -> None:
+    """Make detokenizing the requests ``marked(params)`` picks raise ``RuntimeError(message)``
+    at the detokenizer's ``at_call``-th token (prompt tokens primed included)."""
+    from engine.output_processor import OutputProcessor
+
+    real = OutputProcessor._detokenizer
+
+    def detokenizer(self, prompt_token_ids, params):
+        detokenizer = real(self, prompt_token_ids, params)
+        if marked(params):
+            add, count = detokenizer.add, [0]
+
+            def failing_add(token_id):
+                count[0] += 1
+                if count[0] == at_call:
+                    raise RuntimeError(message)
+                return add(token_id)
+
+            detokenizer.add = failing_add
+        return detokenizer
+
+    monkeypatch.setattr(OutputProcessor, "_detokenizer", detokenizer)

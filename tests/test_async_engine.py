@@ -11,8 +11,7 @@ import torch
 from engine import LLM, AsyncLLM, RequestOutputKind, SamplingParams
 from engine import llm_engine
 from engine.async_engine import EngineDeadError, RequestFailedError
-from engine.output_processor import OutputProcessor
-from engine_testing import one_thread  # noqa: F401  (autouse fixture)
+from engine_testing import fail_detokenizing, one_thread  # noqa: F401  (one_thread: autouse fixture)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 ENDLESS = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
@@ -197,23 +196,7 @@ def test_a_request_that_fails_in_the_engine_fails_alone(fresh, monkeypatch):
     """Detokenizing the marked request raises on its third token: it fails, the request
     running beside it and the next one do not, and the engine runs on."""
     marked = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True, seed=13)
-    real = OutputProcessor._detokenizer
-
-    def detokenizer(self, prompt_token_ids, params):
-        detokenizer = real(self, prompt_token_ids, params)
-        if params == marked:
-            add, count = detokenizer.add, [0]
-
-            def failing_add(token_id):
-                count[0] += 1
-                if count[0] == 3:
-                    raise RuntimeError("detokenizer broke")
-                return add(token_id)
-
-            detokenizer.add = failing_add
-        return detokenizer
-
-    monkeypatch.setattr(OutputProcessor, "_detokenizer", detokenizer)
+    fail_detokenizing(monkeypatch, lambda params: params == marked, at_call=3)
 
     async def main():
         seen = []
@@ -240,23 +223,7 @@ def test_outputs_waiting_before_a_failure_are_yielded_before_it_raises(fresh, mo
     """The consumer falls behind, so the outputs before the failure and the failure wait
     together: the outputs are merged and yielded, then the failure raises."""
     marked = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True, seed=14, output_kind=kind)
-    real = OutputProcessor._detokenizer
-
-    def detokenizer(self, prompt_token_ids, params):
-        detokenizer = real(self, prompt_token_ids, params)
-        if params == marked:
-            add, count = detokenizer.add, [0]
-
-            def failing_add(token_id):
-                count[0] += 1
-                if count[0] == 12:
-                    raise RuntimeError("detokenizer broke")
-                return add(token_id)
-
-            detokenizer.add = failing_add
-        return detokenizer
-
-    monkeypatch.setattr(OutputProcessor, "_detokenizer", detokenizer)
+    fail_detokenizing(monkeypatch, lambda params: params == marked, at_call=12)
 
     async def consume(stall: bool):
         seen = []

@@ -203,19 +203,25 @@ def run_side_by_side(proc: OutputProcessor, rng: random.Random, case: int):
                for _ in range(rng.randint(1, 3))]
         for token in ids:
             logprob, top = rng.random(), {token: rng.random()}
-            reasons = []
-            for seq in seqs:
-                seq.append_token(token)
-                if seq.logprobs is not None:
-                    seq.logprobs.append(logprob)
-                if seq.top_logprobs is not None:
-                    seq.top_logprobs.append(top)
-                reasons.append(proc.stop(seq, token, grammar_ended=seq.num_output_tokens == grammar_end))
+            reasons = [sample(proc, seq, token, logprob, top, seq.num_output_tokens + 1 == grammar_end)
+                       for seq in seqs]
             assert reasons[0] == reasons[1]
             if reasons[0] is not None:
                 return *finish(proc, seqs, reasons[0]), read
         proc.output(seqs[0])
     raise AssertionError("the request did not end")
+
+
+def sample(proc: OutputProcessor, seq: Sequence, token: int, logprob: float, top: dict,
+           grammar_ended: bool = False) -> str | None:
+    """Append ``token`` (with its logprobs, if the request keeps them) as the engine does;
+    the finish reason :meth:`OutputProcessor.stop` gives."""
+    seq.append_token(token)
+    if seq.logprobs is not None:
+        seq.logprobs.append(logprob)
+    if seq.top_logprobs is not None:
+        seq.top_logprobs.append(top)
+    return proc.stop(seq, token, grammar_ended=grammar_ended)
 
 
 def finish(proc: OutputProcessor, seqs: list[Sequence], reason: str) -> list[RequestOutput]:
@@ -302,14 +308,7 @@ def test_delta_outputs_are_the_cumulative_outputs_differences(family):
                 for token in [rng.choice(list(proc.eos_token_ids)) if rng.random() < 0.05
                               else random_ids(tokenizer, rng, 1)[0] for _ in range(rng.randint(1, 3))]:
                     logprob, top = rng.random(), {token: rng.random()}
-                    reasons = []
-                    for seq in seqs:
-                        seq.append_token(token)
-                        if seq.logprobs is not None:
-                            seq.logprobs.append(logprob)
-                        if seq.top_logprobs is not None:
-                            seq.top_logprobs.append(top)
-                        reasons.append(proc.stop(seq, token, grammar_ended=False))
+                    reasons = [sample(proc, seq, token, logprob, top) for seq in seqs]
                     assert reasons[0] == reasons[1]
                     if reasons[0] is not None:
                         for seq in seqs:

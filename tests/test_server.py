@@ -8,8 +8,7 @@ import pytest
 
 import engine.sampler
 from engine import AsyncLLM
-from engine.output_processor import OutputProcessor
-from engine_testing import one_thread  # noqa: F401  (autouse fixture)
+from engine_testing import fail_detokenizing, one_thread  # noqa: F401  (one_thread: autouse fixture)
 from storage.lmdb_store import LmdbStore
 from server_testing import ADMIN, BLOCK, GREEDY, MAX_MODEL_LEN, assert_error, post_json, run, sse_events
 from tiered_kv import TierConfig, TierManager
@@ -423,23 +422,7 @@ def test_a_request_that_fails_in_the_engine_gets_500_and_the_engine_runs_on(llm,
 
 def test_a_stream_that_fails_ends_with_an_error_event(llm, monkeypatch):
     """Detokenizing the request with seed 15 raises at its third token, after the 200 went out."""
-    real = OutputProcessor._detokenizer
-
-    def detokenizer(self, prompt_token_ids, params):
-        detokenizer = real(self, prompt_token_ids, params)
-        if params.seed == 15:
-            add, count = detokenizer.add, [0]
-
-            def failing_add(token_id):
-                count[0] += 1
-                if count[0] == 3:
-                    raise RuntimeError("secret detail")
-                return add(token_id)
-
-            detokenizer.add = failing_add
-        return detokenizer
-
-    monkeypatch.setattr(OutputProcessor, "_detokenizer", detokenizer)
+    fail_detokenizing(monkeypatch, lambda params: params.seed == 15, at_call=3, message="secret detail")
 
     async def test(c):
         body = {"prompt": "x", **GREEDY}
