@@ -15,6 +15,11 @@ a shared machine, and the event loop's is the cost that streaming adds.
 
 The client is this process: raw sockets, one HTTP/1.1 connection per request, reading bytes
 and counting events, so that on a small machine it takes little of the CPU from the server.
+For the streamed rounds it also times each request's first and last read that brought text:
+time to first text, time per output token after it, and the longest wait between events.
+That wait grows when the server merges the steps of a stream it fell behind on, and also
+when tokens end inside a character: a random model's byte tokens can run 20 steps without
+a whole character, whose text then comes at once.
 
     python benchmarks/serve_stream.py [--shape tiny|1b] [--device cpu|cuda] [--batch 128]
         [--new 128] [--rounds 3] [--out benchmarks/results/serve_stream.json]
@@ -52,26 +57,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def complete(port: int, prompt: str, new: int, stream: bool) -> tuple[int, int]:
-    """One completion over a fresh connection: (completion tokens, events received)."""
+async def complete(port: int, prompt: str, new: int, stream: bool) -> dict:
+    """One completion over a fresh connection: its completion tokens, the events received
+    and, streamed, when the first and the last event with text came (seconds after sending)
+    and the longest wait between two reads that brought events."""
     body = json.dumps({"model": "bench", "prompt": prompt, "max_tokens": new, "temperature": 0,
                        "ignore_eos": True, "stream": stream,
                        **({"stream_options": {"include_usage": True}} if stream else {})}).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    sent = time.perf_counter()
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
                  b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-    data = await reader.read()
+    parts, first, last, longest = [], None, None, 0.0
+    while data := await reader.read(1 << 16):
+        parts.append(data)
+        if stream and b'"text":"' in data and b'"text":""' not in data:
+            now = time.perf_counter() - sent
+            if first is None:
+                first = now
+            else:
+                longest = max(longest, now - last)
+            last = now
     writer.close()
-    head, _, payload = data.partition(b"\r\n\r\n")
+    head, _, payload = b"".join(parts).partition(b"\r\n\r\n")
     if not head.startswith(b"HTTP/1.1 200"):
-        raise RuntimeError(f"the server answered {data[:300]!r}")
+        raise RuntimeError(f"the server answered {head[:300]!r}")
     if not stream:
         if b"chunked" in head.lower():
             payload = _unchunk(payload)
-        return json.loads(payload)["usage"]["completion_tokens"], 0
-    last = payload.rfind(b'"usage":{')  # the usage chunk
-    usage = json.loads(b"{" + payload[last:payload.index(b"}", last) + 1] + b"}}")
-    return usage["usage"]["completion_tokens"], payload.count(b"data: {")
+        return {"tokens": json.loads(payload)["usage"]["completion_tokens"], "events": 0}
+    at = payload.rfind(b'"usage":{')  # the usage chunk
+    usage = json.loads(b"{" + payload[at:payload.index(b"}", at) + 1] + b"}}")
+    return {"tokens": usage["usage"]["completion_tokens"], "events": payload.count(b"data: {"),
+            "first_s": first, "last_s": last, "longest_gap_s": longest}
 
 
 def _unchunk(payload: bytes) -> bytes:
@@ -87,13 +105,29 @@ def _unchunk(payload: bytes) -> bytes:
 
 
 async def round_trip(port: int, texts: list[str], new: int, stream: bool) -> dict:
+    """All of ``texts`` at once: tokens/s, events per request and, streamed, the time to the
+    first text (median, p99), the time per output token after it (median) and the longest
+    wait for events (p99 over the requests), in ms."""
     start = time.perf_counter()
     results = await asyncio.gather(*(complete(port, t, new, stream) for t in texts))
     seconds = time.perf_counter() - start
-    tokens = sum(r[0] for r in results)
+    tokens = sum(r["tokens"] for r in results)
     if tokens != len(texts) * new:
         raise RuntimeError(f"expected {len(texts) * new} completion tokens, got {tokens}")
-    return {"s": seconds, "tok_s": tokens / seconds, "events_per_request": sum(r[1] for r in results) / len(texts)}
+    out = {"s": seconds, "tok_s": tokens / seconds,
+           "events_per_request": sum(r["events"] for r in results) / len(texts)}
+    timed = [r for r in results if r.get("first_s") is not None]
+    if stream and timed:
+        out["ttft_ms_p50"] = 1e3 * _quantile([r["first_s"] for r in timed], 0.5)
+        out["ttft_ms_p99"] = 1e3 * _quantile([r["first_s"] for r in timed], 0.99)
+        out["tpot_ms_p50"] = 1e3 * _quantile([(r["last_s"] - r["first_s"]) / (new - 1) for r in timed], 0.5)
+        out["longest_gap_ms_p99"] = 1e3 * _quantile([r["longest_gap_s"] for r in timed], 0.99)
+    return out
+
+
+def _quantile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
@@ -227,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
                       "tok_s_runs": [r["tok_s"] for r in results],
                       "events_per_request": results[-1]["events_per_request"]}
         for key in results[0]:
-            if key.endswith("cpu us per token"):
+            if key.endswith(("cpu us per token", "_p50", "_p99")):
                 rows[mode][key] = statistics.median(r[key] for r in results)
     print(f"{args.batch} completions × {args.new} new tokens, {args.shape} on {args.device} "
           f"(median of {args.rounds} rounds; client CPU {client_cpu:.1f} s over all rounds)")
@@ -240,6 +274,11 @@ def main(argv: list[str] | None = None) -> None:
                         for k in ("event loop cpu us per token", "engine thread cpu us per token"))
         print(f"| {name} | {row['tok_s']:,.0f} | {row['tok_s'] / engine_alone['tok_s']:.2f} | {events} "
               f"| {loop} | {engine} |")
+    streamed = rows["streamed"]
+    if "ttft_ms_p50" in streamed:
+        print(f"streamed: time to first text {streamed['ttft_ms_p50']:.1f} ms (p99 "
+              f"{streamed['ttft_ms_p99']:.1f}), then {streamed['tpot_ms_p50']:.2f} ms a token (median); "
+              f"longest wait for events {streamed['longest_gap_ms_p99']:.1f} ms (p99 of requests)")
     write_json(args.out, {"machine": machine(), "shape": args.shape, "device": args.device,
                           "batch": args.batch, "new": args.new, "rounds": args.rounds,
                           "client_cpu_s": client_cpu, "rows": rows})
