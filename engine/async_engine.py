@@ -73,9 +73,10 @@ class RequestFailedError(RuntimeError):
 class AsyncLLM:
     """``AsyncLLM(model="tiny" | folder, **EngineConfig fields, kv_connector=None)``.
 
-    ``generate`` streams :class:`~engine.outputs.RequestOutput` s (cumulative token ids,
-    ``delta_text`` per output); leaving the ``async for`` early, or cancelling the task
-    consuming it, aborts the request and frees its blocks.
+    ``generate`` streams :class:`~engine.outputs.RequestOutput` s (cumulative token ids and
+    ``delta_text`` per output, or only what is new with ``output_kind=DELTA``); leaving the
+    ``async for`` early, or cancelling the task consuming it, aborts the request and frees
+    its blocks.
     """
 
     def __init__(
