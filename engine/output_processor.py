@@ -181,11 +181,11 @@ class OutputProcessor:
 
     def failed(self, seq: Sequence) -> RequestOutput:
         """The final output of a request that failed (``finish_reason="error"``): the text
-        already sent, no delta. Its text state is dropped."""
+        already sent, no delta (a ``DELTA`` request's: its tokens since its last output, no
+        text). Its text state is dropped."""
         state = self._texts.pop(seq.request_id, None)
-        delta = seq.params.output_kind is RequestOutputKind.DELTA
         token_ids = seq.output_token_ids
-        if delta:  # nothing new is sent
+        if seq.params.output_kind is RequestOutputKind.DELTA:  # no new text is sent
             token_ids = token_ids[state.num_sent_tokens :] if state is not None else token_ids
             text = ""
         else:
