@@ -116,6 +116,28 @@ def test_a_requests_phases_and_sizes_are_vllms_histograms(llm):
     assert grew("vllm:request_params_n_sum") == 1 and grew("vllm:request_params_max_tokens_sum") == 12
 
 
+def test_a_streamed_request_counts_every_token_it_was_sent(llm):
+    """A stream's outputs bring only their new tokens: its token histogram, its TTFT and
+    its inter-token latencies still count every token once."""
+    async def stream(c):
+        response = await c.post(
+            "/v1/completions", headers=AUTH,
+            json={"prompt": "Stream me.", "max_tokens": 20, "stream": True, **GREEDY},
+        )
+        assert response.status_code == 200 and response.text.endswith("data: [DONE]\n\n")
+
+    before = metrics_after(llm, lambda c: asyncio.sleep(0))
+    after = metrics_after(llm, stream)
+
+    def grew(name):
+        return value(after, name) - value(before, name)
+
+    assert grew("vllm:request_generation_tokens_sum") == 20
+    assert grew("vllm:request_generation_tokens_count") == 1
+    assert grew("vllm:time_to_first_token_seconds_count") == 1
+    assert grew("vllm:inter_token_latency_seconds_count") == 19
+
+
 def test_each_engine_step_is_one_observation_of_the_tokens_it_computed(llm):
     """A short prompt alone: one prefill step, then one step per further token; every
     admission asks the tiers, so the connector's queries are the prefix cache's."""
