@@ -18,25 +18,25 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from engine import gc_heap, startup_probes
+from engine import gc_heap
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.connector import KVConnector
-from engine.hashing import KVNamespace, root_hash
-from engine.kv_cache import FP8_CALIBRATION_TEXT, KVCacheSpec, kv_cache_dtype, num_pool_blocks
+from engine.hashing import root_hash
 from engine.kv_events import KVEventLog, ZmqEventPublisher
 from engine.lookahead import NOTHING, held_by_both, reserve
-from engine.model_runner import ModelRunner, StepResult
+from engine.model_runner import StepResult
 from engine.models import LoadedModel, load_model
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput, RequestOutputKind
 from engine.penalties import TokenCounts
 from engine.request_checks import checked_request
+from engine.runner_setup import set_up_runner
 from engine.sampler import Sample, SampleError
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
-from engine.spec_decode.draft import DraftProposer, draft_kv_spec
+from engine.spec_decode.draft import DraftProposer
 from engine.spec_decode.speculator import NgramProposer, Speculator
 from engine.stats import EngineStats, NvmlTelemetry, StatsCollector
 from engine.structured_output import GrammarCompiler
@@ -79,52 +79,9 @@ class LLMEngine:
         self.model_path = model.path  # the checkpoint folder (its generation_config.json)
         self.device = torch.device(config.device)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
-        spec = KVCacheSpec(
-            num_layers=mc.num_layers,
-            block_size=config.block_size,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
-            dtype=kv_cache_dtype(config.kv_cache_dtype, model.dtype),
-        )
-        self.model_runner = ModelRunner(
-            model.model, config, spec, self.eos_token_ids, mc.vocab_size
-        )
-
-        draft = self._load_draft(model)
-        kv_scales = None
-        if config.kv_cache_dtype == "fp8":
-            calibration = self.tokenizer.encode(FP8_CALIBRATION_TEXT)
-            limit = min(config.max_model_len - 1, config.max_num_batched_tokens)
-            kv_scales = startup_probes.calibrate_fp8_scales(self.model_runner, calibration[:limit])
-        draft_bytes = draft_kv_spec(draft, config.block_size).bytes_per_block if draft else 0
-        # what a prefill costs sizes the head an overlapped load recomputes (engine.scheduler)
-        prefill_cost = None
-        if self.device.type == "cuda" and kv_connector is not None:
-            prefill_cost = startup_probes.time_prefill(self.model_runner, kv_scales)
-            logger.info("prefill step: %.2f ms + %.2f us a token + %.3f ns a token per token "
-                        "before it", prefill_cost.fixed_s * 1e3, prefill_cost.per_token_s * 1e6,
-                        prefill_cost.per_token_context_s * 1e9)
-        def peak_memory() -> int:  # of a step, measured only if the pool is sized from it
-            return startup_probes.profile_peak_memory(self.model_runner, kv_scales)
-
-        num_blocks = num_pool_blocks(config, spec, peak_memory, draft_bytes)
-        kv_cache = self.model_runner.init_kv_cache(num_blocks, kv_scales)
-        if self.device.type == "cuda" and not config.enforce_eager:
-            graphs = self.model_runner.enable_decode_graphs(capture=True)
-            logger.info(
-                "captured %d decode graphs (batch 1..%d) in %.1f s",
-                len(graphs.buckets), graphs.max_batch, graphs.capture_seconds,
-            )
-        self.namespace = KVNamespace(
-            model_fingerprint=model.fingerprint,
-            kv_dtype=str(spec.dtype).removeprefix("torch."),
-            kv_scales=tuple((s.k, s.v) for s in kv_scales or ()),
-            block_size=config.block_size,
-            num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
-        ).digest()
-
+        setup = set_up_runner(config, model, with_connector=kv_connector is not None)
+        self.model_runner, kv_cache, num_blocks = setup.runner, setup.kv_cache, setup.num_blocks
+        self.namespace = setup.namespace
         self.connector = kv_connector
         if kv_connector is not None:
             kv_connector.register_kv_cache(kv_cache, self.namespace, config.block_size)
@@ -132,7 +89,7 @@ class LLMEngine:
         self.speculator: Speculator | None = None
         if config.speculative_config is not None:
             proposer = (
-                DraftProposer(draft, config, num_blocks) if draft is not None
+                DraftProposer(setup.draft, config, num_blocks) if setup.draft is not None
                 else NgramProposer(config.speculative_config)
             )
             self.speculator = Speculator(
@@ -153,7 +110,7 @@ class LLMEngine:
             kv_window=mc.kv_window,  # every layer windowed: blocks behind it are given back
         )
         self.scheduler = Scheduler(config, self.block_manager, self._stats, kv_connector)
-        self.scheduler.prefill_cost = prefill_cost
+        self.scheduler.prefill_cost = setup.prefill_cost
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, config.max_model_len)
         self._ahead_held: list[int] = []  # blocks a forward launched ahead may still write
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
@@ -374,24 +331,6 @@ class LLMEngine:
             self.speculator.proposer.close()
         gc_heap.thaw()  # what this engine leaves in cycles is collected again
         self.model_runner.free_kv_cache()
-
-    def _load_draft(self, target: LoadedModel) -> LoadedModel | None:
-        """The draft model of ``speculative_config``, in the target's dtype, checked against it."""
-        spec = self.config.speculative_config
-        if spec is None or spec.resolved_method != "draft_model":
-            return None
-        draft = load_model(spec.model, dtype=target.dtype, device=self.device)
-        if draft.config.vocab_size != target.config.vocab_size:
-            raise ValueError(
-                f"the draft model's vocabulary ({draft.config.vocab_size} tokens) is not the "
-                f"target's ({target.config.vocab_size}): they must share the tokenizer"
-            )
-        if draft.config.max_position_embeddings < self.config.max_model_len:
-            raise ValueError(
-                f"the draft model's max_position_embeddings={draft.config.max_position_embeddings}"
-                f" is shorter than max_model_len={self.config.max_model_len}"
-            )
-        return draft
 
     def _append(self, seq: Sequence, sample: Sample, now: float, gap: float) -> str | None:
         """Append a sampled token and detokenize it; the finish reason if it ends the
