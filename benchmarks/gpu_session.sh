@@ -11,6 +11,7 @@
 #   tiers    gpu_tiers.py, 1B shape, 2K/8K/32K prefixes, raw/zstd/kivi4
 #   tiers8b  gpu_tiers.py, 8B shape, 8K/32K prefixes (no remote case)
 #   disk     disk_restore.py, 1B and 8B blocks
+#   write    disk_write.py, 8B blocks: a 32K prompt saved at prefill pace, all on disk? (no GPU used)
 #   qa       multi_round_qa.py --shape 1b: tiers against GPU-only prefix caching over HTTP
 #   probe    hit_profile.py, 1B shape: host launches, syncs and kernels of a hit and a miss
 #   serve    serve_stream.py, 1B shape: the HTTP server's tokens/s streamed and not, beside the engine
@@ -62,12 +63,14 @@ for stage in "${stages[@]}"; do
             --prefixes 8K,32K --codecs raw,zstd,kivi4 --skip remote --out "$OUT/gpu_tiers_8b.json" ;;
         disk) run_stage disk 200 python3 benchmarks/disk_restore.py --device cuda --shapes 1b,8b \
             --codecs raw,zstd,kivi4 --read-threads 1,4,8 --out "$OUT/disk_restore.json" ;;
+        write) run_stage write 120 python3 benchmarks/disk_write.py --shape 8b --tokens 32768 \
+            --rounds 2 --out "$OUT/disk_write_8b.json" ;;
         qa) run_stage qa 240 python3 benchmarks/multi_round_qa.py --shape 1b \
             --out "$OUT/multi_round_qa_1b.json" --plot "$OUT/multi_round_qa_1b.png" ;;
         probe) run_stage probe 120 python3 benchmarks/hit_profile.py --device cuda --shape 1b \
             --prefix 1024,8192 --out "$OUT/hit_profile_1b.json" ;;
         serve) run_stage serve 240 python3 benchmarks/serve_stream.py --shape 1b --device cuda \
             --batch 128 --new 256 --out "$OUT/serve_stream_1b.json" ;;
-        *) echo "unknown stage $stage (tests, suite, engine, tiers, tiers8b, disk, qa, probe, serve)" >&2; exit 2 ;;
+        *) echo "unknown stage $stage (tests, suite, engine, tiers, tiers8b, disk, write, qa, probe, serve)" >&2; exit 2 ;;
     esac
 done

@@ -52,6 +52,18 @@ def test_disk_restore_loads_every_block_for_every_codec(tmp_path):
         assert r["cores_busy"] > 0
 
 
+def test_disk_write_puts_every_block_of_a_paced_prompt_on_disk_with_either_malloc(tmp_path):
+    got = run("disk_write.py", "--shape", "tiny", "--tokens", "1024", "--chunk", "256",
+              "--prefill-tok-s", "100000", "--rounds", "1", "--dir", str(tmp_path),
+              out=tmp_path / "write.json")
+    assert [r["heap"] for r in got["rows"]] == ["default", "tuned"]
+    for r in got["rows"]:
+        (one,) = r["runs"]
+        assert one["blocks"] == 64 and one["on_disk"] == 64 and one["dropped"] == 0, one
+        assert one["write_Bps"] > 0 and one["faults"] > 0
+    assert not list(tmp_path.glob("disk-write-*"))  # each run's store is removed
+
+
 def test_engine_throughput_quick_matches_transformers_and_hits_its_prefix(tmp_path):
     got = run("engine_throughput.py", "--quick", "--shape", "tiny", out=tmp_path / "engine.json")
     assert got["complete"]
@@ -126,6 +138,7 @@ def test_the_gpu_session_script_passes_only_flags_its_benchmarks_take():
     assert {name for name, _ in commands} >= {
         "benchmarks/engine_throughput.py", "benchmarks/gpu_tiers.py", "benchmarks/disk_restore.py",
         "benchmarks/multi_round_qa.py", "benchmarks/hit_profile.py", "benchmarks/serve_stream.py",
+        "benchmarks/disk_write.py",
     }
     for name, args in commands:
         shown = subprocess.run(
