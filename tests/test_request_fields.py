@@ -290,6 +290,28 @@ def test_max_tokens_past_the_context_and_unknown_fields_are_400(llm):
     assert_error(message_field, 400, param="messages")
 
 
+def test_null_is_the_default_for_openais_nullable_fields(llm):
+    """OpenAI's schema takes `"stream": null`, `"n": null`, `"echo": null` and chat's
+    `"logprobs": null` (clients serialize unset options so); a field the route does not
+    read is still refused, null or not."""
+    messages = [{"role": "user", "content": "Hi"}]
+    nulls = {"n": None, "stream": None, "stream_options": None}
+
+    async def test(c):
+        post = c.post
+        return [
+            await post("/v1/completions", json={**SAMPLED, **nulls, "echo": None, "logprobs": None}),
+            await post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2, **nulls, "logprobs": None}),
+            await post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2, "echo": None}),
+        ]
+
+    completion, chat, unknown = run(llm, test, **NEUTRAL)
+    assert len(texts(completion)) == 1 and completion.json()["choices"][0]["logprobs"] is None
+    assert chat.status_code == 200, chat.text
+    assert len(chat.json()["choices"]) == 1 and chat.json()["choices"][0]["logprobs"] is None
+    assert_error(unknown, 400, param="echo")
+
+
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_only_a_streamed_request_asks_the_engine_for_every_output(stream):

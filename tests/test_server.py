@@ -83,15 +83,19 @@ def test_chat_completion(llm):
 
     async def test(c):
         plain = await c.post("/v1/chat/completions", json={"messages": messages, **GREEDY})
-        parts = [{"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]}]
+        parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
         by_parts = await c.post("/v1/chat/completions", json={"messages": [messages[0], *parts], **GREEDY})
         new_name = await c.post(
             "/v1/chat/completions",
             json={"messages": messages, "max_completion_tokens": 3, "temperature": 0, "ignore_eos": True},
         )
-        return plain, by_parts, new_name
+        # several text parts are one text, joined by newlines as vLLM joins them
+        two = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
+        joined = [await c.post("/tokenize", json={"messages": [{"role": "user", "content": content}]})
+                  for content in (two, "Hi\nthere")]
+        return plain, by_parts, new_name, joined
 
-    plain, by_parts, new_name = run(llm, test)
+    plain, by_parts, new_name, joined = run(llm, test)
     body = plain.json()
     assert plain.status_code == 200 and body["object"] == "chat.completion"
     assert body["id"].startswith("chatcmpl-")
@@ -99,6 +103,7 @@ def test_chat_completion(llm):
     assert message["role"] == "assistant" and isinstance(message["content"], str)
     assert by_parts.json()["choices"][0]["message"] == message
     assert new_name.json()["usage"]["completion_tokens"] == 3
+    assert joined[0].json()["tokens"] == joined[1].json()["tokens"]
 
 
 def test_chat_stream_format_and_usage(llm):
@@ -220,6 +225,31 @@ def test_a_completions_top_logprobs_hold_the_sampled_token(llm):
     assert any(len(top) == 2 for top in lp["top_logprobs"])  # one drawn outside the top 1
 
 
+def test_logprobs_0_lists_each_token_alone_in_its_top_logprobs(llm):
+    """As vLLM's: no other token is asked for, and the sampled one (with ``echo``, each
+    prompt token after the first) is still there."""
+    body = {"prompt": "Hi", "logprobs": 0, **GREEDY}
+
+    async def test(c):
+        return [
+            await c.post("/v1/completions", json=body),
+            await c.post("/v1/completions", json={**body, "stream": True}),
+            await c.post("/v1/completions", json={**body, "echo": True}),
+        ]
+
+    def alone(lp):
+        return [None if x is None else {t: x} for t, x in zip(lp["tokens"], lp["token_logprobs"])]
+
+    whole, streamed, echoed = run(llm, test)
+    lp = whole.json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 8 and lp["top_logprobs"] == alone(lp)
+    chunks = [e["choices"][0]["logprobs"] for e in sse_events(streamed.text)]
+    assert sum(len(c["tokens"]) for c in chunks) == 8
+    assert all(c["top_logprobs"] == alone(c) for c in chunks)
+    echo = echoed.json()["choices"][0]["logprobs"]
+    assert echo["top_logprobs"][0] is None and echo["top_logprobs"] == alone(echo)
+
+
 def test_seed_stop_and_cache_salt(llm):
     async def test(c):
         body = {"prompt": LONG_PROMPT, "temperature": 1.0, "seed": 7, "max_tokens": 8, "ignore_eos": True}
@@ -298,14 +328,19 @@ def test_tokenize_detokenize_version_and_ping(llm):
 def test_models_health_and_metrics(llm):
     async def test(c):
         await c.post("/v1/completions", json={"prompt": LONG_PROMPT, **GREEDY})
-        return await c.get("/v1/models"), await c.get("/health"), await c.get("/metrics")
+        # OpenAI's retrieve, as `client.models.retrieve(id)` asks; ids such as "org/name" hold a "/"
+        card, unknown = await c.get("/v1/models/my-model"), await c.get("/v1/models/org/other-model")
+        return await c.get("/v1/models"), card, unknown, await c.get("/health"), await c.get("/metrics")
 
-    models, health, metrics = run(llm, test, served_model_name="my-model")
+    models, card, unknown, health, metrics = run(llm, test, served_model_name="my-model")
     assert models.json()["data"][0]["id"] == "my-model"
     assert models.json()["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    assert card.json() == models.json()["data"][0]
+    assert_error(unknown, 404, param="model", code="model_not_found")
     assert health.status_code == 200
     text = metrics.text
     for name in (
+        'tiered_kv_requests_total{model_name="my-model",route="/v1/models/{model:path}",status="404"}',
         'tiered_kv_stored_blocks_total{model_name="my-model",tier="cpu"}',  # tiers
         'tiered_kv_lookups_total{model_name="my-model",tier="disk"}',
         "vllm:time_to_first_token_seconds_bucket",  # server
@@ -339,11 +374,16 @@ def test_invalid_requests_get_400_in_openai_shape(llm):
             await post("/v1/completions", json={"prompt": [10**9]}),
             await post("/v1/completions", json={"prompt": "x", "presence_penalty": 2.5}),
             await post("/v1/completions", json={"prompt": "x", "stream": True, "max_tokens": 0}),
+            # curl -d without -H: JSON sent as a form
+            await post("/v1/completions", content=b'{"prompt": "x"}',
+                       headers={"content-type": "application/x-www-form-urlencoded"}),
         ]
 
-    malformed, n, temperature, echo, missing, too_long, empty, role, bad_id, penalty, zero = run(llm, test)
+    malformed, n, temperature, echo, missing, too_long, empty, role, bad_id, penalty, zero, form = run(llm, test)
     assert_error(malformed, 400)
     assert "JSON" in malformed.json()["error"]["message"]
+    assert_error(form, 400)
+    assert "Content-Type: application/json" in form.json()["error"]["message"]
     assert_error(n, 400, param="n")
     assert_error(temperature, 400, param="temperature")
     assert_error(echo, 400, param="prompt_logprobs")  # the prompt's logprobs are not streamed

@@ -46,9 +46,9 @@ def test_fcfs_refuses_a_priority_with_400(fcfs):
         return ranked, chat, zero, not_int
 
     ranked, chat, zero, not_int = run(fcfs, test)
-    assert_error(ranked, 400)
+    assert_error(ranked, 400, param="priority")
     assert "Priority scheduling is not enabled" in ranked.json()["error"]["message"]
-    assert_error(chat, 400)
+    assert_error(chat, 400, param="priority")
     assert zero.status_code == 200, zero.text
     assert_error(not_int, 400, param="priority")
 

@@ -4,7 +4,7 @@ Generation requests accept OpenAI's fields and vLLM's sampling extras; a field t
 know is a 400 naming it (nothing is ignored silently), and values this server cannot honour
 (``tools``, ``suffix``...) are refused by :meth:`to_sampling_params` with a
 :class:`RequestError` naming the parameter. Sampling values follow vLLM's rules
-(``temperature`` in [0, 2], ``top_p`` in (0, 1], ``top_k`` -1 or 0 for off or at least 1,
+(``temperature`` at least 0, ``top_p`` in (0, 1], ``top_k`` -1 or 0 for off or at least 1,
 ``max_tokens`` at least 1, penalties as :class:`engine.sampling_params.SamplingParams` says);
 integers must fit int64. Values left out come from the model's generation config
 (:class:`~tiered_kv.generation_defaults.GenerationDefaults`), else vLLM's defaults.
@@ -27,6 +27,9 @@ MAX_INT = 2**63 - 1  # larger integers are refused, as vLLM refuses seeds beyond
 # every request shares: a request may not make that work unbounded.
 MAX_STOP_STRINGS = 128
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
+# Fields OpenAI's schema lets a client send as null, which means the default; here they have
+# one that is not None.
+NULL_IS_DEFAULT = ("n", "stream", "echo", "logprobs")
 
 
 class _Request(BaseModel):
@@ -81,6 +84,18 @@ class _SamplingFields(StrictRequest):
     # vLLM's: each prompt token's logprob and the k most likely there (-1: all); at most
     # --max-logprobs, not streamed
     prompt_logprobs: int | None = Field(default=None, ge=-1, le=MAX_INT)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """``"stream": null`` and the like (:data:`NULL_IS_DEFAULT`) as if left out, as OpenAI
+        takes them; a field this route does not read stays an unknown one."""
+        if not isinstance(data, dict):
+            return data
+        return {
+            k: v for k, v in data.items()
+            if not (v is None and k in NULL_IS_DEFAULT and k in cls.model_fields)
+        }
 
     def _sampling_params(
         self, max_tokens: int | None, logprobs: int | bool | None, defaults: GenerationDefaults | None,
@@ -244,6 +259,8 @@ class ChatMessage(StrictRequest):
         return data
 
     def text(self) -> str:
+        """The content as the chat template sees it: text parts joined by newlines, as vLLM
+        joins them for a template that takes text."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -256,7 +273,7 @@ class ChatMessage(StrictRequest):
                     param="messages",
                 )
             parts.append(part.text)
-        return "".join(parts)
+        return "\n".join(parts)
 
 
 class ChatCompletionRequest(_SamplingFields):

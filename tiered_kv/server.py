@@ -1,10 +1,11 @@
 """``tiered-kv serve``: the OpenAI-compatible HTTP server over :class:`engine.AsyncLLM`.
 
 Routes (docs/server.md): ``/v1/completions``, ``/v1/chat/completions`` (both with SSE
-streaming), ``/v1/models``, ``/tokenize``, ``/detokenize``, ``/health`` (and ``/ping``),
-``/version``, ``/metrics``, and the admin routes ``/admin/tiers``, ``/admin/flush``,
-``/admin/evict``, ``/admin/clear``. With an API key every route but ``/health``, ``/ping``,
-``/version`` and ``/metrics`` needs ``Authorization: Bearer KEY``.
+streaming), ``/v1/models`` (and ``/v1/models/{model}``), ``/tokenize``, ``/detokenize``,
+``/health`` (and ``/ping``), ``/version``, ``/metrics``, and the admin routes
+``/admin/tiers``, ``/admin/flush``, ``/admin/evict``, ``/admin/clear``. With an API key
+every route but ``/health``, ``/ping``, ``/version`` and ``/metrics`` needs
+``Authorization: Bearer KEY``.
 
 This module builds the app and its routes; the rest of the server lives beside it:
 ``server_limits`` (what is refused up front), ``server_completions`` (the generation routes:
@@ -161,12 +162,19 @@ def create_app(config: ServeConfig, llm: AsyncLLM | None = None) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card(name: str) -> ModelCard:
+        return ModelCard(
+            id=name, created=state.started, root=config.model, max_model_len=llm.config.max_model_len
+        )
+
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[
-            ModelCard(id=name, created=state.started, root=config.model, max_model_len=llm.config.max_model_len)
-            for name in config.model_names
-        ])
+        return ModelList(data=[model_card(name) for name in config.model_names])
+
+    @app.get("/v1/models/{model:path}")  # OpenAI's retrieve; ids such as "org/name" hold a "/"
+    async def retrieve_model(model: str) -> ModelCard:
+        _check_model(config, model)
+        return model_card(model)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

@@ -27,6 +27,11 @@ def install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
             return JSONResponse(error_body(message.rstrip(": "), "invalid_request_error"), 400)
+        if first.get("loc") == ("body",) and isinstance(first.get("input"), bytes):
+            # FastAPI reads a body as JSON only when its Content-Type says so (curl -d does not)
+            content_type = request.headers.get("content-type", "none")
+            message = f"the request body must be JSON, with Content-Type: application/json (got {content_type})"
+            return JSONResponse(error_body(message, "invalid_request_error"), 400)
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
         message = "; ".join(
             f"{'.'.join(str(p) for p in err.get('loc', ()) if p != 'body') or 'body'}: {err.get('msg')}"

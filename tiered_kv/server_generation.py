@@ -244,12 +244,12 @@ class Generations:
 
 
 def _param_of(message: str) -> str | None:
-    """The request field an engine ``ValueError`` names first (``"min_tokens (5) must..."``)."""
-    head = message.split(" ")[0]
-    return head if head in _SAMPLING_FIELDS else None
+    """The request field an engine ``ValueError`` names first (``"min_tokens (5) must..."``,
+    ``"Got priority 2 but..."``)."""
+    return next((word for word in message.split(" ") if word in _REQUEST_FIELDS), None)
 
 
-_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) | {"prompt"}
+_REQUEST_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) | {"prompt", "priority"}
 
 
 def check_generations(state: ServerState, count: int) -> None:

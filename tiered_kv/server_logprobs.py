@@ -40,7 +40,7 @@ def echo_logprobs(llm: AsyncLLM, out: RequestOutput, with_generated: bool) -> Co
     result = CompletionLogprobs()
     offset = _append(llm, result, out.prompt_token_ids[0], None, None, 0)
     for entry in entries[1:]:
-        offset = _append(llm, result, entry.token_id, entry.logprob, entry.top or None, offset)
+        offset = _append(llm, result, entry.token_id, entry.logprob, entry.top, offset)
     if with_generated:
         generated = completion_logprobs(llm, out, 0, offset)
         for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
@@ -52,16 +52,17 @@ def _append(
     llm: AsyncLLM, result: CompletionLogprobs, token_id: int, logprob: float | None,
     top: dict[int, float] | None, offset: int,
 ) -> int:
-    """Append one token to ``result``; the offset of the next. With ``top`` the token is in
-    its top list whatever its rank (``k + 1`` entries at most)."""
+    """Append one token to ``result``; the offset of the next. A token with a logprob is in
+    its top list whatever its rank (``k + 1`` entries at most; the token alone for
+    ``logprobs: 0``, as vLLM's)."""
     text = token_text(llm, token_id)
     result.tokens.append(text)
     result.token_logprobs.append(logprob)
     result.text_offset.append(offset)
-    if top is None or logprob is None:
+    if logprob is None:
         result.top_logprobs.append(None)
     else:
-        texts = {token_text(llm, t): lp for t, lp in top.items()}
+        texts = {token_text(llm, t): lp for t, lp in (top or {}).items()}
         texts.setdefault(text, logprob)
         result.top_logprobs.append(texts)
     return offset + len(text)

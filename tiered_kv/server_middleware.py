@@ -67,6 +67,8 @@ class HttpMiddleware:
         finally:
             metrics = self.state.metrics
             if metrics is not None:
+                if route == "unmatched" and "route" in scope:  # one with a parameter: its template
+                    route = scope["route"].path
                 metrics.requests.labels(route=route, status=str(status)).inc()
 
 
