@@ -8,7 +8,6 @@ says otherwise.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 from collections.abc import Callable, Iterator
@@ -122,16 +121,16 @@ class Admin:
         except OSError as e:
             raise StoreError(f"cannot create {dest}: {e}") from None
         try:
-            self.descriptor.save(dest)
-            copy_key_file(self.path, dest)
-            self._env.copy(str(dest), compact=True)
-            make_file_private(dest / DATA_NAME)
-            fsync_dir(dest)
+            try:
+                self.descriptor.save(dest)
+                copy_key_file(self.path, dest)
+                self._env.copy(str(dest), compact=True)
+                make_file_private(dest / DATA_NAME)
+                fsync_dir(dest)
+            except BaseException:  # a full disk, or Ctrl-C: no half-made store is left
+                _remove_copy(dest)
+                raise
         except (OSError, lmdb.Error) as e:
-            for name in (DESCRIPTOR_NAME, KEY_FILE_NAME, DATA_NAME):  # what this call created
-                (dest / name).unlink(missing_ok=True)
-            with contextlib.suppress(OSError):
-                dest.rmdir()
             raise StoreError(f"cannot copy {self.path} to {dest}: {e}") from None
 
     def compact_and_close(self) -> None:
@@ -148,27 +147,26 @@ class Admin:
                 "compacting in place needs it idle"
             )
         tmp = self.path / ".compact.tmp"
-        if tmp.exists():
-            for leftover in tmp.iterdir():
-                leftover.unlink()
-            tmp.rmdir()
+        _remove_copy(tmp)  # left by a run killed midway
         self.flush()
         self._stop_writer()
         self._mark_closed()
         try:
-            tmp.mkdir(mode=0o700)
-            self._env.copy(str(tmp), compact=True)
-            make_file_private(tmp / DATA_NAME)
-            fd = os.open(tmp / DATA_NAME, os.O_RDONLY)
             try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            self._env.close()
-            self._env = None
-            os.replace(tmp / DATA_NAME, self.path / DATA_NAME)
-            fsync_dir(self.path)
-            tmp.rmdir()
+                tmp.mkdir(mode=0o700)
+                self._env.copy(str(tmp), compact=True)
+                make_file_private(tmp / DATA_NAME)
+                fd = os.open(tmp / DATA_NAME, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                self._env.close()
+                self._env = None
+                os.replace(tmp / DATA_NAME, self.path / DATA_NAME)
+                fsync_dir(self.path)
+            finally:  # a partial copy (a full disk, Ctrl-C) would only take the disk's room
+                _remove_copy(tmp)
         except (OSError, lmdb.Error) as e:
             raise StoreError(f"cannot compact {self.path}: {e}") from None
         finally:
@@ -196,6 +194,15 @@ class Admin:
             page_size=env_stat["psize"],
             reader_pids=tuple(sorted({int(line.split()[0]) for line in readers} - {os.getpid()})),
         )
+
+
+def _remove_copy(directory: Path) -> None:
+    """Remove a directory a copy was being written into, and its files (no subdirectories)."""
+    if not directory.is_dir():
+        return
+    for leftover in directory.iterdir():
+        leftover.unlink()
+    directory.rmdir()
 
 
 def _unpack_quarantine(kb: bytes, value: bytes) -> QuarantineEntry:

@@ -22,6 +22,7 @@ from storage.seal import KEY_FILE_NAME, SealKey, create_key_file, load_key_file
 logger = logging.getLogger(__name__)
 
 LOCK_NAME = "writer.lock"
+DESCRIPTOR_NAME = "tiered_kv.json"  # storage.lmdb_layout's StoreDescriptor
 
 
 def prepare_directory(path: Path) -> None:
@@ -38,7 +39,10 @@ def prepare_directory(path: Path) -> None:
             raise StoreError(f"cannot create the store directory {path}: {e}") from None
         os.chmod(path, 0o700)
     if not os.access(path, os.W_OK | os.X_OK) or os.statvfs(path).f_flag & os.ST_RDONLY:
-        raise StoreError(f"{path} is not writable; open it with readonly=True to read it")
+        raise StoreError(
+            f"{path} is not writable (a read-only filesystem, or its permissions); it can "
+            "only be opened read-only"
+        )
 
 
 def make_private(path: Path) -> None:
@@ -79,31 +83,89 @@ def lock_writer(path: Path) -> int:
                 "may open a store; use readonly=True to read it meanwhile"
             ) from None
         raise StoreError(f"cannot lock {path / LOCK_NAME}: {e}") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+    try:  # the holder, named to the next one refused; the lock is what counts
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+    except OSError as e:  # a full disk
+        logger.warning("%s: cannot write our pid into it: %s", path / LOCK_NAME, e.strerror)
     return fd
 
 
 def move_aside(path: Path) -> Path:
     """Rename a (damaged) store directory to ``<dir>.damaged-<UTC time>``; returns the new
-    name. The directory is kept whole for ``tiered-kv storage repair``."""
+    name. The directory is kept whole for ``tiered-kv storage repair``. A mount point (a
+    volume mounted at the store directory, as compose does) cannot be renamed: its entries
+    move into ``<dir>/<name>.damaged-<UTC time>/`` instead, and the directory stays."""
     aside = _aside_name(path)
-    _rename(path, aside, f"cannot move {path} aside to {aside}")
+    try:
+        os.rename(path, aside)
+    except OSError as e:
+        if e.errno != errno.EBUSY:
+            raise StoreError(f"cannot move {path} aside to {aside}: {e}") from None
+        return _move_entries(path, _aside_name(path, inside=True))
+    _fsync_dir(aside.parent, f"cannot move {path} aside to {aside}")
     return aside
 
 
+def fresh_place(path: Path) -> Path:
+    """Where to build a store that is to replace the one at ``path`` (:func:`replace_aside`):
+    beside it, or inside it if it is a mount point, so that its files can move in."""
+    name = f"{path.name}.repairing"
+    return path / name if os.path.ismount(path) else path.with_name(name)
+
+
 def replace_aside(path: Path, fresh: Path) -> Path:
-    """Put the store directory ``fresh`` in the place of ``path``, and ``path`` aside (as
-    :func:`move_aside`); returns where ``path`` went. Where the filesystem can swap two
-    names at once (Linux's ``renameat2`` with ``RENAME_EXCHANGE``) there is never a moment
-    without a store at ``path``, so a process killed midway leaves one there, never none."""
+    """Put the store directory ``fresh`` (at :func:`fresh_place`) in the place of ``path``,
+    and ``path`` aside (as :func:`move_aside`); returns where ``path`` went. Where the
+    filesystem can swap two names at once (Linux's ``renameat2`` with ``RENAME_EXCHANGE``)
+    there is never a moment without a store at ``path``, so a process killed midway leaves
+    one there, never none. Inside a mount point the entries move, ``fresh``'s descriptor
+    last: one killed midway leaves a directory refused for want of it, every file kept."""
+    if fresh.parent == path:
+        aside = _move_entries(path, _aside_name(path, inside=True), keep=fresh.name)
+        _move_entries(fresh, path, last=DESCRIPTOR_NAME)
+        try:
+            fresh.rmdir()
+        except OSError as e:
+            raise StoreError(f"cannot remove {fresh}: {e}") from None
+        return aside
     if _exchange(fresh, path):  # path holds the fresh store now, fresh the old one
         aside = _aside_name(path)
         _rename(fresh, aside, f"cannot move the replaced store {fresh} to {aside}")
         return aside
-    moved = move_aside(path)
+    moved = _aside_name(path)
+    _rename(path, moved, f"cannot move {path} aside to {moved}")
     _rename(fresh, path, f"cannot move {fresh} to {path}")
     return moved
+
+
+def is_aside(name: str) -> bool:
+    """Whether ``name``, an entry of a store directory, is a damaged store moved aside
+    into it (:func:`move_aside` of a mount point)."""
+    return ".damaged-" in name
+
+
+def _move_entries(source: Path, dest: Path, *, keep: str = "", last: str = "") -> Path:
+    """Move the entries of ``source`` into the directory ``dest`` (created if missing), one
+    atomic rename each, ``last`` last; ``keep`` and stores moved aside stay. Returns ``dest``."""
+    failure = f"cannot move the files of {source} into {dest}"
+    try:
+        dest.mkdir(mode=0o700, exist_ok=True)
+        names = [n for n in os.listdir(source) if n not in (keep, dest.name) and not is_aside(n)]
+        for name in sorted(names, key=lambda n: n == last):
+            os.rename(source / name, dest / name)
+    except OSError as e:
+        raise StoreError(f"{failure}: {e}") from None
+    _fsync_dir(dest, failure)
+    _fsync_dir(source, failure)
+    return dest
+
+
+def _fsync_dir(path: Path, failure: str) -> None:
+    try:
+        fsync_dir(path)
+    except OSError as e:
+        raise StoreError(f"{failure}: {e}") from None
 
 
 def _rename(source: Path, dest: Path, failure: str) -> None:
@@ -115,13 +177,15 @@ def _rename(source: Path, dest: Path, failure: str) -> None:
         raise StoreError(f"{failure}: {e}") from None
 
 
-def _aside_name(path: Path) -> Path:
+def _aside_name(path: Path, *, inside: bool = False) -> Path:
+    """A free name ``<dir>.damaged-<UTC time>``, beside ``path`` or inside it."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    aside = path.with_name(f"{path.name}.damaged-{stamp}")
+    where = path if inside else path.parent
+    aside = where / f"{path.name}.damaged-{stamp}"
     suffix = 1
     while aside.exists():
         suffix += 1
-        aside = path.with_name(f"{path.name}.damaged-{stamp}-{suffix}")
+        aside = where / f"{path.name}.damaged-{stamp}-{suffix}"
     return aside
 
 

@@ -35,7 +35,8 @@ from storage.lmdb_pages import Leak
 from storage.priority_lru import DEFAULT_PRIORITY
 from storage.record import FORMAT_VERSION as RECORD_FORMAT_VERSION
 from storage.lmdb_directory import (
-    LOCK_NAME, fsync_dir, lock_writer, make_private, prepare_directory, store_key,
+    DESCRIPTOR_NAME, LOCK_NAME, fsync_dir, is_aside, lock_writer, make_private,
+    prepare_directory, store_key,
 )
 from storage.seal import KEY_FILE_NAME, SealKey
 
@@ -43,11 +44,12 @@ logger = logging.getLogger(__name__)
 
 FORMAT_NAME = "tiered-kv-lmdb"
 STORE_VERSION = 2  # 2: meta values carry the priority (storage.lmdb_meta); 1 is read as is
-DESCRIPTOR_NAME = "tiered_kv.json"
+LMDB_LOCK_NAME = "lock.mdb"  # LMDB's reader table (writer.lock is ours)
 # Left by a read that met a damaged page: the next writable open checks every page first.
 DAMAGE_MARK_NAME = "damage_seen"
 _DESCRIPTOR_TMP = ".tiered_kv.json.tmp"
-# What a directory may hold and still count as empty: leftovers of a creation cut short.
+# What a directory may hold and still count as empty: leftovers of a creation cut short
+# (and damaged stores moved aside into it: lmdb_directory.is_aside).
 _CREATION_LEFTOVERS = frozenset({LOCK_NAME, _DESCRIPTOR_TMP, KEY_FILE_NAME})
 
 DB_RECORDS = b"records"
@@ -156,13 +158,24 @@ def mark_damage_seen(path: Path) -> None:
         logger.warning("%s: cannot mark the store for a check at its next start: %s", path, e)
 
 
+def has_data(path: Path) -> bool:
+    """Whether a writer has created the store's databases in ``data.mdb``. A creation cut
+    short (by a full disk, or a kill) can leave the file missing, empty or without them:
+    only a writer completes it. A damaged file counts as created: opening it says so."""
+    try:
+        meta = check_data_file(path)
+    except StoreError:
+        return True
+    return meta is not None and meta.main.entries > 0
+
+
 def check_is_store(path: Path) -> None:
     """:class:`StoreError` unless ``path`` holds a store of ours or nothing at all."""
     if (path / DESCRIPTOR_NAME).exists():
         StoreDescriptor.load(path)
         return
     try:
-        others = set(os.listdir(path)) - _CREATION_LEFTOVERS
+        others = {n for n in os.listdir(path) if n not in _CREATION_LEFTOVERS and not is_aside(n)}
     except OSError as e:
         raise StoreError(f"cannot list {path}: {e}") from None
     if others:
@@ -176,6 +189,7 @@ def open_env(
     path: Path, *, readonly: bool, sync: bool, map_size: int, max_readers: int
 ) -> lmdb.Environment:
     """The store's LMDB environment, every option set on purpose."""
+    reserve_reader_table(path, max_readers)
     try:
         return lmdb.open(
             str(path),
@@ -197,8 +211,34 @@ def open_env(
             # lib_version stays unset: an existing file picks its own engine, and
             # py-lmdb releases before 3.0 do not know the argument.
         )
+    except lmdb.MemoryError as e:  # the address space has no room for the map
+        raise StoreError(
+            f"{path}: cannot reserve a map of {map_size / (1 << 30):,.1f} GiB for the store "
+            f"({e}); give it a smaller budget"
+        ) from None
     except lmdb.Error as e:
         raise StoreError(f"{path}: cannot open the LMDB environment: {e}") from None
+
+
+def reserve_reader_table(path: Path, max_readers: int) -> None:
+    """Give every page of ``lock.mdb`` its disk blocks before LMDB maps and writes it: on a
+    full disk, a write to a mapped page with no block behind it kills the process (SIGBUS).
+    An existing file keeps its size (a process may have it mapped); a new one gets the size
+    LMDB would give it, 64 bytes a reader plus 128. If it cannot be opened for writing (a
+    read-only filesystem, its permissions), LMDB's own open says what is wrong."""
+    where = path / LMDB_LOCK_NAME
+    if not hasattr(os, "posix_fallocate"):  # macOS
+        return
+    try:
+        fd = os.open(where, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return
+    try:
+        os.posix_fallocate(fd, 0, os.fstat(fd).st_size or 64 * max_readers + 128)
+    except OSError as e:
+        raise StoreError(f"{where}: cannot allocate LMDB's reader table: {e.strerror}") from None
+    finally:
+        os.close(fd)
 
 
 class Opened(NamedTuple):
@@ -227,6 +267,7 @@ def open_for_writing(
     check_is_store(path)
     lock_fd = lock_writer(path)
     env = None
+    creating = False  # from the new store's descriptor on: undone if the open fails
     try:
         check_is_store(path)  # again, now that no other writer can be creating it
         make_private(path)
@@ -261,6 +302,7 @@ def open_for_writing(
             capacity_bytes=capacity_bytes,
             map_size=map_size,
         )
+        creating = old is None
         if descriptor != old and not unverifiable:
             _save(descriptor, path)
         try:
@@ -292,6 +334,10 @@ def open_for_writing(
     except BaseException:
         if env is not None:
             env.close()
+        if creating:  # cut short (a full disk, a map too large): back to an empty directory
+            for name in (DESCRIPTOR_NAME, DATA_NAME, LMDB_LOCK_NAME):
+                with contextlib.suppress(OSError):
+                    (path / name).unlink(missing_ok=True)
         os.close(lock_fd)
         raise
     return Opened(descriptor, env, dbs, lock_fd, seal_key, leaked)
@@ -328,8 +374,11 @@ def open_for_reading(
     if not (path / DESCRIPTOR_NAME).exists():
         raise StoreError(f"{path} is not a tiered-kv disk store (no {DESCRIPTOR_NAME})")
     descriptor = StoreDescriptor.load(path)
-    if not (path / DATA_NAME).exists():
-        raise StoreError(f"{path}: the store has no data yet (never opened by a writer)")
+    if not has_data(path):
+        raise StoreError(
+            f"{path}: the store has no data yet (never opened by a writer, or its creation "
+            f"was cut short); `tiered-kv storage init {path}` completes it"
+        )
     if descriptor.record_format_version > RECORD_FORMAT_VERSION:
         raise StoreError(
             f"{path} holds records of a newer format ({descriptor.record_format_version}; this "

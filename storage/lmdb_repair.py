@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from storage.base import KEY_SIZE, BlockKey, StoreError
-from storage.lmdb_directory import lock_writer, replace_aside, store_key
+from storage.lmdb_directory import fresh_place, lock_writer, replace_aside, store_key
 from storage.lmdb_layout import DATA_NAME, DB_META, DB_RECORDS, DESCRIPTOR_NAME, StoreDescriptor
 from storage.lmdb_meta import unpack_meta
 from storage.lmdb_salvage import Found, salvage
@@ -61,15 +61,26 @@ class Repair:
         ``source``'s ``meta`` db still gives it (the default, 0, where that cannot be read:
         a smaller budget keeps the records that matter most). ``dest`` must be missing
         or empty; without it the repair is in place: the fresh store is built beside
-        ``source``, which is then moved to ``<source>.damaged-<time>`` and replaced. The
+        ``source`` (inside it, if it is a mount point), which is then moved to
+        ``<source>.damaged-<time>`` (its files, into it) and replaced. The
         fresh store's budget is ``capacity_bytes``, or the one ``source`` records.
         ``expected(n)`` is told how many records the source claims (``None`` if unknown),
-        ``progress(1)`` each one read. Needs ``source``'s writer lock: no server may hold it.
+        ``progress(1)`` each one read. Needs ``source``'s writer lock: no server may hold it;
+        except on a read-only filesystem (a failing disk mounted read-only to rescue it),
+        where no one can write ``source`` and ``dest`` is the only place to repair into.
         """
         source = Path(source)
         if not (source / DESCRIPTOR_NAME).exists() or not (source / DATA_NAME).exists():
             raise StoreError(f"{source} is not a tiered-kv disk store with data to repair")
-        lock_fd = lock_writer(source)
+        if os.statvfs(source).f_flag & os.ST_RDONLY:
+            if dest is None:
+                raise StoreError(
+                    f"{source} is on a read-only filesystem: it can be repaired into another "
+                    f"directory only (`tiered-kv storage repair {source} --out DIR2`)"
+                )
+            lock_fd = None  # no one can write it
+        else:
+            lock_fd = lock_writer(source)
         try:
             source_key = store_key(source, create=False)
             if capacity_bytes is None:
@@ -77,7 +88,7 @@ class Repair:
                     capacity_bytes = StoreDescriptor.load(source).capacity_bytes
                 except StoreError as e:
                     raise StoreError(f"{e}; give the new store's size") from None
-            target = source.with_name(f"{source.name}.repairing") if dest is None else Path(dest)
+            target = fresh_place(source) if dest is None else Path(dest)
             if target.exists() and (not target.is_dir() or any(target.iterdir())):
                 raise StoreError(f"{target} exists and is not empty; repair writes a new store")
             try:
@@ -106,7 +117,8 @@ class Repair:
                 moved = replace_aside(source, target)
                 target = source
         finally:
-            os.close(lock_fd)
+            if lock_fd is not None:
+                os.close(lock_fd)
         return RepairResult(
             target, moved, copied.salvaged, copied.skipped, evicted, tuple(found.problems)
         )

@@ -941,6 +941,76 @@ def test_a_budget_whose_map_cannot_be_reserved_leaves_the_store_as_it_was(path: 
         assert store.capacity_bytes == 16 << 20 and same(store.get(key(1)), record(1))
 
 
+def test_a_new_store_that_cannot_be_opened_leaves_its_directory_empty(path: Path, monkeypatch) -> None:
+    """A first open with a map too large (a budget mistyped) or on a full disk must not
+    leave a descriptor behind: every later open, with any budget, would take its map."""
+    import storage.lmdb_layout
+
+    open_env = storage.lmdb_layout.open_env
+
+    def no_room(where, *, map_size, **kwargs):
+        if map_size > 1 << 40:
+            for name in ("data.mdb", "lock.mdb"):  # LMDB creates its files before mapping
+                (where / name).write_bytes(bytes(8192))
+            raise StoreError(f"{where}: cannot reserve a map for the store")
+        return open_env(where, map_size=map_size, **kwargs)
+
+    monkeypatch.setattr(storage.lmdb_layout, "open_env", no_room)
+    with pytest.raises(StoreError, match="cannot reserve a map"):
+        LmdbStore(path, 64 << 40)
+    assert not {DESCRIPTOR_NAME, "data.mdb", "lock.mdb"} & set(os.listdir(path))
+    with LmdbStore(path, 16 << 20) as store:
+        assert store.capacity_bytes == 16 << 20
+        put(store, 1)
+    with LmdbStore(path, None) as store:
+        assert same(store.get(key(1)), record(1))
+
+
+def test_a_readonly_open_of_a_store_whose_creation_was_cut_short_says_so(path: Path) -> None:
+    with LmdbStore(path, 16 << 20):
+        pass
+    (path / "data.mdb").write_bytes(b"")  # the disk was full when LMDB wrote its first pages
+    with pytest.raises(StoreError, match="no data yet .* creation was cut short"):
+        LmdbStore(path, readonly=True)
+    with LmdbStore(path, None) as store:  # a writer completes it
+        put(store, 1)
+    with LmdbStore(path, readonly=True) as store:
+        assert same(store.get(key(1)), record(1))
+
+
+def test_the_reader_table_gets_its_blocks_before_lmdb_maps_it(path: Path, tmp_path: Path, monkeypatch) -> None:
+    """LMDB writes lock.mdb through a shared map: on a full disk a page without a block
+    kills the process with SIGBUS. Its blocks are allocated first, so a full disk is an
+    error; and at the size LMDB itself gives the file, which it keeps."""
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    lmdb.open(str(plain), max_readers=100).close()
+    with LmdbStore(path, 16 << 20, max_readers=100):
+        assert (path / "lock.mdb").stat().st_size == (plain / "lock.mdb").stat().st_size
+    (path / "lock.mdb").unlink()
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    for readonly in (False, True):
+        with pytest.raises(StoreError, match="lock.mdb: cannot allocate .*No space left"):
+            LmdbStore(path, None, readonly=readonly)
+
+
+def test_a_writer_lock_whose_pid_cannot_be_written_still_locks(path: Path, monkeypatch, caplog) -> None:
+    from storage import lmdb_directory
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(lmdb_directory.os, "pwrite", full)
+    with LmdbStore(path, 16 << 20):
+        with pytest.raises(StoreError, match="already open for writing"):
+            LmdbStore(path, None)
+    assert "cannot write our pid" in caplog.text
+
+
 def test_replace_damaged_also_covers_a_damaged_meta_db(path: Path) -> None:
     """The index is read from the meta db after the store opens: a damaged page there is
     as much a damaged store as one found while opening (the engine did not start)."""
@@ -1537,3 +1607,81 @@ def test_replacing_a_store_puts_the_old_one_aside(tmp_path: Path, monkeypatch, s
     aside = lmdb_directory.replace_aside(old, fresh)
     assert (old / "mark").read_text() == "fresh" and (aside / "mark").read_text() == "old"
     assert aside.name.startswith("kv.damaged-") and not fresh.exists()
+
+
+def mount_point(path: Path, monkeypatch) -> None:
+    """Make ``path`` behave as a mount point: it cannot be renamed (EBUSY)."""
+    from storage import lmdb_directory
+
+    rename, ismount = os.rename, os.path.ismount
+
+    def pinned(source, dest, *args, **kwargs):
+        if Path(source) == path:
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(source))
+        return rename(source, dest, *args, **kwargs)
+
+    monkeypatch.setattr(lmdb_directory.os, "rename", pinned)
+    monkeypatch.setattr(lmdb_directory.os.path, "ismount", lambda p: Path(p) == path or ismount(p))
+
+
+def test_a_damaged_store_on_a_mount_point_is_moved_aside_inside_it(path: Path, monkeypatch) -> None:
+    """Compose mounts a volume at the store directory, which cannot be renamed: its files
+    go aside into a directory inside it, and the server starts on an empty store."""
+    with LmdbStore(path, 16 << 20) as store:
+        for i in range(40):
+            put(store, i, size=6000)
+    truncate_to(0.5)(path / "data.mdb")
+    damaged_bytes = (path / "data.mdb").read_bytes()
+    mount_point(path, monkeypatch)
+    with LmdbStore(path, None, replace_damaged=True) as store:
+        aside = store.moved_aside
+        assert aside.parent == path and aside.name.startswith(f"{path.name}.damaged-")
+        assert store.stats().entries == 0
+        put(store, 1)
+    assert (aside / "data.mdb").read_bytes() == damaged_bytes
+    with LmdbStore(path, None) as store:
+        assert same(store.get(key(1)), record(1))
+
+
+def test_a_store_on_a_read_only_filesystem_is_repaired_into_another_directory(
+    path: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """A failing disk is mounted read-only to rescue what it holds: the writer lock cannot
+    be taken there, and need not be (no one can write it)."""
+    from storage import lmdb_repair
+
+    with LmdbStore(path, 16 << 20) as store:
+        for i in range(5):
+            put(store, i, size=300)
+    statvfs = os.statvfs
+
+    def read_only(where):
+        st = statvfs(where)
+        if Path(where) != path:
+            return st
+        return os.statvfs_result((*st[:8], st.f_flag | os.ST_RDONLY, st.f_namemax))
+
+    def no_lock(where):
+        raise StoreError(f"cannot open {where / 'writer.lock'}: Read-only file system")
+
+    monkeypatch.setattr(lmdb_repair.os, "statvfs", read_only)
+    monkeypatch.setattr(lmdb_repair, "lock_writer", no_lock)
+    with pytest.raises(StoreError, match="read-only filesystem: it can be repaired into another"):
+        LmdbStore.repair(path)
+    result = LmdbStore.repair(path, tmp_path / "rescued")
+    assert result.salvaged == 5
+    with LmdbStore(tmp_path / "rescued", None) as store:
+        assert all(same(store.get(key(i)), record(i, size=300)) for i in range(5))
+
+
+def test_a_repair_in_place_on_a_mount_point_builds_and_swaps_inside_it(path: Path, monkeypatch) -> None:
+    with LmdbStore(path, 16 << 20) as store:
+        for i in range(20):
+            put(store, i, size=300)
+    mount_point(path, monkeypatch)
+    result = LmdbStore.repair(path)
+    assert result.output == path and result.salvaged == 20
+    assert result.moved_aside.parent == path and (result.moved_aside / "data.mdb").exists()
+    assert sorted(p.name for p in path.iterdir() if p.is_dir()) == [result.moved_aside.name]
+    with LmdbStore(path, None) as store:
+        assert all(same(store.get(key(i)), record(i, size=300)) for i in range(20))

@@ -2,6 +2,7 @@
 tree, gc, compact, export, import, clear."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -212,6 +213,32 @@ def test_compact_in_place_keeps_every_record(store_dir: Path):
         assert store.capacity_bytes == 64 << 20
         put_chain(store, NS_B, ["again"])
     assert len(records(store_dir)) == 7
+
+
+def no_room(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def interrupt(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("failure", [no_room, interrupt])
+def test_a_failed_compaction_removes_its_partial_copy(store_dir: Path, tmp_path: Path, monkeypatch, failure):
+    """A full disk or Ctrl-C midway: the copy would hold the room the store needs (all of
+    it, on a full disk); the store is as it was."""
+    import storage.lmdb_admin
+
+    before = records(store_dir)
+    monkeypatch.setattr(storage.lmdb_admin, "make_file_private", failure)
+    result = run("compact", store_dir)
+    assert result.exit_code == (2 if failure is no_room else 130), result.output
+    assert not (store_dir / ".compact.tmp").exists()
+    result = run("compact", store_dir, "--output", tmp_path / "copy")
+    assert result.exit_code == (2 if failure is no_room else 130), result.output
+    assert not (tmp_path / "copy").exists()
+    monkeypatch.undo()
+    assert records(store_dir) == before and ok_json("verify", store_dir)["ok"] == 9
 
 
 def test_compact_to_output(store_dir: Path, tmp_path: Path):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from storage.base import BlockKey
+from storage.base import BlockKey, StoreError
 from storage.codecs import encode_block
 from storage.lmdb_store import LmdbStore
 from storage.record import SEAL_SIZE
@@ -190,6 +190,65 @@ def test_verify_quarantines_and_exits_one(store_dir: Path):
     assert said.startswith("warning: ") and "corrupt record" in said, result.stderr
     assert run("verify", store_dir).exit_code == 0  # moved aside: the store is clean now
     assert json.loads(run("stats", store_dir, "--json").stdout)["quarantined"] == 1
+
+
+def test_verify_says_why_it_left_bad_records_in_a_store_it_cannot_write(store_dir: Path, monkeypatch):
+    import storage.lmdb_layout
+
+    stored(store_dir, key(NS_A, 2), forge)
+
+    def read_only(path):
+        raise StoreError(f"{path} is not writable (a read-only filesystem, or its permissions)")
+
+    monkeypatch.setattr(storage.lmdb_layout, "prepare_directory", read_only)
+    result = run("verify", store_dir)
+    assert result.exit_code == 1, result.output
+    text = " ".join(result.stdout.split())
+    assert "server" not in text and "cannot be written" in text and "read-only filesystem" in text
+
+
+def test_init_completes_a_store_whose_creation_was_cut_short(store_dir: Path):
+    """A full disk can stop a creation after the descriptor, before LMDB's first pages:
+    the read-only commands say so, and init (which opens an existing store read-only)
+    completes it instead of failing the same way."""
+    for cut in ("empty", "missing"):
+        (store_dir / "data.mdb").unlink()
+        if cut == "empty":
+            (store_dir / "data.mdb").write_bytes(b"")
+        refused = run("stats", store_dir)
+        assert refused.exit_code == 2 and "storage init" in refused.stderr, refused.output
+        result = run("init", store_dir, "--json")
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["entries"] == 0
+        assert run("verify", store_dir).exit_code == 0
+
+
+def test_ctrl_c_is_one_line_and_exit_130_and_keeps_what_was_committed(store_dir: Path, tmp_path: Path, monkeypatch):
+    archive = tmp_path / "a.tkv"
+    assert run("export", store_dir, archive).exit_code == 0
+    put_many, calls = LmdbStore.put_many, []
+
+    def interrupted(self, items, **kwargs):
+        calls.append(len(items))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return put_many(self, items, **kwargs)
+
+    monkeypatch.setattr("tiered_kv.storage_transfer.PUT_BATCH", 3)
+    monkeypatch.setattr(LmdbStore, "put_many", interrupted)
+    target = tmp_path / "copy"
+    for as_json in (False, True):
+        calls.clear()
+        args = ["import", archive, target, "--key-file", store_dir / KEY_FILE_NAME]
+        result = run(*args, *(["--json"] if as_json else []))
+        assert result.exit_code == 130, result.output
+        if as_json:
+            assert json.loads(result.stdout) == {"error": "interrupted"} and result.stderr == ""
+        else:
+            assert result.stdout == "" and result.stderr == "error: interrupted\n"
+    monkeypatch.undo()
+    fields = json.loads(run("verify", target, "--json").stdout)
+    assert (fields["checked"], fields["corrupt"]) == (6, 0)  # the first batch of each, committed
 
 
 def test_read_only_commands_work_while_a_server_holds_the_store(store_dir: Path):
@@ -640,4 +699,4 @@ def test_an_empty_namespace_is_refused_not_taken_as_every_namespace(store_dir: P
 def test_changes_the_disk_did_not_commit_are_an_error_not_a_report(store_dir: Path, monkeypatch):
     monkeypatch.setattr(LmdbStore, "flush", lambda self, timeout=None: False)
     result = run("gc", store_dir, "--max-size", "1KiB", "--json")
-    assert result.exit_code == 2 and "could not be committed" in json.loads(result.stdout)["error"]
+    assert result.exit_code == 2 and "could not all be committed" in json.loads(result.stdout)["error"]

@@ -22,7 +22,8 @@ Read-only commands (stats, ls, verify, tree, export, ``gc --dry-run``, ``compact
 that change a store (gc, clear, import, compact in place, repair) need the writer lock, so
 they refuse to run while a server holds the directory. Every command takes ``--json``.
 Errors, usage errors included, are one line and exit code 2 (``storage_errors``; with
-``--json``, ``{"error": ...}`` on stdout). Before LMDB maps ``data.mdb``, every
+``--json``, ``{"error": ...}`` on stdout); Ctrl-C is ``interrupted`` and exit code 130.
+Before LMDB maps ``data.mdb``, every
 command checks the pages LMDB could reach (only the meta pages if a server keeps
 committing meanwhile): a damaged file is an error naming ``repair``, never a crash.
 """
@@ -42,6 +43,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from storage.base import StoreError
+from storage.lmdb_layout import has_data
 from storage.lmdb_pages import Leak
 from storage.lmdb_store import DamagedStore, LmdbStore, StoreInfo
 from storage.seal import KEY_FILE_NAME
@@ -138,13 +140,14 @@ def init(
     size: Annotated[
         str | None,
         typer.Option("--size", help=f"Disk budget, e.g. 4GiB, 500MB (default {DEFAULT_SIZE}). On an "
-                     "existing store: its new budget; a smaller one evicts the least recently "
-                     "used blocks."),
+                     "existing store: its new budget; a smaller one evicts in the server's "
+                     "order: the highest priority value first, least recently used first."),
     ] = None,
     as_json: AsJson = False,
 ) -> None:
     """Create a KV cache directory, or describe it if it exists already (and resize it to
-    --size if given; that needs the writer lock).
+    --size if given; that needs the writer lock). A store whose creation was cut short (a
+    full disk) is completed.
 
     The store's records are sealed with the secret in DIR/seal.key, created 0600 with the
     store. A store written before records were sealed gets its key here and drops its old
@@ -157,7 +160,9 @@ def init(
     existed = (path / "tiered_kv.json").exists()
     sealed = (path / KEY_FILE_NAME).exists()
     new_capacity = None if existed else capacity or parse_size(DEFAULT_SIZE)
-    with _open(path, readonly=existed and sealed, capacity=new_capacity) as store:
+    # A writer completes a store whose creation was cut short (no data file yet).
+    readonly = existed and sealed and has_data(path)
+    with _open(path, readonly=readonly, capacity=new_capacity) as store:
         info = store.info()
         key_id = store.seal_key.name
     before = info.descriptor.capacity_bytes
@@ -263,16 +268,17 @@ def verify(path: Dir, as_json: AsJson = False) -> None:
     the bad ones. Exit 1 if any record was bad.
 
     When a server holds the store, bad records are reported but left for the server to
-    quarantine on its next read. Leaked pages the file check found (pages nothing uses
-    or frees) are reported too, as a warning: they waste room but harm no record.
+    quarantine on its next read (and where the store cannot be written, left as they are).
+    Leaked pages the file check found (pages nothing uses or frees) are reported too, as a
+    warning: they waste room but harm no record.
     """
     # A clean error, and nothing created, if this is not a store or is damaged.
     with _open(path) as checked:
         leaked = checked.leaked
     try:
         store = LmdbStore(path, None)  # checked just above
-    except StoreError:
-        store = None
+    except StoreError as e:
+        store, unwritable = None, e
     readonly = store is None
     with (_open(path, full_check=False) if readonly else _closing(store, path)) as opened:
         total = opened.stats().entries
@@ -291,7 +297,12 @@ def verify(path: Dir, as_json: AsJson = False) -> None:
             table.add_row(name, str(value))
         out.print(table)
         if readonly and result.corrupt:
-            out.print("A server holds this store: the bad records were left for it to quarantine.")
+            holder = _holder(unwritable)
+            out.print(
+                f"A server holds this store ({holder}): the bad records were left for it to "
+                "quarantine." if holder else
+                f"The store cannot be written ({unwritable}): the bad records were left as they are."
+            )
     if result.corrupt:
         raise typer.Exit(EXIT_FOUND_CORRUPT)
 
@@ -303,11 +314,12 @@ def _leaked_text(leaked: Leak | None) -> str:
 
 
 def _commit(store: LmdbStore, what: str) -> None:
-    """Wait for the store's writer; a clean error if what it was given could not be
-    committed (a full or failing disk), rather than a report of changes that did not happen."""
+    """Wait for the store's writer; a clean error if what it was given could not all be
+    committed (a full or failing disk), rather than a report of changes that did not happen.
+    Part of it may have been: the store's writer commits in batches."""
     if not store.flush():
         raise _fail(
-            f"{store.path}: {what} could not be committed (a full or failing disk?); "
+            f"{store.path}: {what} could not all be committed (a full or failing disk?); "
             f"`tiered-kv storage stats {store.path}` shows what the store holds"
         )
 
@@ -343,11 +355,17 @@ def _open_writer(path: Path, purpose: str, capacity: int | None = None, *, inste
         yield store
 
 
-def _writer_error(error: StoreError, path: Path, purpose: str, instead: str = "") -> CommandError:
+def _holder(error: StoreError) -> str | None:
+    """``by pid N`` if ``error`` says that another process holds the writer lock."""
     holder = re.search(r"already open for writing \((by pid \S+)\)", str(error))
+    return holder.group(1) if holder else None
+
+
+def _writer_error(error: StoreError, path: Path, purpose: str, instead: str = "") -> CommandError:
+    holder = _holder(error)
     if holder:
         return _fail(
-            f"{path} is held by a running server ({holder.group(1)}); "
+            f"{path} is held by a running server ({holder}); "
             f"{purpose} needs the writer lock: stop the server first"
             + (f", or {instead}" if instead else "")
         )

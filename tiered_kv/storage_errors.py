@@ -7,7 +7,8 @@ the exit code says whether it is a result or an error.
 
 Exit codes: 2 for what the user can fix (a usage error, a bad value, no such store, a
 damaged file, a disk that refuses a write, a store held by a server); 3 for an exception
-the command did not expect (a bug: its type and message are the line).
+the command did not expect (a bug: its type and message are the line); 130 for Ctrl-C
+(``interrupted``: what the command committed before stays, the store is consistent).
 
 What the store logs on the way (a corrupt record met, a write given up) goes to stderr as
 ``warning: MESSAGE`` lines, one per event, before the error line if there is one; stdout
@@ -28,6 +29,7 @@ from storage.base import StoreError
 
 EXIT_ERROR = 2
 EXIT_INTERNAL = 3
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 _JSON_FLAG = "--json"
 
 
@@ -64,6 +66,9 @@ class StorageGroup(TyperGroup):
                 return super().invoke(ctx)
         except (typer.Exit, typer.Abort):
             raise
+        except KeyboardInterrupt:  # the stores were closed on the way out: nothing half-written
+            report("interrupted", as_json)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
         except CommandError as e:
             report(str(e), as_json)
         except (OSError, StoreError, lmdb.Error) as e:  # the disk or the store refused

@@ -228,7 +228,8 @@ def repair_(
     data.mdb is read page by page, never mapped, so no damage can crash it; every record
     is checked against its key and its seal under DIR's key, and what cannot be read or
     fails is skipped and counted. The fresh store has a new key: what is salvaged is
-    re-sealed under it. Needs the writer lock: stop the server first.
+    re-sealed under it. Needs the writer lock: stop the server first. A store on a
+    read-only filesystem is repaired with --out only.
     """
     if not path.is_dir():
         raise _fail(f"{path}: no such KV cache directory")
