@@ -590,8 +590,8 @@ def test_blocks_the_disk_refuses_are_logged_and_make_the_flush_false(disk, caplo
         assert not manager.flush(30)
         assert manager.stats()["disk"]["dropped"] == 8
         assert manager.flush(30)  # nothing lost since
-    refused = [r.getMessage() for r in caplog.records if "the disk tier refused" in r.getMessage()]
-    assert refused and sum(int(m.split()[4]) for m in refused) == 8  # said, even if held back
+    refused = [r.getMessage() for r in caplog.records if "the disk tier did not take" in r.getMessage()]
+    assert refused and sum(int(m.split()[6]) for m in refused) == 8  # said, even if held back
     assert all("--kv-disk-size" in m for m in refused)
 
 

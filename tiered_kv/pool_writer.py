@@ -52,7 +52,8 @@ IDLE_WAIT_S = 0.05  # how often a write-back writer looks at the pool's free slo
 
 _REFUSAL_HINTS = {
     "disk": "raise --kv-disk-size",
-    "remote": "give the Valkey/Redis server more memory (maxmemory), or check its log",
+    "remote": "check that the Valkey/Redis server is up and reachable (errors above say), "
+              "and give it more memory (maxmemory) if it is full",
 }
 
 
@@ -88,8 +89,9 @@ class PoolWriter:
         self._closing = False
         self._stopping = threading.Event()
         self._refusals = DropWarning(
-            logger, f"the {tier} tier refused %d KV blocks (it is full of blocks that matter "
-            "more, or a block is larger than it takes, or the server refused them); %s",
+            logger, f"the {tier} tier did not take %d KV blocks (it is full of blocks that "
+            "matter more, a block is larger than it takes, or the server refused them or did "
+            "not answer); %s",
         )
         self._packers: concurrent.futures.ThreadPoolExecutor | None = None
         if codec.stage is not codec:
