@@ -6,6 +6,7 @@ works on a directory whose data file LMDB must not map (it reads it with
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -23,6 +24,8 @@ from storage.seal import SealKey
 
 if TYPE_CHECKING:
     from storage.lmdb_store import LmdbStore
+
+logger = logging.getLogger(__name__)
 
 _REPAIR_BATCH = 256  # records per put_many: one writer transaction each
 
@@ -89,6 +92,9 @@ class Repair:
                 except StoreError as e:
                     raise StoreError(f"{e}; give the new store's size") from None
             target = fresh_place(source) if dest is None else Path(dest)
+            if dest is None and target.exists():  # a repair killed midway: we hold the lock
+                logger.warning("%s: removing what a repair cut short left", target)
+                shutil.rmtree(target)
             if target.exists() and (not target.is_dir() or any(target.iterdir())):
                 raise StoreError(f"{target} exists and is not empty; repair writes a new store")
             try:

@@ -1517,6 +1517,19 @@ def test_a_repair_onto_a_failing_disk_fails_and_changes_nothing(path: Path, tmp_
         assert sorted(store.keys()) == sorted(key(i) for i in range(20))
 
 
+def test_a_repair_in_place_clears_what_a_killed_repair_left(path: Path) -> None:
+    with LmdbStore(path, 16 << 20) as store:
+        for i in range(5):
+            put(store, i, size=200)
+    leftover = path.with_name(f"{path.name}.repairing")  # a half-built fresh store
+    leftover.mkdir()
+    (leftover / "data.mdb").write_bytes(b"half")
+    result = LmdbStore.repair(path)
+    assert result.salvaged == 5 and not leftover.exists()
+    with LmdbStore(path, 16 << 20) as store:
+        assert sorted(store.keys()) == sorted(key(i) for i in range(5))
+
+
 def test_a_delete_given_up_on_a_failing_disk_makes_the_flush_false(path: Path, monkeypatch) -> None:
     with LmdbStore(path, 16 << 20) as store:
         for i in range(4):
