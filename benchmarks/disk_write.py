@@ -7,23 +7,22 @@ The blocks are saved a chunk (``--chunk`` tokens, as one prefill step) at a time
 chunk ``chunk / --prefill-tok-s`` seconds after the one before; the default pace is the 8B
 shape's 32K prefill on an H100 (1.9 s). Once the pool is full of blocks not yet on disk, a
 save waits for a slot for ``SAVE_WAIT_S`` and is then dropped (counted): a disk slower than
-the pace drops blocks, which is what ``on disk`` shows. Without a model, any host runs it.
+the pace drops blocks, which is what ``on disk`` shows ("prefix on disk": the blocks a
+restarted server restores, up to the first missing one). Without a model, any host runs it.
 
-Each run is a fresh process, with glibc's malloc as it comes (``default``) and as the
-tiers' entry points tune it (``tuned``, :mod:`tiered_kv.heap_tuning`), taking turns:
-"faults" is the process's minor page faults, "CPU s" its user + system time.
+Each run has a fresh store, and the figures are medians over ``--rounds`` runs: "CPU s" is
+the process's user + system time (the writer threads', the copies into the pool), "faults"
+its minor page faults.
 
     .venv/bin/python benchmarks/disk_write.py [--shape 8b] [--tokens 32768]
-        [--prefill-tok-s 17000] [--dir DIR] [--rounds 2] [--out ...]
+        [--prefill-tok-s 17000] [--dir DIR] [--rounds 3] [--out ...]
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,12 +33,10 @@ import torch
 from bench_common import BLOCK, SHAPES, machine, write_json
 from disk_restore import NAMESPACE, saved_chain
 from engine.config import DTYPES
-from tiered_kv import heap_tuning
 from tiered_kv.config import TierConfig
 from tiered_kv.tier_manager import TierManager
 
 REPO = Path(__file__).resolve().parents[1]
-HEAPS = ("default", "tuned")
 RING_CHUNKS = 4  # the KV cache holds this many chunks; their blocks are reused in turn
 
 
@@ -66,31 +63,22 @@ def one_run(shape_name: str, tokens: int, chunk_tokens: int, rate: float, folder
         manager.flush(600)
         flushed_s = time.perf_counter() - start
         stats = manager.stats()
+        on_disk = stats["disk"]["entries"]
     finally:
         manager.close()
     after = resource.getrusage(resource.RUSAGE_SELF)
     check = TierManager(TierConfig(kv_cache_dir=folder, cpu_bytes=0))
     try:
         check.register_kv_cache(kv, NAMESPACE, BLOCK)
-        on_disk = check.get_num_matched_blocks("check", [b.block_hash for b in chain], 0)
+        prefix = check.get_num_matched_blocks("check", [b.block_hash for b in chain], 0)
     finally:
         check.close()
     return dict(blocks=blocks, block_nbytes=shape.block_nbytes, saved_s=saved_s,
-                flushed_s=flushed_s, on_disk=on_disk,
+                flushed_s=flushed_s, on_disk=on_disk, prefix=prefix,
                 dropped=sum(s.get("dropped", 0) for s in stats.values()),
                 write_Bps=stats["disk"]["stored_bytes"] / flushed_s,
                 cpu_s=(after.ru_utime - usage.ru_utime) + (after.ru_stime - usage.ru_stime),
                 faults=after.ru_minflt - usage.ru_minflt)
-
-
-def child(args: argparse.Namespace) -> int:
-    if args.heap == "tuned" and not heap_tuning.keep_freed_memory():
-        print(json.dumps({"error": "malloc could not be tuned here"}))
-        return 1
-    with tempfile.TemporaryDirectory(prefix="disk-write-", dir=args.dir) as tmp:
-        row = one_run(args.shape, args.tokens, args.chunk, args.prefill_tok_s, Path(tmp))
-    print(json.dumps(row))
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,52 +88,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=2048, help="tokens saved per prefill step")
     parser.add_argument("--prefill-tok-s", type=float, default=17000.0)
     parser.add_argument("--dir", default=None, help="where the disk tier lives (default: the temp dir)")
-    parser.add_argument("--rounds", type=int, default=2, help="runs of each heap setting")
-    parser.add_argument("--heaps", default=",".join(HEAPS))
-    parser.add_argument("--heap", choices=HEAPS, help=argparse.SUPPRESS)  # one run, in a child
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/disk_write.json")
     args = parser.parse_args(argv)
-    heaps = args.heaps.split(",")
-    if args.tokens < BLOCK or args.chunk < BLOCK or args.prefill_tok_s <= 0 or args.rounds < 1 \
-            or not set(heaps) <= set(HEAPS):
-        parser.error(f"--tokens and --chunk at least {BLOCK}, a positive pace and rounds; "
-                     f"heaps among {', '.join(HEAPS)}")
-    if args.heap is not None:
-        return child(args)
-    runs: dict[str, list[dict]] = {h: [] for h in heaps}
+    if args.tokens < BLOCK or args.chunk < BLOCK or args.prefill_tok_s <= 0 or args.rounds < 1:
+        parser.error(f"--tokens and --chunk at least {BLOCK}, a positive pace and --rounds")
+    runs = []
     for _ in range(args.rounds):
-        for heap in heaps:
-            command = [sys.executable, __file__, "--heap", heap, "--shape", args.shape,
-                       "--tokens", str(args.tokens), "--chunk", str(args.chunk),
-                       "--prefill-tok-s", str(args.prefill_tok_s)]
-            if args.dir:
-                command += ["--dir", args.dir]
-            done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
-            if done.returncode != 0:
-                sys.stderr.write(done.stdout + done.stderr)
-                return 1
-            runs[heap].append(json.loads(done.stdout.strip().splitlines()[-1]))
-    rows = []
-    for heap, got in runs.items():
-        rows.append(dict(heap=heap, runs=got, **{
-            k: statistics.median(r[k] for r in got)
-            for k in ("saved_s", "flushed_s", "on_disk", "dropped", "write_Bps", "cpu_s", "faults")
-        }))
-    blocks = runs[heaps[0]][0]["blocks"]
+        with tempfile.TemporaryDirectory(prefix="disk-write-", dir=args.dir) as tmp:
+            runs.append(one_run(args.shape, args.tokens, args.chunk, args.prefill_tok_s, Path(tmp)))
+    median = {k: statistics.median(r[k] for r in runs)
+              for k in ("saved_s", "flushed_s", "on_disk", "prefix", "dropped", "write_Bps", "cpu_s",
+                        "faults")}
+    blocks = runs[0]["blocks"]
     gb = blocks * SHAPES[args.shape].block_nbytes / 1e9
     print(f"{args.shape}: {args.tokens} tokens = {blocks} blocks ({gb:.2f} GB), saved at "
           f"{args.prefill_tok_s:,.0f} tokens/s in chunks of {args.chunk}, default tier settings, "
           f"medians of {args.rounds}:")
-    print("| malloc | saves issued s | flushed s | disk write GB/s | on disk | dropped | CPU s | faults |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['heap']} | {r['saved_s']:.2f} | {r['flushed_s']:.2f} | "
-              f"{r['write_Bps'] / 1e9:.2f} | {r['on_disk']:.0f}/{blocks} | {r['dropped']:.0f} | "
+    print("| run | saves issued s | flushed s | disk write GB/s | on disk | prefix on disk | dropped | CPU s | faults |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, r in [*((str(i + 1), r) for i, r in enumerate(runs)), ("median", median)]:
+        print(f"| {name} | {r['saved_s']:.2f} | {r['flushed_s']:.2f} | "
+              f"{r['write_Bps'] / 1e9:.2f} | {r['on_disk']:.0f}/{blocks} | {r['prefix']:.0f} | "
+              f"{r['dropped']:.0f} | "
               f"{r['cpu_s']:.2f} | {r['faults']:,.0f} |")
     command = "python benchmarks/disk_write.py " + " ".join(argv if argv is not None else sys.argv[1:])
     write_json(args.out, {"command": command, "machine": machine(), "shape": args.shape,
                           "tokens": args.tokens, "prefill_tok_s": args.prefill_tok_s,
-                          "dir": args.dir or tempfile.gettempdir(), "rows": rows})
+                          "dir": args.dir or tempfile.gettempdir(), "runs": runs,
+                          "median": median})
     return 0
 
 

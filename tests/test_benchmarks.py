@@ -52,15 +52,15 @@ def test_disk_restore_loads_every_block_for_every_codec(tmp_path):
         assert r["cores_busy"] > 0
 
 
-def test_disk_write_puts_every_block_of_a_paced_prompt_on_disk_with_either_malloc(tmp_path):
+def test_disk_write_puts_every_block_of_a_paced_prompt_on_disk(tmp_path):
     got = run("disk_write.py", "--shape", "tiny", "--tokens", "1024", "--chunk", "256",
-              "--prefill-tok-s", "100000", "--rounds", "1", "--dir", str(tmp_path),
+              "--prefill-tok-s", "100000", "--rounds", "2", "--dir", str(tmp_path),
               out=tmp_path / "write.json")
-    assert [r["heap"] for r in got["rows"]] == ["default", "tuned"]
-    for r in got["rows"]:
-        (one,) = r["runs"]
+    assert len(got["runs"]) == 2
+    for one in got["runs"]:
         assert one["blocks"] == 64 and one["on_disk"] == 64 and one["dropped"] == 0, one
-        assert one["write_Bps"] > 0 and one["faults"] > 0
+        assert one["write_Bps"] > 0 and one["cpu_s"] > 0
+    assert got["median"]["on_disk"] == 64
     assert not list(tmp_path.glob("disk-write-*"))  # each run's store is removed
 
 

@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from engine.async_engine import AsyncLLM
-from tiered_kv import __version__, heap_tuning, server_admin, server_completions, server_tokens
+from tiered_kv import __version__, server_admin, server_completions, server_tokens
 from tiered_kv.protocol_errors import RequestError, error_body
 from tiered_kv.protocol_requests import (
     ChatCompletionRequest,
@@ -66,16 +66,12 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def build_async_llm(config: ServeConfig) -> AsyncLLM:
-    """The engine ``config`` describes, with a :class:`TierManager` unless both tier sizes are 0;
-    with one, the process's malloc is tuned for the tiers' buffers (:mod:`tiered_kv.heap_tuning`).
+    """The engine ``config`` describes, with a :class:`TierManager` unless both tier sizes are 0.
 
     Raises ``storage.base.StoreError`` when the cache directory cannot be used.
     """
     tier_config = config.tier_config()
-    manager = None
-    if tier_config is not None:
-        heap_tuning.keep_freed_memory()
-        manager = TierManager(tier_config)
+    manager = TierManager(tier_config) if tier_config is not None else None
     try:
         model = resolve_model(config.model, download_dir=config.download_dir, revision=config.revision)
         tokenizer = None

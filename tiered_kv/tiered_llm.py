@@ -5,7 +5,6 @@ import os
 from typing import Any
 
 from engine.llm import LLM
-from tiered_kv import heap_tuning
 from tiered_kv.config import TierConfig
 from tiered_kv.tier_manager import TierManager
 
@@ -18,9 +17,7 @@ def build_llm(
     """An :class:`engine.LLM` whose KV connector is a new :class:`TierManager`.
 
     The manager is ``llm.engine.connector``; closing the LLM closes it (and flushes it).
-    Tunes the process's malloc for the tiers' buffers (:mod:`tiered_kv.heap_tuning`).
     """
-    heap_tuning.keep_freed_memory()
     manager = TierManager(tier_config)
     try:
         return LLM(model, kv_connector=manager, **engine_config)
