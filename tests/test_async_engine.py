@@ -152,7 +152,7 @@ def test_abort_ends_the_stream_and_frees_blocks(fresh):
 def test_leaving_the_loop_early_aborts(fresh):
     async def main():
         async for out in fresh.generate("break early", ENDLESS):
-            if len(out.token_ids) == 2:
+            if len(out.token_ids) >= 2:  # outputs merge when the consumer falls behind
                 break
         await asyncio.sleep(0)  # let the abandoned generator be finalized
 

@@ -1194,12 +1194,15 @@ def drop_node(path: Path, k: BlockKey) -> None:
     data = bytearray((path / "data.mdb").read_bytes())
     node = k.to_bytes() + struct.pack("=Q", run)  # key, then the run's first page
     at = data.find(node)
-    while not walk.owners.is_tree(at // 4096):  # an older copy of the leaf, on a free page
+    while True:  # skip older copies of the leaf: on free pages, or stale bytes in a page's gap
+        assert at >= 0, "no live node for the key"
+        page, offset = divmod(at - 8, 4096)  # the node's header: 8 bytes before its key
+        start = page * 4096
+        _, _, _, lower, _ = PAGE.unpack_from(data, start)
+        pointers = list(struct.unpack_from(f"={(lower - 16) // 2}H", data, start + 16))
+        if walk.owners.is_tree(page) and offset in pointers:
+            break
         at = data.find(node, at + 1)
-    page, offset = divmod(at - 8, 4096)  # the node's header: 8 bytes before its key
-    start = page * 4096
-    _, _, _, lower, _ = PAGE.unpack_from(data, start)
-    pointers = list(struct.unpack_from(f"={(lower - 16) // 2}H", data, start + 16))
     pointers.remove(offset)
     struct.pack_into(f"={len(pointers)}H", data, start + 16, *pointers)
     struct.pack_into("=H", data, start + 12, lower - 2)
