@@ -284,7 +284,7 @@ with LmdbStore(sys.argv[1], None):
         (("stats", "/nonexistent/kv"), "no such KV cache directory"),
         (("init", "{tmp}/x", "--size", "lots"), "not a size"),
         (("verify", "{tmp}"), "not a tiered-kv disk store"),
-        (("stats",), "Missing argument 'path'"),
+        (("stats",), "Missing argument 'DIR'"),
         (("nosuch", "{tmp}"), "No such command 'nosuch'"),
         (("tree", "{tmp}", "--depth", "0"), "Invalid value for '--depth'"),
         (("stats", "{tmp}", "--bogus"), "No such option: --bogus"),

@@ -24,6 +24,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",  # a docstring's lines are joined, as in a paragraph
 )
 app.add_typer(storage_app, name="storage")
 
@@ -49,10 +50,13 @@ def _serve(params: dict) -> None:
         raise typer.Exit(2) from None
 
 
-serve = app.command("serve", cls=ServeCommand)(make_serve(_serve, """Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions) with a
-    persistent, tiered KV cache. Each flag can also be set as TIERED_KV_<FLAG> (e.g.
-    TIERED_KV_MAX_MODEL_LEN) or as a key of the --config file; flags win over the environment,
-    which wins over the file. Token counts take vLLM's suffixes: 8k = 8000, 8K = 8192."""))
+serve = app.command("serve", cls=ServeCommand)(make_serve(_serve, """Serve a model over the OpenAI API with a persistent, tiered KV cache.
+
+    The routes are vLLM's: /v1/completions, /v1/chat/completions, /v1/models and more. Each
+    flag can also be set as an environment variable, TIERED_KV_ and the flag in capitals
+    (TIERED_KV_MAX_MODEL_LEN), or as a key of the --config file; flags win over the
+    environment, which wins over the file. Token counts take vLLM's suffixes: 8k = 8000,
+    8K = 8192."""))
 
 
 def main() -> None:

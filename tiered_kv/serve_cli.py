@@ -35,7 +35,24 @@ CONFIG_HELP = (
 
 
 class ServeCommand(typer.core.TyperCommand):
-    """Usage errors as one line, not click's box."""
+    """Usage errors as one line, not click's box; ``--help`` as plain text, a section per panel.
+
+    Rich's table gives every option of a panel the width of its longest name, and a switch's
+    ``--no-`` form its own column: on an 80-column terminal that left about 18 columns for
+    the help. Plain text puts a long name on its own line and the help under it."""
+
+    def format_help(self, ctx: typer.Context, formatter) -> None:
+        self.format_usage(ctx, formatter)
+        self.format_help_text(ctx, formatter)
+        sections: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                title = "Arguments" if param.param_type_name == "argument" else "Options"
+                sections.setdefault(getattr(param, "rich_help_panel", None) or title, []).append(record)
+        for title, rows in sections.items():
+            with formatter.section(title):
+                formatter.write_dl(rows)
 
     def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
         try:

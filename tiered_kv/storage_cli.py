@@ -51,13 +51,14 @@ from tiered_kv.storage_errors import CommandError, StorageGroup
 from tiered_kv.storage_errors import fail as _fail
 from tiered_kv.units import format_age, format_size, parse_size
 
-app = typer.Typer(help="Administer a KV cache directory.", no_args_is_help=True, cls=StorageGroup)
+app = typer.Typer(help="Administer a KV cache directory.", no_args_is_help=True, cls=StorageGroup,
+                  rich_markup_mode="markdown")  # as the top-level app: see tiered_kv/cli.py
 out = Console()
 err = Console(stderr=True, soft_wrap=True)
 
 EXIT_FOUND_CORRUPT = 1
 
-Dir = Annotated[Path, typer.Argument(help="The KV cache directory.")]
+Dir = Annotated[Path, typer.Argument(help="The KV cache directory.", metavar="DIR")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
 

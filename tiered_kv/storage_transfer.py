@@ -35,7 +35,7 @@ def _byte_progress(description: str) -> Progress:
 @app.command("export")
 def export(
     path: Dir,
-    archive: Annotated[Path, typer.Argument(help="The archive file to write (must not exist).")],
+    archive: Annotated[Path, typer.Argument(help="The archive file to write (must not exist).", metavar="ARCHIVE")],
     namespace: Namespace = None,
     compress: Annotated[bool, typer.Option("--compress", help="zstd-compress the archive.")] = False,
     as_json: AsJson = False,
@@ -77,7 +77,7 @@ def export(
 
 @app.command("import")
 def import_(
-    archive: Annotated[Path, typer.Argument(help="An archive written by `export`.")],
+    archive: Annotated[Path, typer.Argument(help="An archive written by `export`.", metavar="ARCHIVE")],
     path: Dir,
     size: Annotated[
         str, typer.Option("--size", help="Disk budget if DIR is a new store, e.g. 4GiB.")
