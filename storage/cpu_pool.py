@@ -26,6 +26,7 @@ tier is pending for it.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 from collections.abc import Collection, Iterable, Iterator, Sequence
@@ -67,6 +68,7 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
         self._changed = threading.Condition(self._lock)
         self._entries: dict[BlockKey, SlotEntry] = {}
         self._evictable: PriorityLru[BlockKey] = PriorityLru()  # neither pending nor read
+        self._priorities: collections.Counter[int] = collections.Counter()  # entries per priority
         self._slab: PinnedSlab | None = None
         self._free: list[int] = []
         self._slot_nbytes = 0
@@ -180,6 +182,7 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
                     slot, kv_dtype, kv_shape, parent_hash, tuple(token_ids), set(pending),
                     readers=int(hold), priority=priority,
                 )
+                self._priorities[priority] += 1
                 self._settle_locked(key, entry)
                 self._queue_pending_locked(key, pending)
             stored = done.count(True)
@@ -203,8 +206,18 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
             return None
         self._evictable.pop(key)
         self._stats.evictions += 1
+        return self._remove_locked(key).slot
+
+    def _remove_locked(self, key: BlockKey) -> SlotEntry:
+        """Take ``key``'s entry out of the pool's entries (its slot is the caller's)."""
+        entry = self._entries.pop(key)
         self._removals += 1
-        return self._entries.pop(key).slot
+        left = self._priorities[entry.priority] - 1
+        if left:
+            self._priorities[entry.priority] = left
+        else:
+            del self._priorities[entry.priority]
+        return entry
 
     def _settle_locked(self, key: BlockKey, entry: SlotEntry) -> None:
         """File ``entry`` by its state: evictable (the most recent of its priority) once
@@ -214,10 +227,9 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
         elif self.keep_clean:
             self._evictable.set(key, 1, entry.priority)
         else:
-            del self._entries[key]
+            self._remove_locked(key)
             self._evictable.pop(key, None)
             self._free.append(entry.slot)
-            self._removals += 1
 
     # ------------------------------------------------------------------ reads
 
@@ -312,6 +324,18 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
         finally:
             self.release(key)
 
+    def outranked(self, priorities: Iterable[int]) -> list[bool]:
+        """For new blocks of ``priorities``: whether no slot can free up for one by waiting,
+        as every slot holds a block (written or not, read or not) that matters more."""
+        priorities = list(priorities)
+        with self._lock:
+            # a staging pool frees a slot once its block is written; a reserved one comes back
+            if not self.keep_clean or not self._entries or len(self._entries) < self.num_slots:
+                return [False for _ in priorities]
+            # the slot of a block that matters no more may free up: written, or read no longer
+            least = max(self._priorities)  # the highest value: the block that matters least
+            return [least < priority for priority in priorities]
+
     def num_evictable(self) -> int:
         """Slots a :meth:`reserve` of any priority could have right now (free, or clean and
         unread)."""
@@ -356,9 +380,8 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
                 self._changed.wait()
             if self._entries.get(key) is not entry:
                 return False
-            del self._entries[key]
+            self._remove_locked(key)
             self._evictable.pop(key, None)
-            self._removals += 1
             self._unqueue_pending_locked(key, entry.pending)
             self._free.append(entry.slot)
             self._changed.notify_all()
@@ -381,6 +404,7 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
             self._closed = True
             self._removals += len(self._entries)
             self._entries.clear()
+            self._priorities.clear()
             self._evictable.clear()
             self._free.clear()
             self._clear_pending_locked()

@@ -27,7 +27,7 @@ class Saves:
 
     def __init__(
         self, slots: int, offload: str = "prompt", codec: str = "raw", disk=None,
-        pending: tuple[str, ...] = ("remote",),
+        pending: tuple[str, ...] = ("remote",), tenant_priorities: dict[str, int] | None = None,
     ) -> None:
         g = torch.Generator().manual_seed(0)
         self.cache = torch.randn(SHAPE, generator=g)
@@ -38,7 +38,9 @@ class Saves:
         self.metrics = TierMetrics(("cpu",), lambda: {}, lambda: None)
         self.reported: list[int] = []
         self.saver = BlockSaver(
-            TierConfig(cpu_bytes=slots * nbytes, offload=offload), NAMESPACE, self.pool,
+            TierConfig(
+                cpu_bytes=slots * nbytes, offload=offload, tenant_priorities=tenant_priorities or {}
+            ), NAMESPACE, self.pool,
             self.mover, disk, self.metrics, pending_tiers=pending, drop_tier="cpu",
             block_nbytes=nbytes, on_saved=self.reported.extend,
         )
@@ -61,8 +63,10 @@ def key(block: SavedBlock) -> BlockKey:
     return BlockKey(NAMESPACE, block.block_hash)
 
 
-def saved(block_id: int, *, is_prompt: bool = True) -> SavedBlock:
-    return SavedBlock(bytes([block_id + 1]) * 32, None, tuple(range(4)), block_id, is_prompt)
+def saved(block_id: int, *, is_prompt: bool = True, cache_salt: str | None = None) -> SavedBlock:
+    return SavedBlock(
+        bytes([block_id + 1]) * 32, None, tuple(range(4)), block_id, is_prompt, cache_salt
+    )
 
 
 def test_saved_blocks_are_copied_into_the_pool_and_reported():
@@ -112,6 +116,22 @@ def test_a_save_that_waited_save_wait_s_is_dropped_and_counted(monkeypatch):
     assert sorted(s.reported) == [0, 1, 2] and not s.saver.busy()  # drops reported first
     assert s.dropped() == 2
     assert not s.pool.contains(key(saved(1)))
+    s.close()
+
+
+def test_a_save_no_slot_can_free_up_for_is_dropped_at_once():
+    """A tenant that matters less than every block in the pool, written or not, would wait
+    SAVE_WAIT_S for nothing (and a flush or a close with it): its save is dropped at once,
+    counted. A block that matters as much waits for a slot as before."""
+    s = Saves(slots=2, tenant_priorities={"batch": 3})
+    s.saver.save([saved(0), saved(1)])
+    s.saver.save([saved(2, cache_salt="batch")])
+    assert s.reported == [0, 1, 2] and not s.saver.busy() and s.dropped() == 1
+    s.saver.save([saved(3)])  # the slots' blocks, once written, can be evicted for it
+    assert s.reported == [0, 1, 2] and s.saver.busy()
+    s.written()
+    s.saver.retry_deferred()
+    assert s.reported == [0, 1, 2, 3] and s.pool.contains(key(saved(3))) and s.dropped() == 1
     s.close()
 
 

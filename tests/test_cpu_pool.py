@@ -10,6 +10,7 @@ from storage.base import BlockKey
 from storage.cpu_pool import CpuBlockPool
 from storage.cpu_slots import HostBlock
 from storage.pinned import available_host_bytes
+from storage.priority_lru import DEFAULT_PRIORITY
 
 NS = hashlib.sha256(b"ns").digest()
 
@@ -204,6 +205,31 @@ def test_a_newcomer_never_evicts_a_block_that_matters_more():
     pool.unreserve(slot)
 
 
+def test_a_newcomer_is_outranked_only_when_every_slot_holds_a_block_that_matters_more():
+    """Written or not, read or not, a block that matters more never makes room for it."""
+    kv = block(0).kv
+
+    def commit(pool, i, slot, pending, priority):
+        shape = tuple(kv.shape)
+        assert pool.commit(key(i), slot, kv.dtype, shape, None, (i,), pending, priority=priority)
+
+    pool = CpuBlockPool(2 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, pin_memory=False)
+    commit(pool, 0, pool.reserve(), (), 0)
+    assert pool.outranked([1]) == [False]  # a free slot
+    slot = pool.reserve()
+    assert pool.outranked([1]) == [False]  # a reserved slot may be given back
+    commit(pool, 1, slot, ("disk",), 0)
+    assert pool.outranked([1, 0, -1]) == [True, False, False]
+    pool.delete(key(1))
+    commit(pool, 1, pool.reserve(), ("disk",), 1)  # evictable by a 1 once written
+    assert pool.outranked([1, 2]) == [False, True]
+    staging = CpuBlockPool(
+        BLOCK_BYTES, block_nbytes=BLOCK_BYTES, pin_memory=False, keep_clean=False
+    )
+    commit(staging, 0, staging.reserve(), ("disk",), 0)
+    assert staging.outranked([1]) == [False]  # it leaves once written
+
+
 def test_pending_and_read_blocks_stay_whatever_their_priority():
     pool = CpuBlockPool(3 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, pin_memory=False)
     kv = block(0).kv
@@ -322,8 +348,7 @@ def test_removals_count_every_block_that_left_the_pool():
     assert pool.removals == 3
     staging = CpuBlockPool(2 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, pin_memory=False,
                            keep_clean=False)
-    kv = block(0).kv
-    staging.commit(key(0), staging.reserve(), kv.dtype, tuple(kv.shape), None, (0,), ("disk",))
-    assert staging.removals == 0
-    staging.done_pending("disk", [b.key for b in staging.take_pending("disk", 1)])
-    assert staging.removals == 1 and not staging.contains(key(0))
+    assert reserve_and_commit(staging, 1) and staging._priorities == {DEFAULT_PRIORITY: 1}
+    staging.take_pending("disk", 8, timeout=0)
+    staging.done_pending("disk", [key(1)])  # written: a staging pool lets it go
+    assert not staging.contains(key(1)) and not staging._priorities

@@ -16,6 +16,7 @@ from prometheus_client import generate_latest
 from engine import LLM, SamplingParams
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.connector import SavedBlock
 from engine.models.tiny import TINY_CONFIG
 from engine.scheduler import Scheduler
 from engine.stats import StatsCollector
@@ -24,7 +25,7 @@ from engine_testing import one_thread  # noqa: F401  (autouse fixture)
 from storage.codecs import get_codec
 from storage.codecs.kivi import KiviCodec
 from storage.lmdb_store import LmdbStore
-from tiered_kv import TierConfig, TierManager, block_saver, build_llm
+from tiered_kv import TierConfig, TierManager, block_saver, build_llm, pool_writer
 from tiered_kv.block_mover import BlockMover
 from tiered_kv.tier_manager import SWITCH_INTERVAL_S
 
@@ -467,6 +468,45 @@ def test_write_back_writes_to_disk_only_under_pressure_and_at_close(reference, d
     assert again.token_ids == reference[0] and again.num_cached_tokens == hit_tokens(PROMPTS[0])
     with LmdbStore(disk) as store:  # close() wrote back what only the pool held
         assert store.stats().entries == 16
+
+
+def test_a_flush_or_close_writes_back_the_blocks_a_waiting_save_needs(disk):
+    """A tenant's save waits for a slot that only its own tenant's blocks, pending for a
+    write-back disk, can free; the writer saw no pressure (the other slots hold clean blocks
+    of a tenant that matters more). A flush and a close write them back and store the save,
+    instead of waiting until their timeout and dropping it."""
+    bs = 4
+    kv_cache = torch.randn(8, 1, 2, bs, 1, 2)  # [N, L, 2, T, H, D]
+    slot = kv_cache[0].numel() * kv_cache.element_size()
+    tiers = TierConfig(
+        kv_cache_dir=disk, cpu_bytes=4 * slot, disk_bytes=1 << 20, write_policy="write-back",
+        flush_timeout_s=5.0, tenant_priorities={"batch": 3},
+    )
+    manager = TierManager(tiers)
+    manager.register_kv_cache(kv_cache, bytes(32), bs)
+
+    def save(salt, *block_ids):
+        manager.save_blocks(
+            [SavedBlock(bytes([b + 1]) * 32, None, (b,) * bs, b, True, salt) for b in block_ids]
+        )
+
+    save(None, 0, 1)
+    assert manager.flush(5)  # written: clean, and they matter more than the tenant's
+    time.sleep(3 * pool_writer.IDLE_WAIT_S)  # the writer is back to writing under pressure only
+    save("batch", 2, 3)  # pending, in the other two slots
+    save("batch", 4)  # waits for one of them
+    started = time.monotonic()
+    assert manager.flush(5) and time.monotonic() - started < 2
+    time.sleep(3 * pool_writer.IDLE_WAIT_S)
+    save("batch", 5, 6)
+    save("batch", 7)
+    started = time.monotonic()
+    manager.close()
+    assert time.monotonic() - started < 2
+    assert sorted(manager.poll().saved) == list(range(8))
+    assert manager.stats()["cpu"]["dropped"] == 0
+    with LmdbStore(disk) as store:
+        assert store.stats().entries == 8
 
 
 # ---------------------------------------------------------------- damaged records

@@ -13,7 +13,9 @@ When every slot holds a block not yet written to the lower tiers, a save waits, 
 (its GPU block stays held), and is retried at each ``poll`` (or by a flush while the engine
 is idle) for up to ``SAVE_WAIT_S``; it is then dropped, counted and logged (one WARNING per
 ``drop_warning.DROP_WARNING_INTERVAL_S``, naming the setting to raise). It is dropped at once when the
-engine runs short of blocks (``release_deferred``): a save never stalls a request.
+engine runs short of blocks (``release_deferred``): a save never stalls a request. A save
+no slot can free up for (every block in the pool belongs to a tenant that matters more,
+see ``tenant_priorities``) does not wait: it is dropped at once.
 """
 from __future__ import annotations
 
@@ -101,6 +103,10 @@ class BlockSaver:
             logger, "dropped %d KV blocks: the CPU pool was full of blocks not yet written to the "
             "lower tiers; raise %s (or use a faster disk or codec)"
         )
+        self._outranked = DropWarning(
+            logger, "dropped %d KV blocks at once: every block in the CPU pool belongs to a "
+            "tenant that matters more (tenant_priorities), so no slot would free up"
+        )
         self._save_watcher: threading.Thread | None = None
         if mover.asynchronous:
             self._save_watcher = threading.Thread(
@@ -168,6 +174,7 @@ class BlockSaver:
             self._saves.put(None)
             self._save_watcher.join()
         self._drops.close()
+        self._outranked.close()
 
     def _offload(self, blocks: list[tuple[SavedBlock, float]], *, retried: bool = False) -> None:
         """Reserve a slot for each ``(block, monotonic time its save began)``, oldest first,
@@ -191,7 +198,13 @@ class BlockSaver:
             slots = self._pool.reserve_many([priority(block.cache_salt) for _, (block, _) in todo])
             commits = [(key, slot, block) for (key, (block, _)), slot in zip(todo, slots)]
             if len(slots) < len(todo):  # the rest wait for slots (their GPU blocks stay held)
-                waiting = [item for _, item in todo[len(slots):]]
+                rest = [item for _, item in todo[len(slots):]]
+                # unless every slot holds a block that matters more: none will free up
+                outranked = self._pool.outranked(priority(block.cache_salt) for block, _ in rest)
+                waiting = [item for item, no in zip(rest, outranked) if not no]
+                dropped = [block.block_id for (block, _), no in zip(rest, outranked) if no]
+                placed.update(dropped)
+                self._drop_outranked(dropped)
                 if retried:
                     self._deferred.extendleft(reversed(waiting))
                 else:
@@ -238,6 +251,15 @@ class BlockSaver:
             self._drops.add(
                 len(dropped), "--kv-offloading-size" if self._config.has_cpu else "staging_bytes"
             )
+
+    def _drop_outranked(self, block_ids: list[int]) -> None:
+        """Saves no slot can free up for, as every block in the pool matters more: dropped at
+        once (reported, counted, logged), not after SAVE_WAIT_S, so that neither the engine's
+        blocks nor a flush or a close wait for nothing."""
+        if block_ids:
+            self._on_saved(block_ids)
+            self._metrics.add(self._drop_tier, dropped=len(block_ids))
+            self._outranked.add(len(block_ids))
 
     def _watch_saves(self) -> None:
         """Asynchronous copies (CUDA, or a transcoding host copy): commit each save once its

@@ -26,10 +26,12 @@ writes everything.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -107,9 +109,15 @@ class PoolWriter:
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every pending block has been handed to the store; ``False`` on timeout.
         A write-back writer writes all it holds meanwhile."""
+        with self.draining():
+            return self._pool.wait_pending(self.tier, timeout)
+
+    @contextlib.contextmanager
+    def draining(self) -> Iterator[None]:
+        """A write-back writer writes all it holds, not only under pressure, until the exit."""
         self._draining.set()
         try:
-            return self._pool.wait_pending(self.tier, timeout)
+            yield
         finally:
             if not self._closing:
                 self._draining.clear()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import sys
@@ -143,11 +144,12 @@ class TierManager(KVConnector):
         def remaining() -> float | None:
             return None if deadline is None else max(deadline - time.monotonic(), 0.0)
 
-        while self._saver is not None and self._saver.busy():
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            self._saver.retry_deferred()  # the engine may be idle: nobody else retries them
-            time.sleep(0.001)  # saves still copying or waiting for a slot
+        with self._writing_back():  # a save may wait for a slot only writing back frees
+            while self._saver is not None and self._saver.busy():
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+                self._saver.retry_deferred()  # the engine may be idle: nobody else retries them
+                time.sleep(0.001)  # saves still copying or waiting for a slot
         for writer in self._writers:
             if not writer.drain(remaining()):
                 return False
@@ -157,6 +159,13 @@ class TierManager(KVConnector):
         dropped = self._num_dropped()
         lost, self._dropped_at_flush = dropped - self._dropped_at_flush, dropped
         return lost == 0
+
+    def _writing_back(self) -> contextlib.ExitStack:
+        """Make the write-back writers write all they hold, until the exit."""
+        stack = contextlib.ExitStack()
+        for writer in self._writers:
+            stack.enter_context(writer.draining())
+        return stack
 
     def _num_dropped(self) -> int:
         return sum(int(tier.get("dropped", 0)) for tier in self.metrics.snapshot().values())
@@ -179,7 +188,8 @@ class TierManager(KVConnector):
                 self._load_pool.shutdown(wait=True)
                 self._loader.close()
             if self._saver is not None:
-                self._saver.close(deadline)
+                with self._writing_back():
+                    self._saver.close(deadline)
             if self._mover is not None:
                 self._mover.close()
             for writer in self._writers:
