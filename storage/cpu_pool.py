@@ -75,6 +75,7 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
         self._init_write_behind()
         self._stats = StoreStats(tier=self.tier, capacity_bytes=capacity_bytes)
         self._removals = 0  # blocks that left: evicted, dropped once written, deleted
+        self._refused = 0  # reservations that found no slot
         self._closed = False
         if block_nbytes is not None:
             self._reserve_slab(block_nbytes)
@@ -203,6 +204,7 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
             return self._free.pop()
         key = self._evictable.first()
         if key is None or self._evictable.priority(key) < priority:
+            self._refused += 1
             return None
         self._evictable.pop(key)
         self._stats.evictions += 1
@@ -335,6 +337,12 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
             # the slot of a block that matters no more may free up: written, or read no longer
             least = max(self._priorities)  # the highest value: the block that matters least
             return [least < priority for priority in priorities]
+
+    def refused(self) -> int:
+        """Reservations so far that found no slot. A write-back writer takes a rise as
+        pressure: a newcomer's slot may be one only a pending block of its own priority can
+        free, while blocks that matter more keep ``num_evictable`` up."""
+        return self._refused
 
     def num_evictable(self) -> int:
         """Slots a :meth:`reserve` of any priority could have right now (free, or clean and

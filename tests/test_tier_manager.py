@@ -2,6 +2,7 @@
 counters count."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import sys
@@ -507,6 +508,35 @@ def test_a_flush_or_close_writes_back_the_blocks_a_waiting_save_needs(disk):
     assert manager.stats()["cpu"]["dropped"] == 0
     with LmdbStore(disk) as store:
         assert store.stats().entries == 8
+
+
+def test_a_refused_save_has_the_write_back_writer_make_room(disk):
+    """As above, with the engine stepping and no flush: the refused reservation is pressure
+    for the writer, which writes the tenant's pending blocks back so that the save can evict
+    one of them (it waited SAVE_WAIT_S and was dropped while the clean blocks of the tenant
+    that matters more kept the pool's evictable count up)."""
+    bs = 4
+    kv_cache = torch.randn(8, 1, 2, bs, 1, 2)  # [N, L, 2, T, H, D]
+    slot = kv_cache[0].numel() * kv_cache.element_size()
+    tiers = TierConfig(
+        kv_cache_dir=disk, cpu_bytes=4 * slot, disk_bytes=1 << 20, write_policy="write-back",
+        flush_timeout_s=5.0, tenant_priorities={"batch": 3},
+    )
+    with contextlib.closing(TierManager(tiers)) as manager:
+        manager.register_kv_cache(kv_cache, bytes(32), bs)
+        blocks = [SavedBlock(bytes([b + 1]) * 32, None, (b,) * bs, b, True,
+                             None if b < 2 else "batch") for b in range(6)]
+        manager.save_blocks(blocks[:2])
+        assert manager.flush(5)  # written: clean, and they matter more than the tenant's
+        time.sleep(3 * pool_writer.IDLE_WAIT_S)  # the writer is back to writing under pressure only
+        manager.save_blocks(blocks[2:4])  # pending, in the other two slots
+        manager.save_blocks(blocks[4:])  # wait for those
+        saved: list[int] = []
+        deadline = time.monotonic() + 3
+        while len(saved) < 6 and time.monotonic() < deadline:  # the engine's steps
+            saved += manager.poll().saved
+            time.sleep(0.01)
+        assert sorted(saved) == list(range(6)) and manager.stats()["cpu"]["dropped"] == 0
 
 
 # ---------------------------------------------------------------- damaged records

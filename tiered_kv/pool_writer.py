@@ -20,8 +20,9 @@ while the writer still holds the slot), so the only copy of the block's bytes un
 GIL is the sealed record's.
 
 With ``write_back`` the writer leaves blocks pending until the pool runs short of slots it
-could evict (fewer than ``low_watermark``), then writes the oldest; :meth:`PoolWriter.drain`
-writes everything.
+could evict (fewer than ``low_watermark``), or refuses a reservation (a newcomer of a tenant
+that matters less may evict only blocks of its own kind, which may all be pending), then
+writes the oldest; :meth:`PoolWriter.drain` writes everything.
 """
 from __future__ import annotations
 
@@ -88,6 +89,7 @@ class PoolWriter:
         # [num_slots, slot bytes]: a slot's stage payload is its row, no torch call a block
         self._slots = pool.slab.numpy()
         self._draining = threading.Event()  # write-back: write everything now
+        self._refused_seen = 0  # write-back: the pool's refused reservations, as last seen
         self._closing = False
         self._stopping = threading.Event()
         self._refusals = DropWarning(
@@ -144,9 +146,12 @@ class PoolWriter:
     def _run(self) -> None:
         while not self._stopping.is_set():
             if self._write_back and not self._draining.is_set():
-                if self._pool.num_evictable() >= self._low_watermark:
+                refused = self._pool.refused()
+                roomy = self._pool.num_evictable() >= self._low_watermark
+                if roomy and refused == self._refused_seen:
                     self._stopping.wait(IDLE_WAIT_S)
                     continue
+                self._refused_seen = refused
             batch = self._pool.take_pending(
                 self.tier, BATCH_BLOCKS, timeout=IDLE_WAIT_S, views=False
             )
