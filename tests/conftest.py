@@ -74,6 +74,19 @@ def redis_server(tmp_path_factory) -> RedisServer:
 
 
 @pytest.fixture
+def private_server(tmp_path) -> RedisServer:
+    """A server of this test's own, to stop, pause or restart."""
+    binary = server_binary()
+    if binary is None:
+        pytest.skip("no valkey-server or redis-server binary (CI installs redis-server)")
+    server = RedisServer(binary, tmp_path)
+    server.start()
+    yield server
+    server.resume()
+    server.stop()
+
+
+@pytest.fixture
 def breaker_clock(monkeypatch) -> Clock:
     """The clock of the circuit breakers of the remote stores made from now on (the
     store's, and each cluster node's), standing still until the test moves ``now``: a

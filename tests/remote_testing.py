@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from storage.remote_store import RemoteStore
 
+# The deployment's shared secret that seals the remote tier's records in these tests.
+SECRET = "the deployment's shared secret, 32 bytes or more"
+
 # Where no call waits on a silent server: long enough for a live one on a loaded machine.
 ANSWER_S = 5.0
 # Where calls do wait on a silent (paused, dripping) server: each such call costs it once,

@@ -261,6 +261,30 @@ def test_a_disk_that_fails_its_lookup_leaves_the_blocks_pending_for_it(caplog):
     s.close()
 
 
+class Disk:
+    def __init__(self, keys) -> None:
+        self.keys = set(keys)
+
+    def contains_many(self, keys):
+        return [k in self.keys for k in keys]
+
+
+def test_a_block_saved_again_is_pending_again_for_the_tiers_that_may_lack_it():
+    """Not copied again, but written again: a tier may have dropped it (the remote server
+    was down), and a flush that says True covers every block saved since the last."""
+    on_disk, lost = saved(0), saved(1)
+    s = Saves(slots=4, disk=Disk([key(on_disk)]), pending=("disk", "remote"))
+    s.saver.save([on_disk, lost])
+    for tier in ("disk", "remote"):  # the writers are done with them: written or given up
+        s.pool.done_pending(tier, [b.key for b in s.pool.take_pending(tier, 4, timeout=0)])
+    s.saver.save([on_disk, lost])
+    assert s.reported == [0, 1, 0, 1] and s.pool.stats().puts == 2  # not copied again
+    remote = s.pool.take_pending("remote", 4, timeout=0)
+    assert sorted(b.key for b in remote) == sorted([key(on_disk), key(lost)])
+    assert [b.key for b in s.pool.take_pending("disk", 4, timeout=0)] == [key(lost)]
+    s.close()
+
+
 def test_a_commit_that_fails_drops_its_blocks_and_still_reports_them(monkeypatch):
     s = Saves(slots=4)
 

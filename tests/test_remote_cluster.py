@@ -16,13 +16,13 @@ import torch
 from engine import LLM
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
 from redis_server import SLOTS, RedisCluster, redis_cluster, server_binary  # noqa: F401  (fixture)
-from remote_testing import ANSWER_S, SILENT_S, watch_network
+from remote_testing import ANSWER_S, SECRET, SILENT_S, watch_network
 from storage.base import BlockKey
 from storage.circuit_breaker import BreakerConfig
 from storage.record import Record, encode_record
 from storage.remote_store import RemoteStore
 from storage.seal import SealKey
-from test_remote_tier import SECRET, remote
+from test_remote_tier import remote
 from test_tier_manager import BLOCK, FLUSH, GREEDY, PROMPTS, hit_tokens, make_llm
 from tiered_kv import TierConfig, tier_stores
 

@@ -143,19 +143,6 @@ def test_unreachable_server_is_misses_and_drops_and_breaker_skips_the_network(
         server.stop()
 
 
-@pytest.fixture
-def private_server(tmp_path):
-    """A server of this test's own, to stop, pause or restart."""
-    binary = server_binary()
-    if binary is None:
-        pytest.skip("no valkey-server or redis-server binary (CI installs redis-server)")
-    server = RedisServer(binary, tmp_path)
-    server.start()
-    yield server
-    server.resume()
-    server.stop()
-
-
 def test_a_paused_server_opens_the_breaker_and_a_probe_closes_it(
     private_server, breaker_clock, monkeypatch
 ):

@@ -12,16 +12,13 @@ import pytest
 from engine import LLM
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
 from redis_server import RedisServer, server_binary
-from remote_testing import ANSWER_S, SILENT_S
+from remote_testing import ANSWER_S, SECRET, SILENT_S
 from storage.circuit_breaker import BreakerConfig
 from storage.remote_store import RemoteStore
 from test_tier_manager import BLOCK, FLUSH, GREEDY, PROMPTS, hit_tokens, make_llm
 from tiered_kv import TierConfig, tier_stores
 from tiered_kv.config import remote_seal_key
 from tiered_kv.tier_manager import TierManager
-
-SECRET = "the deployment's shared secret, 32 bytes or more"
-
 
 @pytest.fixture(scope="module")
 def reference() -> list[list[int]]:

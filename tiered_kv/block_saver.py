@@ -191,8 +191,9 @@ class BlockSaver:
         try:
             keys = [BlockKey(self._namespace, block.block_hash) for block, _ in blocks]
             present = self._pool.contains_many(keys)
-            # already below (e.g. loaded from there): nothing to copy
+            # in the pool already (saved before, or loaded): nothing to copy
             done = [block.block_id for (block, _), here in zip(blocks, present) if here]
+            self._pend_again([key for key, here in zip(keys, present) if here])
             todo = [(key, item) for key, item, here in zip(keys, blocks, present) if not here]
             priority = self._config.tenant_priority
             slots = self._pool.reserve_many([priority(block.cache_salt) for _, (block, _) in todo])
@@ -222,6 +223,29 @@ class BlockSaver:
         except Exception:
             left = [block.block_id for block, _ in blocks if block.block_id not in placed]
             self._drop_failed("saving", left, slots)
+
+    def _pend_again(self, keys: list[BlockKey]) -> None:
+        """Blocks saved again while the pool holds them go to the lower tiers again, as new
+        ones would (the disk only if it lacks them): a tier may have dropped them (an
+        outage, a full disk) or never had them (loaded from another tier), and a flush that
+        says True covers every block saved since the last."""
+        if not keys:
+            return
+        on_disk = self._on_disk(keys)
+        for tier in self._pending_tiers:
+            there = on_disk if tier == "disk" else [False] * len(keys)
+            self._pool.add_pending(tier, [key for key, here in zip(keys, there) if not here])
+
+    def _on_disk(self, keys: list[BlockKey]) -> list[bool]:
+        """Which of ``keys`` the disk has, where blocks go to disk; none if the lookup fails
+        (a failing disk: write them again rather than lose them)."""
+        if "disk" not in self._pending_tiers:
+            return [False] * len(keys)
+        try:
+            return self._disk.contains_many(keys)
+        except Exception:
+            logger.exception("looking up %d saved blocks on disk failed", len(keys))
+            return [False] * len(keys)
 
     def _copy(self, commits: list[tuple[BlockKey, int, SavedBlock]], block_ids: list[int]) -> None:
         """Start the batched copy of ``commits``; it reports ``block_ids`` once, done or
@@ -301,12 +325,8 @@ class BlockSaver:
         """:meth:`_commit_save` but the report; the pool's slots are given back if it
         refuses them."""
         pending = self._pending_tiers
-        on_disk = [False] * len(save.commits)
-        if "disk" in pending:  # a block already on disk is pending only for the others
-            try:
-                on_disk = self._disk.contains_many([key for key, _, _ in save.commits])
-            except Exception:  # a failing disk: write them again rather than lose them
-                logger.exception("looking up %d saved blocks on disk failed", len(save.commits))
+        # a block already on disk is pending only for the others
+        on_disk = self._on_disk([key for key, _, _ in save.commits])
         below = tuple(t for t in pending if t != "disk")
         priority = self._config.tenant_priority
         try:
