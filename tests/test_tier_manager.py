@@ -471,11 +471,10 @@ def test_write_back_writes_to_disk_only_under_pressure_and_at_close(reference, d
         assert store.stats().entries == 16
 
 
-def test_a_flush_or_close_writes_back_the_blocks_a_waiting_save_needs(disk):
-    """A tenant's save waits for a slot that only its own tenant's blocks, pending for a
-    write-back disk, can free; the writer saw no pressure (the other slots hold clean blocks
-    of a tenant that matters more). A flush and a close write them back and store the save,
-    instead of waiting until their timeout and dropping it."""
+def _tenant_write_back(disk):
+    """A write-back manager over a 4-slot pool whose tenant ``batch`` matters less, with two
+    clean blocks of the others in it, and ``save(salt, *block_ids)`` (block ``b``: hash
+    ``b + 1``, tokens ``(b,) * 4``)."""
     bs = 4
     kv_cache = torch.randn(8, 1, 2, bs, 1, 2)  # [N, L, 2, T, H, D]
     slot = kv_cache[0].numel() * kv_cache.element_size()
@@ -494,6 +493,15 @@ def test_a_flush_or_close_writes_back_the_blocks_a_waiting_save_needs(disk):
     save(None, 0, 1)
     assert manager.flush(5)  # written: clean, and they matter more than the tenant's
     time.sleep(3 * pool_writer.IDLE_WAIT_S)  # the writer is back to writing under pressure only
+    return manager, save
+
+
+def test_a_flush_or_close_writes_back_the_blocks_a_waiting_save_needs(disk):
+    """A tenant's save waits for a slot that only its own tenant's blocks, pending for a
+    write-back disk, can free (the other slots hold clean blocks of a tenant that matters
+    more). A flush and a close write them back and store the save, instead of waiting until
+    their timeout and dropping it."""
+    manager, save = _tenant_write_back(disk)
     save("batch", 2, 3)  # pending, in the other two slots
     save("batch", 4)  # waits for one of them
     started = time.monotonic()
@@ -515,22 +523,10 @@ def test_a_refused_save_has_the_write_back_writer_make_room(disk):
     for the writer, which writes the tenant's pending blocks back so that the save can evict
     one of them (it waited SAVE_WAIT_S and was dropped while the clean blocks of the tenant
     that matters more kept the pool's evictable count up)."""
-    bs = 4
-    kv_cache = torch.randn(8, 1, 2, bs, 1, 2)  # [N, L, 2, T, H, D]
-    slot = kv_cache[0].numel() * kv_cache.element_size()
-    tiers = TierConfig(
-        kv_cache_dir=disk, cpu_bytes=4 * slot, disk_bytes=1 << 20, write_policy="write-back",
-        flush_timeout_s=5.0, tenant_priorities={"batch": 3},
-    )
-    with contextlib.closing(TierManager(tiers)) as manager:
-        manager.register_kv_cache(kv_cache, bytes(32), bs)
-        blocks = [SavedBlock(bytes([b + 1]) * 32, None, (b,) * bs, b, True,
-                             None if b < 2 else "batch") for b in range(6)]
-        manager.save_blocks(blocks[:2])
-        assert manager.flush(5)  # written: clean, and they matter more than the tenant's
-        time.sleep(3 * pool_writer.IDLE_WAIT_S)  # the writer is back to writing under pressure only
-        manager.save_blocks(blocks[2:4])  # pending, in the other two slots
-        manager.save_blocks(blocks[4:])  # wait for those
+    manager, save = _tenant_write_back(disk)
+    with contextlib.closing(manager):
+        save("batch", 2, 3)  # pending, in the other two slots
+        save("batch", 4, 5)  # wait for those
         saved: list[int] = []
         deadline = time.monotonic() + 3
         while len(saved) < 6 and time.monotonic() < deadline:  # the engine's steps
