@@ -80,14 +80,17 @@ class StructuredOutputSpec:
 
 
 def _schema_text(schema: Any, source: str) -> str:
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except ValueError as e:
-            raise ValueError(f"{source} is not valid JSON: {e}") from None
-    if not isinstance(schema, dict):
-        raise ValueError(f"{source} must be a JSON schema (an object)")
-    return json.dumps(schema, ensure_ascii=False)
+    try:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise ValueError(f"{source} is not valid JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise ValueError(f"{source} must be a JSON schema (an object)")
+        return json.dumps(schema, ensure_ascii=False)
+    except RecursionError:  # json nests by recursion: a schema too deep for it is the user's
+        raise ValueError(f"{source} is nested too deeply to read as JSON") from None
 
 
 class GrammarState:

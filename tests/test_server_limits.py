@@ -113,17 +113,39 @@ def test_lone_surrogates_get_400_naming_the_field(llm):
             await post_json(c, "/v1/chat/completions", {"messages": [{"role": "\ud800", "content": "x"}]}),
             await post_json(c, "/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800b"}]}),
             await post_json(c, "/v1/chat/completions", {"messages": [{"role": "user", "content": parts}]}),
+            await post_json(c, "/tokenize", {"prompt": "a\ud800"}),  # was a 500 from the tokenizer
+            await post_json(c, "/tokenize", {"messages": [{"role": "user", "content": "\udfff"}]}),
         ]
         # a validation error whose location holds the surrogate (a key) is still clean JSON
         bad_key = await post_json(c, "/v1/completions", {"prompt": "x", "logit_bias": {"\ud800": "high"}})
         return refused, bad_key, await c.post("/v1/completions", json={"prompt": "x", **GREEDY})
 
     refused, bad_key, after = run(llm, test)
-    for response, param in zip(refused, ["prompt", "prompt", "stop", "messages", "messages", "messages"]):
+    params = ["prompt", "prompt", "stop", "messages", "messages", "messages", "prompt", "messages"]
+    for response, param in zip(refused, params, strict=True):
         assert_error(response, 400, param=param)
         assert "lone surrogate" in response.json()["error"]["message"]
     assert_error(bad_key, 400, param="logit_bias")
     assert after.status_code == 200
+
+
+def test_lone_surrogates_are_found_in_values_nested_hundreds_deep(llm):
+    """The check walks a value nested deeper than Python recurses, as JSON allows (it
+    recursed, and such a body was a 500)."""
+
+    def nested(leaf: str) -> dict:
+        value: object = leaf
+        for _ in range(600):
+            value = {"a": value}
+        return {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "chat_template_kwargs": value}
+
+    async def test(c):
+        return [await post_json(c, "/v1/chat/completions", nested(leaf)) for leaf in ("fine", "\ud800")]
+
+    fine, refused = run(llm, test)
+    assert fine.status_code == 200, fine.text
+    assert_error(refused, 400, param="chat_template_kwargs")
+    assert "lone surrogate" in refused.json()["error"]["message"]
 
 
 def test_more_generations_than_the_server_holds_are_refused_before_any_is_built(llm, monkeypatch):

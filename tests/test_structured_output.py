@@ -116,6 +116,17 @@ def test_specs_normalize_and_refuse_malformed_values():
         SamplingParams(min_tokens=2, structured_output=spec("json_object"))
 
 
+def test_a_schema_nested_deeper_than_json_recurses_is_refused():
+    """Python's json reads and writes by recursion: a schema past its depth is a ValueError
+    naming the field (it was a RecursionError, which the server answered with a 500)."""
+    deep: dict = {}
+    for _ in range(5000):
+        deep = {"not": deep}
+    for value in ("[" * 5000, '{"a":' * 5000, deep):
+        with pytest.raises(ValueError, match="^guided_json is nested too deeply"):
+            spec("json", value, source="guided_json")
+
+
 def test_compiled_grammars_are_cached_per_spec_lru(tiny_tokenizer, monkeypatch):
     compiler = GrammarCompiler(tiny_tokenizer, VOCAB, [EOS_ID], cache_size=2)
     compiled = []
@@ -283,6 +294,7 @@ def test_server_refuses_bad_structured_output_with_400(async_llm):
             await post({"structured_outputs": {}}),
             await post({"guided_regex": "a+", "guided_choice": ["a"]}),
             await post({"guided_regex": "a+", "min_tokens": 2}),
+            await post({"guided_json": "[" * 5000}),
         ]
 
     responses = run(async_llm, test)
@@ -297,6 +309,7 @@ def test_server_refuses_bad_structured_output_with_400(async_llm):
         "structured_outputs",
         "guided_choice",
         "min_tokens",
+        "guided_json",
     ]
     for response, param in zip(responses, params):
         assert_error(response, 400, param=param)

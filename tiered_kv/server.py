@@ -174,6 +174,7 @@ def create_app(config: ServeConfig, llm: AsyncLLM | None = None) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        check_unicode(body)
         _check_model(config, body.model)
         return await server_tokens.tokenize(state, chat, body)
 

@@ -73,14 +73,21 @@ def check_unicode(body: BaseModel) -> None:
 
 
 def _has_surrogate(value: object) -> bool:
-    if isinstance(value, str):
-        return _SURROGATE.search(value) is not None
-    if isinstance(value, BaseModel):
-        return any(_has_surrogate(v) for _, v in value)
-    if isinstance(value, dict):
-        return any(_has_surrogate(k) or _has_surrogate(v) for k, v in value.items())
-    if isinstance(value, list):  # skipping numbers keeps a long list of token ids cheap
-        return any(_has_surrogate(v) for v in value if not isinstance(v, (int, float)))
+    """A walk with a stack of its own, not recursion: JSON nested a few hundred levels deep
+    (which the parser accepts) would pass Python's recursion limit, a 500."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item) is not None:
+                return True
+        elif isinstance(item, BaseModel):
+            pending.extend(v for _, v in item)
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):  # skipping numbers keeps a long list of token ids cheap
+            pending.extend(v for v in item if not isinstance(v, (int, float)))
     return False
 
 
