@@ -27,8 +27,10 @@ def from_json(cls: type[T], text: str, what: str) -> T:
     """:func:`from_mapping` of the JSON ``text``."""
     try:
         data: Any = json.loads(text)
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # a JSONDecodeError, or an integer of too many digits
         raise ValueError(f"{what} is not valid JSON: {e}") from None
+    except RecursionError:  # json nests by recursion
+        raise ValueError(f"{what} is nested too deeply to read as JSON") from None
     return from_mapping(cls, data, what)
 
 

@@ -10,10 +10,10 @@ import torch
 import zstandard
 
 from storage.base import BlockKey
-from storage.record import Record, encode_record
+from storage.record import SEAL_SIZE, Record, encode_record
 from storage.seal import SealKey
 from tiered_kv.archive import (
-    FLAG_ZSTD, MAGIC, VERSION, ArchiveError, ArchiveWriter, check_archive, read_archive,
+    FLAG_ZSTD, MAGIC, MAX_RECORD_BYTES, VERSION, ArchiveError, ArchiveWriter, check_archive, read_archive,
     read_key_id,
 )
 
@@ -115,11 +115,31 @@ def test_a_forged_record_length_is_refused_before_it_is_read(tmp_path: Path, dec
     assert peak < 8 << 20
 
 
+@pytest.mark.parametrize("compress", [False, True])
+def test_a_forged_length_its_record_agrees_with_costs_only_the_bytes_there(tmp_path: Path, compress: bool):
+    """A record whose own head claims the cap too, then the end of the archive: refused as
+    truncated, without first allocating the gigabyte it claims (a MemoryError, exit 3, for
+    `storage import` of a file of 200 bytes where memory is short)."""
+    key, record = ITEMS[0]
+    head = record[:8] + struct.pack("<IQ", MAX_RECORD_BYTES - SEAL_SIZE - 64, 64)
+    body = struct.pack("<I", MAX_RECORD_BYTES) + key.to_bytes() + head
+    path = tmp_path / "forged"
+    path.write_bytes(struct.pack("<8sHH", MAGIC, VERSION, FLAG_ZSTD if compress else 0) + KEY.key_id
+                     + (zstandard.ZstdCompressor().compress(body) if compress else body))
+    tracemalloc.start()
+    try:
+        with pytest.raises(ArchiveError, match="truncated"):
+            check_archive(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 << 20  # a read of 16 MiB at most
+
+
 def test_the_largest_block_of_a_supported_model_fits_an_archive_record():
     """126 layers of 8 KV heads of 128 in 16-bit floats, at the largest block size (1,024
     tokens): a store holds such a record, so an archive must take it."""
     from engine.config import EngineConfig
-    from tiered_kv.archive import MAX_RECORD_BYTES
 
     with pytest.raises(ValueError):
         EngineConfig(block_size=2048)

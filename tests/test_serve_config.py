@@ -72,6 +72,86 @@ def test_config_file_from_environment_and_its_errors(tmp_path):
         ServeConfig.load(config_file=tmp_path / "missing.yaml", environ={})
 
 
+LAUGHS = "[&l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]" + "".join(  # 9**7 strings through aliases
+    f", &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 7)
+) + "]"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [  # each was a traceback (TypeError, RecursionError, OverflowError), a message of several
+        # lines or of millions of characters, or one that did not name the file or the flag
+        ("model: []\n", "--config {path}: model: expected text, a number or a boolean, got a list"),
+        (f"allowed-origins: {LAUGHS}\n", "--config {path}: allowed-origins: expected a list of strings"),
+        (f"port: {LAUGHS}\n", "--config {path}: port: expected text, a number or a boolean, got a list"),
+        ("port: [\n", "--config {path}: not valid YAML: while parsing a flow node expected the node"),
+        ("port: " + "[" * 3000 + "]" * 3000 + "\n", "--config {path}: not valid YAML: nested too deeply"),
+        ("port: !!int x\n", "--config {path}: not valid YAML: invalid literal for int()"),
+        ("port: 1" + "0" * 5000 + "\n", "--config {path}: not valid YAML: Exceeds the limit (4300 digits)"),
+        ("kv-offloading-size: 1.0e308\n", "--kv-offloading-size must be a number of GiB >= 0"),
+        ("max-request-body-mib: 1.0e308\n", "--max-request-body-mib must be a number of MiB > 0"),
+        ("kv_remote_url: redis://c\nkv_remote_timeout: 1" + "0" * 400 + "\n", "--kv-remote-timeout must be"),
+        ("kv_codec: null\n", "--kv-codec is not usable: a codec spec is a string"),
+        ("override-generation-config: 5\n", "--override-generation-config must be a non-empty string"),
+    ],
+)
+def test_a_hostile_config_file_is_one_line_naming_it(tmp_path, text, message):
+    path = tmp_path / "serve.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as info:
+        ServeConfig.load(config_file=path, environ={})
+    said = str(info.value)
+    assert message.format(path=path) in said and "\n" not in said and len(said) < 1000, said[:1000]
+
+
+def test_a_config_file_not_in_utf_8_is_one_line_naming_it(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_bytes(b"port: \xff\n")
+    with pytest.raises(ValueError, match=f"--config {path}: 'utf-8' codec can't decode byte 0xff"):
+        ServeConfig.load(config_file=path, environ={})
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [  # each was a traceback (OverflowError, RecursionError) or a message naming nothing
+        ({"VLLM_CPU_KVCACHE_SPACE": "inf"}, "VLLM_CPU_KVCACHE_SPACE='inf' is not valid (GiB)"),
+        ({"VLLM_CPU_KVCACHE_SPACE": "1e308"}, "VLLM_CPU_KVCACHE_SPACE='1e308' is not valid (GiB)"),
+        ({"TIERED_KV_MAX_MODEL_LEN": "9" * 400 + ".5k"}, "TIERED_KV_MAX_MODEL_LEN='999"),
+        ({"TIERED_KV_KV_DISK_SIZE": "1e308"}, "--kv-disk-size must be a number of GiB >= 0"),
+        ({"TIERED_KV_ALLOWED_ORIGINS": "[" * 100_000}, "not a JSON list of strings"),
+        ({"TIERED_KV_API_KEY": "[" * 100_000}, "not a JSON list of strings"),
+        ({"TIERED_KV_OVERRIDE_GENERATION_CONFIG": "[" * 100_000},
+         "--override-generation-config is nested too deeply to read as JSON"),
+        ({"TIERED_KV_OVERRIDE_GENERATION_CONFIG": "1" * 5000}, "--override-generation-config is not JSON"),
+        ({"TIERED_KV_OVERRIDE_GENERATION_CONFIG": '{"temperature": 1' + "0" * 400 + "}"},
+         "--override-generation-config: temperature must be a number"),
+        ({"TIERED_KV_KV_EVENTS_CONFIG": '{"a": ' * 50_000}, "--kv-events-config: kv_events_config is nested too deeply"),
+        ({"TIERED_KV_SPECULATIVE_CONFIG": "[" * 100_000}, "--speculative-config: speculative_config is nested too deeply"),
+        ({"TIERED_KV_KV_CODEC": "gzip"}, "--kv-codec is not usable: unknown codec spec 'gzip'"),
+        ({"TIERED_KV_CONFIG": "no\nsuch.yaml"}, "--config no such.yaml: No such file or directory"),
+    ],
+)
+def test_a_hostile_environment_value_is_one_line_naming_it(environ, message):
+    with pytest.raises(ValueError) as info:
+        ServeConfig.load(environ=environ)
+    assert message in str(info.value) and "\n" not in str(info.value), str(info.value)[:1000]
+
+
+def test_a_valid_config_has_a_request_body_limit_in_bytes():
+    """1e308 MiB passed the check, then int(inf) failed as the server started."""
+    with pytest.raises(ValueError, match="--max-request-body-mib"):
+        ServeConfig(max_request_body_mib=1e308)
+    assert ServeConfig(max_request_body_mib=10**30).max_request_body_bytes == 10**30 << 20
+
+
+def test_the_cli_refuses_a_structure_in_the_config_file_in_one_line(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text("dtype: [float16]\n")  # was TypeError (unhashable) and a traceback
+    result = CliRunner().invoke(app, ["serve", "--config", str(path)], env={})
+    assert result.exit_code == 2
+    assert result.output == f"error: --config {path}: dtype: expected text, a number or a boolean, got a list\n"
+
+
 @pytest.mark.parametrize(
     ("fields", "flag"),
     [
@@ -90,7 +170,7 @@ def test_config_file_from_environment_and_its_errors(tmp_path):
         ({"kv_disk_size": float("nan")}, "--kv-disk-size"),
         ({"kv_write_policy": "sometimes"}, "--kv-write-policy"),
         ({"kv_offload": "none"}, "--kv-offload"),
-        ({"kv_write_policy": "write-back", "kv_offloading_size": 0}, "write-back"),
+        ({"kv_write_policy": "write-back", "kv_offloading_size": 0}, "--kv-write-policy write-back"),
         ({"kv_codec": "gzip"}, "codec"),
         ({"device": "tpu"}, "--device"),
         ({"api_key": ""}, "--api-key"),

@@ -342,6 +342,20 @@ def test_import_skips_records_that_fail_verification(tmp_path: Path, store_dir: 
     assert unsealed(tmp_path / "t") == {k: d[:-SEAL_SIZE] for k, d in items[:5]}
 
 
+def test_a_record_the_archive_holds_twice_is_imported_and_counted_once(tmp_path: Path, store_dir: Path):
+    """Both copies fell in one batch of puts, and each was counted as imported."""
+    items = list(records(store_dir).items())
+    archive = tmp_path / "twice.tkv"
+    with open(archive, "wb") as f:
+        writer = ArchiveWriter(f, load_key_file(store_dir / KEY_FILE_NAME).key_id)
+        for key, data in (items[0], items[1], items[0]):
+            writer.add(key, data)
+        writer.finish()
+    fields = ok_json("import", archive, tmp_path / "t", "--key-file", store_dir / KEY_FILE_NAME)
+    assert (fields["records"], fields["imported"], fields["already_present"]) == (3, 2, 1)
+    assert unsealed(tmp_path / "t") == {k: d[:-SEAL_SIZE] for k, d in items[:2]}
+
+
 def test_import_errors(tmp_path: Path, store_dir: Path):
     missing = run("import", tmp_path / "none.tkv", tmp_path / "t")
     assert missing.exit_code == 2 and "no such archive" in missing.output

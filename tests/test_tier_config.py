@@ -37,6 +37,12 @@ def test_an_empty_file_lists_no_tenant(tmp_path: Path):
         ("gold: true\n", "the priority must be an integer"),
         ("1: 3\n", "a tenant must be a non-empty string"),
         ("gold: [1\n", "cannot read the tenant priorities"),
+        # a list of 9**7 strings through aliases: its repr was the message, 30 MB long
+        ("gold: [&l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]" + "".join(
+            f", &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 7)) + "]\n",
+         r"the priority must be an integer, got \[\['lol',"),
+        ("gold: " + "[" * 3000 + "]" * 3000 + "\n", "not valid YAML: nested too deeply"),  # RecursionError
+        ("gold: !!int x\n", "cannot read the tenant priorities .*: not valid YAML"),  # the file unnamed
     ],
 )
 def test_a_bad_file_is_one_clear_error_naming_it(tmp_path: Path, text: str, message: str):
@@ -45,6 +51,7 @@ def test_a_bad_file_is_one_clear_error_naming_it(tmp_path: Path, text: str, mess
     with pytest.raises(ValueError, match=message) as info:
         load_tenant_priorities(path)
     assert str(path) in str(info.value) and "\n" not in str(info.value)
+    assert len(str(info.value)) < 500, str(info.value)[:500]
 
 
 def test_a_missing_file_and_a_bad_mapping_are_refused(tmp_path: Path):

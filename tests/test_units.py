@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tiered_kv.units import format_age, format_size, parse_duration, parse_size
+from tiered_kv.units import finite, format_age, format_size, parse_duration, parse_size
 
 
 def test_parse_size():
@@ -33,3 +33,8 @@ def test_zero_duration_is_refused():
 
 def test_format():
     assert format_size(1536) == "1.5 KiB" and format_age(7200) == "2.0h"
+
+
+def test_an_int_too_large_for_a_float_is_not_finite():
+    assert finite(0.5) and finite(10**300) and not finite(float("nan")) and not finite(float("inf"))
+    assert not finite(10**400)  # math.isfinite raises OverflowError

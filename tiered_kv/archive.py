@@ -19,7 +19,8 @@ Version 1 archives held records of the unsealed format and are refused. Reading 
 writing are streamed: memory use is one record, whatever the archive's size. A reader
 checks that a record's own header declares the length N before reading the rest of it, so
 a forged length (a few KiB of zstd that expand to a gigabyte of zeros) is refused at once,
-not read.
+not read; and it grows the record's buffer as its bytes arrive, so a length forged in the
+record's header too costs no more memory than the bytes that are there.
 :func:`write_archive` creates the file 0600 (records hold users' prompts as KV) and only
 under its name once it is complete.
 """
@@ -51,6 +52,7 @@ _HEADER = struct.Struct(f"<8sHH{KEY_ID_SIZE}s")
 _LENGTH = struct.Struct("<I")
 _TRAILER = struct.Struct("<QQ")
 _RECORD_HEAD = struct.Struct("<4sHHIQ")  # a record's magic, version, flags, H and P lengths
+_READ_CHUNK = 16 << 20  # a record's bytes are read this many at a time, at most
 
 
 class ArchiveError(ValueError):
@@ -246,17 +248,21 @@ def check_archive(
 
 
 def _read_record(stream, length: int, index: int) -> bytearray:
-    """A record of ``length`` bytes whose own header says it is that long, read into one
-    buffer (held once, never copied)."""
+    """A record of ``length`` bytes whose own header says it is that long, in a buffer that
+    grows as the bytes arrive (not allocated at ``length`` first: a head that agrees with a
+    forged length, then the end of the file, would cost a gigabyte)."""
     head = _read_exact(stream, min(length, _RECORD_HEAD.size), "record")
     magic, version, _, header_len, payload_len = _RECORD_HEAD.unpack(head.ljust(_RECORD_HEAD.size, b"\0"))
     if magic != RECORD_MAGIC or version != RECORD_FORMAT_VERSION or (
         header_len + payload_len + SEAL_SIZE != length
     ):
         raise ArchiveError(f"damaged (record {index} is not a record of {length} bytes)")
-    record = bytearray(length)
-    record[: len(head)] = head
-    _read_into(stream, memoryview(record)[len(head) :], "record")
+    record = bytearray(head)
+    while len(record) < length:
+        chunk = stream.read(min(length - len(record), _READ_CHUNK))
+        if not chunk:
+            raise ArchiveError("truncated (in a record)")
+        record += chunk
     return record
 
 

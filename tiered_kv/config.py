@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
+import reprlib
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -12,6 +12,7 @@ import yaml
 from storage.codecs import get_codec
 from storage.remote_store import parse_remote_url
 from storage.seal import SealKey, load_key_file
+from tiered_kv.units import finite
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -86,7 +87,10 @@ class TierConfig:
         _int("cpu_bytes", self.cpu_bytes, minimum=0)
         _int("disk_bytes", self.disk_bytes, minimum=1)
         _int("staging_bytes", self.staging_bytes, minimum=1)
-        get_codec(self.codec)  # raises ValueError naming the valid specs
+        try:
+            get_codec(self.codec)
+        except ValueError as e:  # it names the valid specs
+            raise ValueError(f"codec is not usable: {e}") from None
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(
                 f"write_policy must be one of {', '.join(WRITE_POLICIES)}, "
@@ -98,7 +102,7 @@ class TierConfig:
             )
         timeout = self.flush_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
-            math.isfinite(timeout) and timeout >= 0
+            finite(timeout) and timeout >= 0
         ):
             raise ValueError(f"flush_timeout_s must be a finite number >= 0, got {timeout!r}")
         if not isinstance(self.sync, bool):
@@ -115,7 +119,7 @@ class TierConfig:
             )
         rt = self.remote_timeout_s
         if isinstance(rt, bool) or not isinstance(rt, (int, float)) or not (
-            math.isfinite(rt) and rt > 0
+            finite(rt) and rt > 0
         ):
             raise ValueError(f"remote_timeout_s must be a finite number > 0, got {rt!r}")
         if self.remote_ttl_s is not None:
@@ -129,8 +133,8 @@ class TierConfig:
             )
         if self.write_policy == "write-back" and self.has_disk and not self.has_cpu:
             raise ValueError(
-                "write_policy='write-back' writes blocks to disk when the CPU pool evicts them; "
-                "it needs a CPU pool (cpu_bytes > 0)"
+                "write_policy write-back writes blocks to disk when the CPU pool evicts them; "
+                "it needs a CPU pool (cpu_bytes > 0)"  # the field first: serve names its flag
             )
 
     @property
@@ -159,15 +163,29 @@ def load_tenant_priorities(path: str | os.PathLike[str]) -> dict[str, int]:
     per line, e.g. ``gold: -10`` and ``batch: 10``. Raises ``ValueError`` naming the file
     for one that cannot be read or does not hold such a mapping."""
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        reason = " ".join(str(e).split())  # YAML's messages span lines
-        raise ValueError(f"cannot read the tenant priorities {os.fspath(path)}: {reason}") from None
+        data = read_yaml(path)
+    except ValueError as e:
+        raise ValueError(f"cannot read the tenant priorities {os.fspath(path)}: {e}") from None
     try:
         _check_tenant_priorities(data if data is not None else {})
     except ValueError as e:
         raise ValueError(f"{os.fspath(path)}: {e}") from None
     return dict(data or {})
+
+
+def read_yaml(path: str | os.PathLike[str]) -> object:
+    """The one document of the YAML (or JSON) file ``path``. ``ValueError``, its reason in one
+    line, if it cannot be read (not UTF-8 included) or parsed (nested too deeply included)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(e.strerror or str(e)) from None
+    try:
+        return yaml.safe_load(text)
+    except (yaml.YAMLError, ValueError) as e:  # ValueError: a tagged value, `!!int x`
+        raise ValueError(f"not valid YAML: {' '.join(str(e).split())}") from None
+    except RecursionError:
+        raise ValueError("not valid YAML: nested too deeply") from None
 
 
 def remote_seal_key(config: TierConfig) -> SealKey:
@@ -199,11 +217,23 @@ def _check_tenant_priorities(priorities: object) -> None:
         )
     for tenant, priority in priorities.items():
         if not isinstance(tenant, str) or not tenant:
-            raise ValueError(f"a tenant must be a non-empty string (a cache_salt), got {tenant!r}")
+            raise ValueError(f"a tenant must be a non-empty string (a cache_salt), got {_shown(tenant)}")
         if isinstance(priority, bool) or not isinstance(priority, int) or not (
             -(2**63) <= priority < 2**63
         ):
-            raise ValueError(f"tenant {tenant!r}: the priority must be an integer, got {priority!r}")
+            raise ValueError(
+                f"tenant {_shown(tenant)}: the priority must be an integer, got {_shown(priority)}"
+            )
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, cut short: through its aliases a few lines of YAML can hold a list of
+    billions of items."""
+    return _SHORT.repr(value)
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 2, 60, 60
 
 
 def _int(name: str, value: object, *, minimum: int) -> None:

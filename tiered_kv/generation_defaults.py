@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from pathlib import Path
 
 from engine.sampling_params import SamplingParams
+from tiered_kv.units import finite
 
 FILE_NAME = "generation_config.json"
 _FLOAT_KEYS = ("temperature", "top_p", "min_p", "repetition_penalty")
@@ -65,7 +65,7 @@ class GenerationDefaults:
         for key in _FLOAT_KEYS:
             value = data.get(key)
             if value is not None:
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not finite(value):
                     raise ValueError(f"--generation-config: {source}: {key} must be a number, got {value!r}")
                 values[key] = float(value)
         for key, field in (("top_k", "top_k"), ("max_new_tokens", "max_tokens")):
@@ -90,8 +90,10 @@ def parse_override(text: str | None) -> dict:
         return {}
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # a JSONDecodeError, or an integer of too many digits
         raise ValueError(f"--override-generation-config is not JSON: {e}") from None
+    except RecursionError:  # json nests by recursion
+        raise ValueError("--override-generation-config is nested too deeply to read as JSON") from None
     if not isinstance(data, dict):
         raise ValueError("--override-generation-config must be a JSON object, e.g. '{\"temperature\": 0.5}'")
     return data

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from tiered_kv.config import GiB, MiB
 from tiered_kv.generation_defaults import GenerationDefaults, parse_override
 from tiered_kv.serve_option import Setting
 from tiered_kv.serve_option import flag_name as _flag
@@ -38,7 +39,7 @@ def check(config: ServeConfig, settings: tuple[Setting, ...]) -> None:
         object.__setattr__(config, name, tuple(values))
         for v in values:
             _str(name, v)
-    for name in ("admin_api_key", "revision", "chat_template", "tokenizer"):
+    for name in ("admin_api_key", "revision", "chat_template", "tokenizer", "override_generation_config"):
         if getattr(config, name) is not None:
             _str(name, getattr(config, name))
     if config.override_generation_config is not None:  # refused now, not after the model loaded
@@ -52,7 +53,7 @@ def check(config: ServeConfig, settings: tuple[Setting, ...]) -> None:
         raise ValueError(f"--max-logprobs must be an integer >= -1, got {config.max_logprobs!r}")
     if _bad_int(config.max_queue_len, 0):
         raise ValueError(f"--max-queue-len must be an integer >= 0, got {config.max_queue_len!r}")
-    if not _positive_number(config.max_request_body_mib):
+    if not (_size(config.max_request_body_mib, MiB) and config.max_request_body_mib > 0):
         raise ValueError(
             f"--max-request-body-mib must be a number of MiB > 0, got {config.max_request_body_mib!r}"
         )
@@ -66,9 +67,7 @@ def check(config: ServeConfig, settings: tuple[Setting, ...]) -> None:
             raise ValueError(f"{_flag(name)} must be a list of non-empty strings, got {value!r}")
     for name in ("kv_offloading_size", "kv_disk_size"):
         value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            math.isfinite(value) and value >= 0
-        ):
+        if not (_size(value, GiB) and value >= 0):
             raise ValueError(f"{_flag(name)} must be a number of GiB >= 0, got {value!r}")
     if not isinstance(config.kv_cache_dir, str):
         raise ValueError(f"--kv-cache-dir must be a path, got {config.kv_cache_dir!r}")
@@ -108,9 +107,12 @@ def _bad_int(value: object, minimum: int) -> bool:
     return isinstance(value, bool) or not isinstance(value, int) or value < minimum
 
 
-def _positive_number(value: object) -> bool:
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return number and math.isfinite(value) and value > 0
+def _size(value: object, unit: int) -> bool:
+    """A number of ``unit`` s whose count of bytes is finite (an ``int`` of any size is; a
+    float as large as 1e308 is not, once multiplied)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return isinstance(value, int) or math.isfinite(value * unit)
 
 
 def _str(name: str, value: object) -> None:

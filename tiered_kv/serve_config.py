@@ -16,6 +16,7 @@ build the engine's and the tiers' configs (``serve_conversions``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -33,7 +34,11 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 def _gib_to_bytes(text: str) -> int | None:
     gib = float(text)
-    return int(gib * GiB) if gib > 0 else None  # 0: the default, as vLLM reads it
+    if not gib > 0:
+        return None  # 0: the default, as vLLM reads it
+    if math.isinf(gib * GiB):
+        raise ValueError("too large")
+    return int(gib * GiB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,7 +340,10 @@ class ServeConfig:
         """Merge flags (``None`` values count as not given) over the environment over the
         YAML file (``config_file``, else ``TIERED_KV_CONFIG``) over the defaults."""
         environ = os.environ if environ is None else environ
-        return cls(**merge(SETTINGS, flags or {}, config_file, environ))
+        try:
+            return cls(**merge(SETTINGS, flags or {}, config_file, environ))
+        except ValueError as e:  # one line, as the CLI prints it: a path may hold a line break
+            raise ValueError(" ".join(str(e).splitlines())) from None
 
 
 SETTINGS: tuple[Setting, ...] = settings_of(ServeConfig)

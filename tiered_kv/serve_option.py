@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import types
 import typing
@@ -91,7 +92,10 @@ def human_readable_int(text: str) -> int:
             raise ValueError("not an integer (examples: 4096, 8k = 8000, 8K = 8192)") from None
     number, suffix = m.groups()
     if suffix in _DECIMAL:
-        return int(float(number) * _DECIMAL[suffix])
+        value = float(number) * _DECIMAL[suffix]
+        if math.isinf(value):
+            raise ValueError(f"too large: {text}")
+        return int(value)
     if "." in number:
         raise ValueError(f"a decimal number takes a decimal suffix: {number}{suffix.lower()}, not {text}")
     return int(number) * _BINARY[suffix]
@@ -127,7 +131,7 @@ def parse_list(text: str) -> tuple[str, ...]:
     if text.startswith("["):
         try:
             items = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deeply for json
             raise ValueError("not a JSON list of strings") from None
         if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
             raise ValueError("not a JSON list of strings")

@@ -11,8 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from tiered_kv.config import read_yaml
 from tiered_kv.serve_option import Setting
 
 CONFIG_ENV = "TIERED_KV_CONFIG"
@@ -56,11 +55,9 @@ def merge(
 
 def _read_yaml(path: Path, by_name: Mapping[str, Setting]) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise ValueError(f"--config {path}: {e.strerror or e}") from None
-    except yaml.YAMLError as e:
-        raise ValueError(f"--config {path}: not valid YAML: {e}") from None
+        data = read_yaml(path)
+    except ValueError as e:
+        raise ValueError(f"--config {path}: {e}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -81,11 +78,17 @@ def _read_yaml(path: Path, by_name: Mapping[str, Setting]) -> dict[str, Any]:
 
 
 def _typed(setting: Setting, value: Any, where: str) -> Any:
-    """Text is parsed (``"8000"``, ``"8k"``, ``"fp8_e4m3"``); a YAML list becomes a tuple."""
+    """Text is parsed (``"8000"``, ``"8k"``, ``"fp8_e4m3"``); a list of strings becomes a tuple
+    for a setting of several values. Any other structure is refused here, unshown: through its
+    aliases a few lines of YAML can hold a list of billions of items."""
     if isinstance(value, str):
         return _parse(setting, value, f"{where} {value!r}")
-    if isinstance(value, list) and setting.kind is tuple:
+    if isinstance(value, (list, tuple)) and setting.kind is tuple:
+        if not all(isinstance(v, str) for v in value):
+            raise ValueError(f"{where}: expected a list of strings")
         return tuple(value)
+    if value is not None and not isinstance(value, (bool, int, float)):
+        raise ValueError(f"{where}: expected text, a number or a boolean, got a {type(value).__name__}")
     return value
 
 

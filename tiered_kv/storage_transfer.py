@@ -118,21 +118,22 @@ def import_(
         try:
             with _progress("importing", summary.records) as bar:
                 task = bar.add_task("", total=summary.records)
-                batch = []
+                batch, batched = [], set()  # a key twice in the archive is one record
                 for key, data in read_archive(archive):
                     bar.advance(task)
-                    if store.contains(key):
+                    if key in batched or store.contains(key):
                         present += 1  # not a failure: the store keeps its own copy
                         continue
                     try:
                         batch.append((key, decode_record(data, archive_key, key, parallel_mac=True)))
+                        batched.add(key)
                     except RecordError as e:
                         skipped[e.reason] += 1
                     if len(batch) >= PUT_BATCH:
                         accepted = store.put_many(batch)
                         imported += sum(accepted)
                         refused += len(accepted) - sum(accepted)
-                        batch = []
+                        batch, batched = [], set()
                 accepted = store.put_many(batch)
                 imported += sum(accepted)
                 refused += len(accepted) - sum(accepted)

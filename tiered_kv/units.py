@@ -42,6 +42,15 @@ def parse_duration(text: str) -> float:
     return seconds
 
 
+def finite(value: float) -> bool:
+    """``math.isfinite``, but false, not ``OverflowError``, for an int too large for a float
+    (a setting of 10**400 seconds)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def format_size(nbytes: int) -> str:
     if nbytes < 1024:
         return f"{nbytes} B"
