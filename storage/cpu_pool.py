@@ -166,6 +166,7 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
         for commit in commits:
             commit.key.validate()
         kv_shape = tuple(kv_shape)
+        readers = int(hold)
         done: list[bool] = []
         with self._lock:
             entries = self._entries
@@ -181,11 +182,13 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
                     continue
                 entry = entries[key] = SlotEntry(
                     slot, kv_dtype, kv_shape, parent_hash, tuple(token_ids), set(pending),
-                    readers=int(hold), priority=priority,
+                    readers, priority=priority,
                 )
                 self._priorities[priority] += 1
-                self._settle_locked(key, entry)
-                self._queue_pending_locked(key, pending)
+                if pending:  # a new key is in no queue and not evictable: nothing to settle
+                    self._queue_pending_locked(key, pending)
+                elif not hold:
+                    self._settle_locked(key, entry)
             stored = done.count(True)
             self._stats.puts += stored
             self._stats.bytes_written += self._slot_nbytes * stored

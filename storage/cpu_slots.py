@@ -50,12 +50,11 @@ class Commit(NamedTuple):
     priority: int = DEFAULT_PRIORITY
 
 
-@dataclasses.dataclass(frozen=True)
-class SlotBlock:
+class SlotBlock(NamedTuple):
     """A block held in its slot: ``kv`` is a view of slot ``slot``, valid until the holder
     lets go (:meth:`CpuBlockPool.release`, or :meth:`CpuBlockPool.done_pending` for a
     writer); ``None`` from ``take_pending(views=False)``, whose caller reads the slot's row
-    of :attr:`CpuBlockPool.slab` itself."""
+    of :attr:`CpuBlockPool.slab` itself. (A tuple: a writer takes one a block it writes.)"""
 
     key: BlockKey
     slot: int

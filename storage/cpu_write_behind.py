@@ -10,7 +10,8 @@ per-tier count and queue of pending blocks (``_pending_count``, ``_queues``, set
 ``_init_write_behind``); the pool's ``commit_many``, ``delete`` and ``close`` change them
 through ``_queue_pending_locked``, ``_unqueue_pending_locked`` and
 ``_clear_pending_locked``. It uses the pool's lock and its condition ``_changed``,
-``_entries``, ``_evictable``, ``_closed``, ``slot_view`` and ``_settle_locked``.
+``_entries``, ``_evictable``, ``_closed``, ``keep_clean``, ``slot_view`` and
+``_settle_locked``.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import time
 from collections.abc import Iterable
 
 from storage.base import BlockKey
-from storage.cpu_slots import SlotBlock
+from storage.cpu_slots import SlotBlock, SlotEntry
 
 
 class WriteBehind:
@@ -90,15 +91,26 @@ class WriteBehind:
     def done_pending(self, tier: str, keys: Iterable[BlockKey]) -> None:
         """The writer for ``tier`` is finished with these blocks (written, or given up)."""
         with self._lock:
+            entries = self._entries
+            done = 0
+            settled: list[tuple[BlockKey, SlotEntry]] = []  # neither pending nor read now
             for key in keys:
-                entry = self._entries.get(key)
+                entry = entries.get(key)
                 if entry is None or tier not in entry.taken:
                     continue
                 entry.taken.discard(tier)
                 entry.pending.discard(tier)
-                self._pending_count[tier] -= 1
                 entry.readers -= 1
-                self._settle_locked(key, entry)
+                done += 1
+                if not entry.pending and not entry.readers:
+                    settled.append((key, entry))
+            if done:
+                self._pending_count[tier] -= done
+            if self.keep_clean:  # evictable now, the most recent of their priorities, in order
+                self._evictable.set_many(((k, e.priority) for k, e in settled), 1)
+            else:
+                for key, entry in settled:
+                    self._settle_locked(key, entry)
             self._changed.notify_all()
 
     def add_pending(self, tier: str, keys: Iterable[BlockKey]) -> int:

@@ -113,6 +113,9 @@ class Committer:
         created_ns: int = 0,
         priority: int = DEFAULT_PRIORITY,
     ) -> Pending:
+        """Record ``op`` as ``kb``'s newest pending operation. A caller other than the writer
+        thread wakes the writer (``_work.notify()``) once it has queued all it queues under
+        this hold of the lock: the writer cannot take any of it before the lock is let go."""
         self._seq += 1
         seq = self._seq
         entry = self._pending.get(kb)
@@ -131,7 +134,6 @@ class Committer:
                     entry.next_first = seq
                 self._queue.append(kb)
         self._pending_bytes += len(data) if data is not None else 0
-        self._work.notify()
         return entry
 
     def _wait_for_room_locked(self, nbytes: int) -> None:
@@ -143,6 +145,7 @@ class Committer:
             and self._pending_bytes + nbytes > self._max_pending_bytes
             and not self._closing
         ):
+            self._work.notify()  # for what the caller queued so far under this hold
             self._progress.wait()
 
     def _wait_committed_locked(self, target: int, deadline: float | None) -> bool:
@@ -261,9 +264,11 @@ class Committer:
             # As few calls per key as possible: each one drops and retakes the GIL.
             for s in snaps:
                 if s.op is Op.PUT:
+                    size = len(s.data)
                     txn.put(s.key, s.data, db=records)
-                    new = pack_meta(s.put_ns, len(s.data), s.created_ns, s.priority)
-                    used += len(s.data) - meta_size(txn.replace(s.key, new, db=meta))
+                    new = pack_meta(s.put_ns, size, s.created_ns, s.priority)
+                    replaced = txn.replace(s.key, new, db=meta)
+                    used += size if replaced is None else size - meta_size(replaced)
                     continue
                 if s.op is Op.QUARANTINE:
                     bad = txn.get(s.key, db=records)

@@ -11,8 +11,8 @@ up in LMDB, only counts corruption, and does not track access order.
 
 :class:`Reader` is a part of :class:`storage.lmdb_store.LmdbStore`: it uses the store's
 lock, LRU index (``_index``, ``_used``, ``_touched``), counters (``_stats``), ``_env``,
-``_dbs``, ``seal_key`` and ``_notify_gone``, and the committer's pending map and
-``_enqueue_locked``.
+``_dbs``, ``seal_key`` and ``_notify_gone``, and the committer's pending map,
+``_enqueue_locked`` and the writer's condition ``_work``.
 """
 from __future__ import annotations
 
@@ -170,6 +170,7 @@ class Reader:
         self._used -= self._index.pop(kb)
         self._touched.pop(kb, None)
         self._enqueue_locked(kb, Op.QUARANTINE, None, reason=f"{error.reason}: {error}")
+        self._work.notify()
         return True
 
     def _still_stored_locked(self, kb: bytes, data: bytes | memoryview) -> bool:

@@ -19,19 +19,21 @@ Capacity
 lock, LRU index (``_index``, ``_used``, ``_touched``), counters (``_stats``), limits
 (``capacity_bytes``, ``max_record_bytes``, ``_max_batch_bytes``, ``_max_batch_items``),
 ``seal_key``, ``_on_evict`` and ``_check_writable``, and the committer's
-``_enqueue_locked`` and ``_wait_for_room_locked``.
+``_enqueue_locked``, ``_wait_for_room_locked``, ``_pending_bytes``, ``_max_pending_bytes``
+and the writer's condition ``_work``.
 """
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from storage.base import BlockKey
 from storage.lmdb_committer import Op
 from storage.lmdb_meta import check_priority
 from storage.priority_lru import DEFAULT_PRIORITY
 from storage.record import Record, encode_record_buffer
+from storage.record_batch import RecordBatch
 
 logger = logging.getLogger("storage.lmdb_store")
 
@@ -45,7 +47,7 @@ class Writes:
 
     def put_many(
         self,
-        items: Iterable[tuple[BlockKey, Record]],
+        items: Iterable[tuple[BlockKey, Record]] | RecordBatch,
         *,
         priorities: Iterable[int] | None = None,
     ) -> list[bool]:
@@ -53,8 +55,9 @@ class Writes:
 
         ``priorities``: one per item (default: all ``0``; integers of 64 bits, signed), the
         order of eviction (see Capacity above), stored with each record; a record put again
-        takes the new one. Records are encoded on the calling thread; each group is queued at
-        once, so the writer commits it in one transaction.
+        takes the new one. Records are encoded on the calling thread (a
+        :class:`~storage.record_batch.RecordBatch` straight from its columns); each group is
+        queued at once, so the writer commits it in one transaction.
         """
         self._check_writable()
         results: list[bool] = []
@@ -62,15 +65,15 @@ class Writes:
         group: list[tuple[bytes, bytes | memoryview | None, int, int]] = []
         group_bytes = 0
         ranks = iter(priorities) if priorities is not None else itertools.repeat(DEFAULT_PRIORITY)
-        for (key, record), priority in zip(items, ranks, strict=priorities is not None):
-            key.validate()
+        if isinstance(items, RecordBatch):
+            sealed = items.sealed(self.seal_key)
+        else:
+            sealed = self._sealed(items)
+        for (key, data, created_ns), priority in zip(sealed, ranks, strict=priorities is not None):
             check_priority(priority)
-            if record.key != key:
-                raise ValueError(f"record is for {record.key.short()}, put under {key.short()}")
-            data = encode_record_buffer(record, self.seal_key)
             if len(data) > self.max_record_bytes:
                 data = None
-            group.append((key.to_bytes(), data, record.created_ns, priority))
+            group.append((key.to_bytes(), data, created_ns, priority))
             group_bytes += len(data) if data is not None else 0
             if group_bytes >= self._max_batch_bytes or len(group) >= self._max_batch_items:
                 self._queue_puts(group, results, evicted)
@@ -80,6 +83,15 @@ class Writes:
         self._notify_gone(evicted)
         return results
 
+    def _sealed(
+        self, items: Iterable[tuple[BlockKey, Record]]
+    ) -> Iterator[tuple[BlockKey, bytes | memoryview, int]]:
+        for key, record in items:
+            key.validate()
+            if record.key != key:
+                raise ValueError(f"record is for {record.key.short()}, put under {key.short()}")
+            yield key, encode_record_buffer(record, self.seal_key), record.created_ns
+
     def _queue_puts(
         self,
         group: list[tuple[bytes, bytes | memoryview | None, int, int]],
@@ -87,25 +99,34 @@ class Writes:
         evicted: list[bytes],
     ) -> None:
         with self._lock:
+            self._check_writable()
+            index = self._index
             for kb, data, created_ns, priority in group:
                 if data is None:
                     self._stats.dropped += 1
                     results.append(False)
                     continue
-                self._wait_for_room_locked(len(data))
-                self._check_writable()
-                if len(data) > self._room_locked(kb, priority):
+                size = len(data)
+                if self._pending_bytes + size > self._max_pending_bytes:
+                    self._wait_for_room_locked(size)
+                    self._check_writable()
+                # what is free always suffices; else see what it could evict or replace
+                free = self.capacity_bytes - self._used
+                if size > free and size > self._room_locked(kb, priority):
                     self._stats.dropped += 1  # only records that matter more could make room
                     results.append(False)
                     continue
-                if kb in self._index:  # replaced: set updates it, no removal
-                    self._used -= self._index[kb]
-                self._index.set(kb, len(data), priority)
-                self._used += len(data)
+                replaced = index.get(kb)
+                if replaced is not None:  # set updates it, no removal
+                    self._used -= replaced
+                index.set(kb, size, priority)
+                self._used += size
                 self._enqueue_locked(kb, Op.PUT, data, created_ns=created_ns, priority=priority)
                 self._stats.puts += 1
-                evicted.extend(self._evict_to_budget_locked(keep=kb))
+                if self._used > self.capacity_bytes:
+                    evicted.extend(self._evict_to_budget_locked(keep=kb))
                 results.append(True)
+            self._work.notify()
 
     def delete(self, key: BlockKey) -> bool:
         return self.delete_many([key]) == 1
@@ -124,6 +145,7 @@ class Writes:
                 self._touched.pop(kb, None)
                 self._enqueue_locked(kb, Op.DELETE, None)
                 removed += 1
+            self._work.notify()
         return removed
 
     def _room_locked(self, kb: bytes, priority: int) -> int:

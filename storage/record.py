@@ -30,6 +30,7 @@ them raises :class:`RecordError` (never another exception type).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import struct
 import time
 
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 
 from storage.base import DIGEST_SIZE, BlockKey
-from storage.seal import KEY_ID_SIZE, MAC_SIZE, SealKey
+from storage.seal import KEY_ID_SIZE, SEAL_SIZE, SealKey
 
 MAGIC = b"TKVR"
 FORMAT_VERSION = 2  # 1: an unkeyed xxh3-64 checksum instead of the seal (never read)
@@ -51,7 +52,6 @@ _FLAG_HAS_PARENT = 1
 RELEASED_ASSEMBLY_BYTES = 64 << 10
 
 _FIXED = struct.Struct("<4sHHIQQ32s32s32sBBHI")
-SEAL_SIZE = KEY_ID_SIZE + MAC_SIZE
 _ZERO_DIGEST = bytes(DIGEST_SIZE)
 
 # Stable on-disk codes; never renumber.
@@ -97,14 +97,8 @@ class Record:
 
     def __post_init__(self) -> None:
         self.key.validate()
-        if self.parent_hash is not None and len(self.parent_hash) != DIGEST_SIZE:
-            raise ValueError(f"parent hash must be {DIGEST_SIZE} bytes")
-        if self.dtype not in DTYPE_CODES:
-            raise ValueError(f"unsupported dtype for a record: {self.dtype}")
-        if len(self.shape) > MAX_NDIM:
-            raise ValueError(f"at most {MAX_NDIM} dimensions, got {len(self.shape)}")
-        if not self.codec.isascii() or not 0 < len(self.codec) <= MAX_CODEC_LEN:
-            raise ValueError(f"codec spec must be 1..{MAX_CODEC_LEN} ASCII chars: {self.codec!r}")
+        check_parent_hash(self.parent_hash)
+        check_layout(self.codec, self.dtype, self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -114,52 +108,126 @@ class Record:
         ) + SEAL_SIZE
 
 
+def check_parent_hash(parent_hash: bytes | None) -> None:
+    if parent_hash is not None and len(parent_hash) != DIGEST_SIZE:
+        raise ValueError(f"parent hash must be {DIGEST_SIZE} bytes")
+
+
+def check_layout(codec: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """``ValueError`` unless a record can hold blocks of ``codec``, ``dtype`` and ``shape``."""
+    if dtype not in DTYPE_CODES:
+        raise ValueError(f"unsupported dtype for a record: {dtype}")
+    if len(shape) > MAX_NDIM:
+        raise ValueError(f"at most {MAX_NDIM} dimensions, got {len(shape)}")
+    if not codec.isascii() or not 0 < len(codec) <= MAX_CODEC_LEN:
+        raise ValueError(f"codec spec must be 1..{MAX_CODEC_LEN} ASCII chars: {codec!r}")
+
+
 def _header_len(ndim: int, codec_len: int, num_tokens: int) -> int:
     return _FIXED.size + 4 * ndim + codec_len + 4 * num_tokens
 
 
-def _header(record: Record, payload_len: int) -> bytes:
-    ndim, codec = len(record.shape), record.codec.encode("ascii")
-    header_len = _header_len(ndim, len(codec), len(record.token_ids))
-    flags = _FLAG_HAS_PARENT if record.parent_hash is not None else 0
-    try:
-        return _FIXED.pack(
-            MAGIC, FORMAT_VERSION, flags, header_len, payload_len, record.created_ns,
-            record.key.namespace, record.key.block_hash, record.parent_hash or _ZERO_DIGEST,
-            DTYPE_CODES[record.dtype], ndim, len(codec), len(record.token_ids),
-        ) + struct.pack(f"<{ndim}I", *record.shape) + codec + struct.pack(
-            f"<{len(record.token_ids)}I", *record.token_ids
+class RecordLayout:
+    """What the headers of records of one codec, dtype and shape share, worked out once: a
+    record's header is then one ``pack`` of the fields that differ from block to block (a
+    writer encodes a batch's records with one layout; :func:`encode_record` looks its
+    record's up)."""
+
+    def __init__(self, codec: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        check_layout(codec, dtype, shape)
+        self._codec = codec.encode("ascii")
+        self._dtype_code = DTYPE_CODES[dtype]
+        self._shape = tuple(shape)
+        self._headers: dict[int, struct.Struct] = {}  # by the number of token ids
+
+    @staticmethod
+    @functools.lru_cache(maxsize=64)
+    def of(codec: str, dtype: torch.dtype, shape: tuple[int, ...]) -> RecordLayout:
+        """The layout of ``codec``, ``dtype`` and ``shape``, made once (a few are in use)."""
+        return RecordLayout(codec, dtype, shape)
+
+    def _header(self, num_tokens: int) -> struct.Struct:
+        header = self._headers.get(num_tokens)
+        if header is None:
+            header = self._headers[num_tokens] = struct.Struct(
+                f"{_FIXED.format}{len(self._shape)}I{len(self._codec)}s{num_tokens}I"
+            )
+        return header
+
+    def nbytes(self, num_tokens: int, payload_len: int) -> int:
+        """Size of an encoded record."""
+        return self._header(num_tokens).size + payload_len + SEAL_SIZE
+
+    def _fields(
+        self, header: struct.Struct, key: BlockKey, parent_hash: bytes | None,
+        token_ids: tuple[int, ...], payload_len: int, created_ns: int,
+    ) -> tuple:
+        return (
+            MAGIC, FORMAT_VERSION, _FLAG_HAS_PARENT if parent_hash is not None else 0,
+            header.size, payload_len, created_ns, key.namespace, key.block_hash,
+            parent_hash or _ZERO_DIGEST, self._dtype_code, len(self._shape), len(self._codec),
+            len(token_ids), *self._shape, self._codec, *token_ids,
         )
-    except struct.error as e:
-        raise ValueError(f"record field out of range: {e}") from None
+
+    def encode(
+        self, key: BlockKey, parent_hash: bytes | None, token_ids: tuple[int, ...],
+        payload: bytes | memoryview, created_ns: int, seal_key: SealKey,
+    ) -> bytes:
+        """The record of these fields sealed under ``seal_key``, as one ``bytes``."""
+        header = self._header(len(token_ids))
+        try:
+            head = header.pack(*self._fields(
+                header, key, parent_hash, token_ids, len(payload), created_ns
+            ))
+        except struct.error as e:
+            raise ValueError(f"record field out of range: {e}") from None
+        key_id = seal_key.key_id
+        return b"".join((head, payload, key_id, seal_key.mac(head, payload, key_id)))
+
+    def encode_buffer(
+        self, key: BlockKey, parent_hash: bytes | None, token_ids: tuple[int, ...],
+        payload: bytes | memoryview, created_ns: int, seal_key: SealKey,
+    ) -> bytes | memoryview:
+        """:meth:`encode`'s bytes, for a caller that takes any buffer (the disk tier): a
+        payload of :data:`RELEASED_ASSEMBLY_BYTES` or more is copied into a numpy buffer
+        with the GIL released, behind a header packed in place, and sealed there with one
+        MAC over the buffer (the same MAC: BLAKE3 hashes a stream), so the calling thread
+        holds the GIL for a few calls a record, whatever its size."""
+        payload = memoryview(payload).cast("B")
+        size = payload.nbytes
+        if size < RELEASED_ASSEMBLY_BYTES:
+            return self.encode(key, parent_hash, token_ids, payload, created_ns, seal_key)
+        header = self._header(len(token_ids))
+        start, end = header.size, header.size + size
+        buf = np.empty(end + SEAL_SIZE, dtype=np.uint8)
+        sealed = memoryview(buf)
+        try:
+            header.pack_into(sealed, 0, *self._fields(
+                header, key, parent_hash, token_ids, size, created_ns
+            ))
+        except struct.error as e:
+            raise ValueError(f"record field out of range: {e}") from None
+        buf[start:end] = np.frombuffer(payload, dtype=np.uint8)  # lets go of the GIL
+        seal_key.seal_into(sealed, end)
+        return sealed
 
 
 def encode_record(record: Record, seal_key: SealKey) -> bytes:
     """Serialize ``record`` sealed under ``seal_key``."""
-    header = _header(record, len(record.payload))
-    key_id = seal_key.key_id
-    mac = seal_key.mac(header, record.payload, key_id)
-    return b"".join((header, record.payload, key_id, mac))
+    layout = RecordLayout.of(record.codec, record.dtype, tuple(record.shape))
+    return layout.encode(
+        record.key, record.parent_hash, record.token_ids, record.payload, record.created_ns,
+        seal_key,
+    )
 
 
 def encode_record_buffer(record: Record, seal_key: SealKey) -> bytes | memoryview:
-    """:func:`encode_record`'s bytes, for a caller that takes any buffer (the disk tier): a
-    payload of :data:`RELEASED_ASSEMBLY_BYTES` or more is copied into a numpy buffer with
-    the GIL released and sealed with one MAC update over it (the same MAC: BLAKE3 hashes a
-    stream), so the calling thread holds the GIL for the header's few hundred bytes only."""
-    payload = memoryview(record.payload).cast("B")
-    size = payload.nbytes
-    if size < RELEASED_ASSEMBLY_BYTES:
-        return encode_record(record, seal_key)
-    header = _header(record, size)
-    start, end = len(header), len(header) + size
-    buf = np.empty(end + SEAL_SIZE, dtype=np.uint8)
-    buf[:start] = np.frombuffer(header, dtype=np.uint8)
-    buf[start:end] = np.frombuffer(payload, dtype=np.uint8)  # lets go of the GIL
-    buf[end : end + KEY_ID_SIZE] = np.frombuffer(seal_key.key_id, dtype=np.uint8)
-    sealed = memoryview(buf)
-    buf[end + KEY_ID_SIZE :] = np.frombuffer(seal_key.mac(sealed[: end + KEY_ID_SIZE]), dtype=np.uint8)
-    return sealed
+    """:func:`encode_record`'s bytes as :meth:`RecordLayout.encode_buffer` gives them."""
+    layout = RecordLayout.of(record.codec, record.dtype, tuple(record.shape))
+    return layout.encode_buffer(
+        record.key, record.parent_hash, record.token_ids, record.payload, record.created_ns,
+        seal_key,
+    )
 
 
 def sealing_key_id(buf: bytes | memoryview) -> bytes | None:

@@ -64,6 +64,39 @@ def test_disk_write_puts_every_block_of_a_paced_prompt_on_disk(tmp_path):
     assert not list(tmp_path.glob("disk-write-*"))  # each run's store is removed
 
 
+def test_writer_cost_reports_each_write_behind_thread_per_block(tmp_path):
+    got = run("writer_cost.py", "--blocks", "256", "--rounds", "1", "--dir", str(tmp_path),
+              out=tmp_path / "cost.json")
+    threads = {(r["codec"], r["thread"]) for r in got["rows"]}
+    assert {("raw", "engine"), ("raw", "writer"), ("raw", "committer")} <= threads
+    assert {("zstd", "writer"), ("zstd", "packers"), ("zstd", "committer")} <= threads
+    assert all(r["cpu_us"] > 0 for r in got["rows"] if r["thread"] != "engine")
+    assert not list(tmp_path.glob("writer-cost-*"))  # each run's store is removed
+
+
+def test_writer_cost_splits_a_callgrind_thread_at_the_interpreter_lock(tmp_path):
+    """Instructions of lock-free code (and the memcpy it calls) are ``lock_free``; the rest,
+    the memcpy called by the interpreter (``bytes.join``) included, is ``interpreter``."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import writer_cost
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    profile = tmp_path / "cg.1-02"
+    profile.write_text(
+        "events: Ir\n"
+        "ob=(1) /lib/libpython3.11.so\nfn=(1) _PyEval_EvalFrameDefault\n10 100\n"
+        "cob=(2) /lib/libc.so.6\ncfn=(2) __memcpy_avx_unaligned_erms\ncalls=1 0\n11 40\n"
+        "ob=(3) /site-packages/lmdb/cpython.so\nfn=(3) mdb_cursor_put\n20 7\n"
+        "cob=(2)\ncfn=(2)\ncalls=1 0\n+1 30\n"
+        "ob=(4) /site-packages/blake3/blake3.so\nfn=(4) 0x0000000000055480\n1 500\n"
+        "ob=(2)\nfn=(2)\n0 70\n"
+    )
+    role, counts = writer_cost.thread_instructions(profile)
+    assert role == "writer"  # it ran BLAKE3, and committed nothing
+    assert counts == {"interpreter": 100 + 40, "lock_free": 7 + 30 + 500}
+
+
 def test_engine_throughput_quick_matches_transformers_and_hits_its_prefix(tmp_path):
     got = run("engine_throughput.py", "--quick", "--shape", "tiny", out=tmp_path / "engine.json")
     assert got["complete"]

@@ -474,6 +474,23 @@ def test_pack_of_the_stage_payload_is_the_encoding(spec):
         codec.unpack_into(payload[:-1], kv.dtype, SHAPE, out)
 
 
+@pytest.mark.parametrize("data", ["random bytes", "a constant"])
+def test_a_zstd_pack_is_the_encoding_and_owns_its_bytes(data):
+    """A writer's pack joins the planes by numpy (the GIL let go): the same bytes as
+    ``encode``, stored planes or frames alike, none of them a view of the slot's bytes."""
+    codec = get_codec("zstd")
+    kv = make_kv(dtype=torch.bfloat16, seed=5)
+    if data == "random bytes":  # no plane compresses: each is stored as it is
+        kv.view(torch.uint8).random_(generator=torch.Generator().manual_seed(5))
+    else:
+        kv.fill_(1.5)
+    staged = codec.stage.encode_array(kv).copy()
+    payload = codec.pack(staged, kv.dtype, SHAPE)
+    assert payload == codec.encode(kv)
+    staged[:] = 0
+    assert payload == codec.encode(kv)
+
+
 @pytest.mark.parametrize("spec", ["raw", "kivi2", "kivi4"])
 @pytest.mark.parametrize("shape", [SHAPE, (1, 2, 3, 1, 5)], ids=["block", "odd-payload"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn], ids=str)

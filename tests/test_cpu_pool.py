@@ -152,6 +152,23 @@ def test_a_block_pending_for_two_tiers_stays_until_both_are_done():
     assert pool.wait_pending("remote", 0) and pool.reserve() is not None
 
 
+def test_blocks_done_together_are_evicted_in_the_order_they_were_done():
+    """A writer reports a batch done at once: the blocks become evictable in the order it
+    names them (the least recently written first), one still pending elsewhere stays, and a
+    block the writer did not take is not touched."""
+    pool = CpuBlockPool(4 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, pin_memory=False)
+    for i in (0, 1, 2):
+        assert reserve_and_commit(pool, i, pending=("disk", "remote") if i == 1 else ("disk",))
+    taken = [b.key for b in pool.take_pending("disk", 3, timeout=0)]
+    assert reserve_and_commit(pool, 3)  # pending, not taken
+    pool.done_pending("disk", [key(2), key(1), key(0), key(3), key(9)])
+    assert pool.num_pending("disk") == 1 and pool.num_pending("remote") == 1
+    assert taken == [key(0), key(1), key(2)] and pool.num_evictable() == 2
+    assert pool.reserve() is not None and not pool.contains(key(2))  # evicted first
+    assert pool.reserve() is not None and not pool.contains(key(0))
+    assert pool.reserve() is None  # block 1 waits for the remote tier, block 3 for the disk
+
+
 def test_a_staging_pool_lets_a_block_go_once_written():
     pool = CpuBlockPool(2 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, keep_clean=False, pin_memory=False)
     assert reserve_and_commit(pool, 0)

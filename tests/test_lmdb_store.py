@@ -422,6 +422,17 @@ def test_put_waits_while_too_much_is_pending(path: Path, monkeypatch) -> None:
         assert all(same(store.get(key(i)), record(i)) for i in (1, 2, 3))
 
 
+def test_one_put_many_larger_than_the_pending_bound_wakes_the_writer(path: Path) -> None:
+    """A group of puts is queued under one hold of the lock and wakes the writer once; a
+    put of the group that must wait for room first wakes it for those before it."""
+    with LmdbStore(path, 1 << 20, max_pending_bytes=2500) as store:
+        start = time.monotonic()
+        assert store.put_many([(key(i), record(i)) for i in range(6)]) == [True] * 6
+        assert time.monotonic() - start < 5  # the writer's own timeout is 30 s
+        store.flush()
+        assert all(same(store.get(key(i)), record(i)) for i in range(6))
+
+
 def test_concurrent_use_stays_consistent(path: Path) -> None:
     sizes = {i: 200 + 97 * i for i in range(60)}
     errors: list[str] = []

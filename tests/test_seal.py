@@ -110,3 +110,12 @@ def test_only_a_parallel_mac_of_a_large_input_asks_for_worker_threads(monkeypatc
     key.mac(small, parallel=True)
     key.mac(large, parallel=True)
     assert asked == [1, 1, blake3.AUTO]
+
+
+def test_a_seal_written_in_place_is_the_key_id_and_the_mac_of_what_precedes_it():
+    key = SealKey(SECRET)
+    buf = memoryview(bytearray(b"header and payload" + bytes(seal.SEAL_SIZE)))
+    end = len(buf) - seal.SEAL_SIZE
+    key.seal_into(buf, end)
+    assert bytes(buf[end : end + seal.KEY_ID_SIZE]) == key.key_id
+    assert bytes(buf[end + seal.KEY_ID_SIZE :]) == key.mac(bytes(buf[:end]), key.key_id)

@@ -9,15 +9,19 @@ dropped only when the whole pool is full of blocks not yet written.
 ::
 
     CpuBlockPool ─ take_pending(tier) ─▶ pack (codec) ─▶ store.put_many ─▶ done_pending
-    (slots pinned while pending)      (zstd: a batch     (LMDB commits on its own thread;
-                                       on PACK_THREADS)   Valkey/Redis: one pipeline)
+    (slots pinned while pending)      (zstd: the batch   (LMDB commits on its own thread;
+                                       in PACK_THREADS    Valkey/Redis: one pipeline)
+                                       runs)
 
 A slot holds its block in the form of the codec's tensor stage (raw bytes, or a KIVI
 payload quantized on the engine's device; see :mod:`tiered_kv.block_mover`), so a writer
 only applies the byte stage (zstd, or nothing) and seals the record. Without a byte stage
 the record's payload is a view of the slot (the stores encode a record inside ``put_many``,
-while the writer still holds the slot), so the only copy of the block's bytes under the
-GIL is the sealed record's.
+while the writer still holds the slot). A batch goes to ``put_many`` as one
+:class:`~storage.record_batch.RecordBatch`, from whose columns the disk tier seals each
+record without building a :class:`~storage.record.Record`: these threads share the GIL with
+the engine's, so what they run a block is Python the engine may wait for
+(``benchmarks/writer_cost.py`` counts it).
 
 With ``write_back`` the writer leaves blocks pending until the pool runs short of slots it
 could evict (fewer than ``low_watermark``), or refuses a reservation (a newcomer of a tenant
@@ -41,6 +45,7 @@ from storage.codecs import Codec
 from storage.cpu_pool import CpuBlockPool
 from storage.cpu_slots import SlotBlock
 from storage.record import Record
+from storage.record_batch import RecordBatch
 from tiered_kv.drop_warning import DropWarning
 from tiered_kv.metrics import TierMetrics
 
@@ -88,6 +93,7 @@ class PoolWriter:
         self._by_priority = by_priority  # the store evicts by the blocks' tenant priority
         # [num_slots, slot bytes]: a slot's stage payload is its row, no torch call a block
         self._slots = pool.slab.numpy()
+        self._rows = memoryview(self._slots).cast("B")  # the same bytes, sliced without numpy
         self._draining = threading.Event()  # write-back: write everything now
         self._refused_seen = 0  # write-back: the pool's refused reservations, as last seen
         self._closing = False
@@ -167,45 +173,46 @@ class PoolWriter:
 
     def _write(self, batch: list[SlotBlock]) -> None:
         start = time.perf_counter()
-        if self._packers is not None:
-            built = list(self._packers.map(self._record, batch))
-        else:
-            built = [self._record(block) for block in batch]
-        records = [r for r in built if r is not None]
-        priorities = [b.priority for b, r in zip(batch, built) if r is not None]
-        if not records:
+        if self._packers is not None:  # a run of blocks a pack thread (a task costs Python)
+            run = -(-len(batch) // PACK_THREADS)
+            runs = [batch[i : i + run] for i in range(0, len(batch), run)]
+            payloads = [p for packed in self._packers.map(self._pack_run, runs) for p in packed]
+        else:  # no byte stage: a block's payload is its slot's row (TensorCodec.pack)
+            size = self._pool.slot_nbytes
+            payloads = [self._rows[b.slot * size : (b.slot + 1) * size] for b in batch]
+        kept = [b for b, p in zip(batch, payloads) if p is not None]
+        if not kept:
             return
+        records = RecordBatch(
+            self._codec.name, self._dtype, self._shape,
+            [b.key for b in kept], [b.parent_hash for b in kept], [b.token_ids for b in kept],
+            [p for p in payloads if p is not None],
+        )
         try:
-            items = [(r.key, r) for r in records]
             if self._by_priority:
-                accepted = self._store.put_many(items, priorities=priorities)
+                accepted = self._store.put_many(records, priorities=[b.priority for b in kept])
             else:
-                accepted = self._store.put_many(items)
+                accepted = self._store.put_many(records)
         except StoreError as e:  # the store was closed under us
             logger.error("%s writer: %s", self.tier, e)
             self._metrics.add(self.tier, dropped=len(records))
             return
-        stored = [r for r, ok in zip(records, accepted) if ok]  # refusals: counted by the store
+        stored = [i for i, ok in enumerate(accepted) if ok]  # refusals: counted by the store
         if len(stored) < len(records):
             self._refusals.add(len(records) - len(stored), _REFUSAL_HINTS.get(self.tier, ""))
         self._metrics.observe_store(
-            self.tier, time.perf_counter() - start, len(stored), sum(r.nbytes for r in stored)
+            self.tier, time.perf_counter() - start, len(stored),
+            sum(records.nbytes(i) for i in stored),
         )
 
-    def _record(self, block: SlotBlock) -> Record | None:
-        """``block``'s record: its slot's stage payload, packed (``None``, counted as dropped,
-        if the codec refuses it)."""
+    def _pack_run(self, blocks: list[SlotBlock]) -> list[bytes | memoryview | None]:
+        return [self._pack(block) for block in blocks]
+
+    def _pack(self, block: SlotBlock) -> bytes | memoryview | None:
+        """``block``'s payload: its slot's stage payload, packed (``None``, counted as
+        dropped, if the codec refuses it)."""
         try:
-            staged = self._slots[block.slot]
-            return Record(
-                key=block.key,
-                parent_hash=block.parent_hash,
-                token_ids=block.token_ids,
-                codec=self._codec.name,
-                dtype=self._dtype,
-                shape=self._shape,
-                payload=self._codec.pack(staged, self._dtype, self._shape),
-            )
+            return self._codec.pack(self._slots[block.slot], self._dtype, self._shape)
         except ValueError as e:
             logger.error("%s writer: cannot encode %s: %s", self.tier, block.key.short(), e)
             self._metrics.add(self.tier, dropped=1)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import zstandard
 
-from storage.codecs.base import Codec, CodecError, TensorCodec, as_byte_array
+from storage.codecs.base import Codec, CodecError, Section, TensorCodec, as_byte_array
 
 DEFAULT_LEVEL = 1
 MIN_LEVEL, MAX_LEVEL = 1, 19
@@ -49,6 +49,7 @@ class ZstdCodec(Codec):
         self.name = stage if inner.name == "raw" else f"{inner.name}+{stage}"
         # zstandard contexts are not thread-safe: one pair per thread, reused across calls.
         self._local = threading.local()
+        self._layouts: dict[tuple[torch.dtype, tuple[int, ...]], list[Section]] = {}
 
     def _compressor(self) -> zstandard.ZstdCompressor:
         cctx = getattr(self._local, "cctx", None)
@@ -70,26 +71,42 @@ class ZstdCodec(Codec):
         return self.inner
 
     def encode(self, kv: torch.Tensor) -> bytes:
-        return self.pack(self.inner.encode_array(kv), kv.dtype, tuple(kv.shape))
+        parts = self._planes(self.inner.encode_array(kv), kv.dtype, tuple(kv.shape))
+        return b"".join([_lengths(parts), *parts])
 
-    def pack(self, staged: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
-        buf = staged
+    def pack(self, staged: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> memoryview:
+        """:meth:`encode`'s bytes, joined by numpy, which copies with the GIL released:
+        ``bytes.join`` holds it for any result under 1 MiB, a whole block's bytes on a
+        writer's pack thread."""
+        parts = self._planes(staged, dtype, tuple(shape))
+        head = np.frombuffer(_lengths(parts), dtype=np.uint8)
+        return memoryview(np.concatenate([head, *parts]))
+
+    def _planes(
+        self, staged: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> list[np.ndarray]:
+        """The stored planes of a stage payload, in order: each one's zstd frame, or the
+        plane itself where zstd did not make it smaller."""
         cctx = self._compressor()
-        lengths: list[int] = []
-        parts: list[bytes | memoryview] = []
+        parts: list[np.ndarray] = []
         offset = 0
-        for section in self.inner.layout(dtype, tuple(shape)):
-            data = buf[offset : offset + section.nbytes]
+        for section in self._layout(dtype, shape):
+            data = staged[offset : offset + section.nbytes]
             offset += section.nbytes
             # [n, w] -> [w, n]: one copy that gathers each byte plane contiguously.
             planes = data.reshape(-1, section.itemsize).T.copy() if section.itemsize > 1 else [data]
             for plane in planes:
                 packed = cctx.compress(plane)
-                if len(packed) >= plane.size:
-                    packed = memoryview(plane)
-                lengths.append(len(packed))
-                parts.append(packed)
-        return b"".join([struct.pack(f"<{len(lengths)}I", *lengths), *parts])
+                smaller = len(packed) < plane.size
+                parts.append(np.frombuffer(packed, dtype=np.uint8) if smaller else plane)
+        return parts
+
+    def _layout(self, dtype: torch.dtype, shape: tuple[int, ...]) -> list[Section]:
+        """The inner codec's layout, kept per (dtype, shape): a writer asks once a block."""
+        layout = self._layouts.get((dtype, shape))
+        if layout is None:
+            layout = self._layouts[(dtype, shape)] = self.inner.layout(dtype, shape)
+        return layout
 
     def decode(
         self,
@@ -107,7 +124,7 @@ class ZstdCodec(Codec):
         self, payload: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...], out: np.ndarray
     ) -> None:
         shape = tuple(shape)
-        layout = self.inner.layout(dtype, shape)
+        layout = self._layout(dtype, shape)
         if out.size != sum(s.nbytes for s in layout):
             raise CodecError(
                 f"{self.name}: a {dtype} {list(shape)} block stages to "
@@ -177,3 +194,8 @@ class ZstdCodec(Codec):
         if len(data) != plane_len:
             raise CodecError(f"{self.name}: zstd frame gave {len(data)} bytes, expected {plane_len}")
         return np.frombuffer(data, dtype=np.uint8)
+
+
+def _lengths(parts: list[np.ndarray]) -> bytes:
+    """The payload's header: each stored plane's length (u32)."""
+    return struct.pack(f"<{len(parts)}I", *(part.size for part in parts))
