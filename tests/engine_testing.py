@@ -239,7 +239,8 @@ def _due(pending: list[list]) -> list:
 
 def fail_detokenizing(monkeypatch, marked, at_call: int, message: str = "detokenizer broke") -> None:
     """Make detokenizing the requests ``marked(params)`` picks raise ``RuntimeError(message)``
-    at the detokenizer's ``at_call``-th token (prompt tokens primed included)."""
+    at the detokenizer's ``at_call``-th output token (the prompt tokens it is primed with
+    are not counted), so ``at_call - 1`` tokens come out before the failure."""
     from engine.output_processor import OutputProcessor
 
     real = OutputProcessor._detokenizer

@@ -247,8 +247,11 @@ def test_outputs_waiting_before_a_failure_are_yielded_before_it_raises(fresh, mo
             t for out in seen for t in out.token_ids]
 
     steady, stalled = asyncio.run(consume(False)), asyncio.run(consume(True))
-    assert len(stalled) == 2 < len(steady)
-    assert tokens(stalled) == tokens(steady) and len(tokens(steady)) > 2
+    # the eleven tokens before the failure all reach the consumer, however far behind it was:
+    # the stalled one sees the first output, then the rest merged into one (or all in one, if
+    # the engine finished before the first read, as a steady consumer on a fast machine may)
+    assert len(stalled) <= 2 and len(steady) >= len(stalled)
+    assert len(tokens(stalled)) == 11 and tokens(stalled) == tokens(steady)
     assert "".join(o.delta_text for o in stalled) == "".join(o.delta_text for o in steady)
 
 
