@@ -192,7 +192,7 @@ def test_repair_of_a_store_without_meta_pages_still_finds_priorities(tmp_path: P
 
 
 def test_an_eviction_undone_after_a_failed_commit_keeps_its_priority(tmp_path: Path, monkeypatch):
-    from test_lmdb_store import FailingDisk, disk_error
+    from lmdb_testing import FailingDisk, disk_error
 
     evicted: list[BlockKey] = []
     with store(tmp_path, evicted) as s:

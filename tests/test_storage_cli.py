@@ -19,7 +19,7 @@ from storage.codecs import encode_block
 from storage.lmdb_store import LmdbStore
 from storage.record import SEAL_SIZE
 from storage.seal import KEY_FILE_NAME, load_key_file
-from test_lmdb_store import leak_past_the_last_page
+from lmdb_testing import leak_past_the_last_page
 from tiered_kv.cli import app
 
 runner = CliRunner()
