@@ -28,7 +28,9 @@ from storage.lmdb_store import (
 from storage.record import Record, encode_record
 from storage.seal import KEY_FILE_NAME
 
-from lmdb_testing import NS, OTHER_NS, REPO, BlockedWriter, corrupt_stored, flip, key, put, record, same
+from lmdb_testing import (
+    NS, OTHER_NS, REPO, BlockedWriter, corrupt_stored, flip, key, put, record, same,
+)
 from lmdb_testing import path  # noqa: F401  (a fixture)
 
 

@@ -23,7 +23,7 @@ from storage.record import Record, encode_record
 from storage.remote_store import RemoteStore
 from storage.seal import SealKey
 from test_remote_tier import remote
-from test_tier_manager import BLOCK, FLUSH, GREEDY, PROMPTS, hit_tokens, make_llm
+from tier_testing import BLOCK, FLUSH, GREEDY, PROMPTS, hit_tokens, make_llm
 from tiered_kv import TierConfig, tier_stores
 
 NS = hashlib.sha256(b"cluster-ns").digest()

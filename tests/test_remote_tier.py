@@ -15,7 +15,7 @@ from redis_server import RedisServer, server_binary
 from remote_testing import ANSWER_S, SECRET, SILENT_S
 from storage.circuit_breaker import BreakerConfig
 from storage.remote_store import RemoteStore
-from test_tier_manager import BLOCK, FLUSH, GREEDY, PROMPTS, hit_tokens, make_llm
+from tier_testing import BLOCK, FLUSH, GREEDY, PROMPTS, hit_tokens, make_llm
 from tiered_kv import TierConfig, tier_stores
 from tiered_kv.config import remote_seal_key
 from tiered_kv.tier_manager import TierManager
