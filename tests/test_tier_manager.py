@@ -16,7 +16,9 @@ from storage.lmdb_store import LmdbStore
 from tiered_kv import TierConfig, TierManager
 from tiered_kv.block_mover import BlockMover
 from tiered_kv.tier_manager import SWITCH_INTERVAL_S
-from tier_testing import BLOCK, FLUSH, GREEDY, PROMPTS, hit_tokens, make_llm, tiny_block_nbytes
+from tier_testing import (
+    BLOCK, FLUSH, GREEDY, PROMPTS, hit_tokens, make_llm, stall_disk, tiny_block_nbytes,
+)
 from tier_testing import disk, reference  # noqa: F401  (fixtures)
 
 
@@ -161,14 +163,7 @@ def test_without_a_cpu_pool_blocks_go_straight_to_disk(reference, disk):
 
 def test_queued_blocks_are_found_before_they_are_written(reference, disk, monkeypatch):
     """A block waiting for the disk writer counts as present and is served from the queue."""
-    release = threading.Event()
-    put_many = LmdbStore.put_many
-
-    def stalled_put_many(self, items, **kwargs):
-        release.wait(30)
-        return put_many(self, items, **kwargs)
-
-    monkeypatch.setattr(LmdbStore, "put_many", stalled_put_many)
+    release = stall_disk(monkeypatch)
     tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=0, disk_bytes=64 << 20)
     with make_llm(tiers) as llm:
         manager = llm.engine.connector

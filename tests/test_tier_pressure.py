@@ -22,7 +22,7 @@ from storage.codecs.kivi import KiviCodec
 from storage.lmdb_store import LmdbStore
 from tiered_kv import TierConfig, TierManager, block_saver, pool_writer
 from tier_testing import (
-    BLOCK, GREEDY, PROMPTS, assert_all_dropped, hit_tokens, make_llm, tiny_block_nbytes,
+    BLOCK, GREEDY, PROMPTS, assert_all_dropped, hit_tokens, make_llm, stall_disk, tiny_block_nbytes,
 )
 from tier_testing import disk, reference  # noqa: F401  (fixtures)
 
@@ -36,14 +36,7 @@ def test_write_pressure_drops_stores_and_never_stalls(reference, disk, monkeypat
     keep up: the two wait for the disk, every other block is dropped and counted once (in
     the buffer's tier) once it has waited SAVE_WAIT_S, and the engine keeps producing the
     same tokens."""
-    release = threading.Event()
-    put_many = LmdbStore.put_many
-
-    def stalled_put_many(self, items, **kwargs):
-        release.wait(30)  # a disk that does not keep up
-        return put_many(self, items, **kwargs)
-
-    monkeypatch.setattr(LmdbStore, "put_many", stalled_put_many)
+    release = stall_disk(monkeypatch)
     monkeypatch.setattr(block_saver, "SAVE_WAIT_S", 0.0)
     block_nbytes = tiny_block_nbytes()
     two = 2 * block_nbytes
@@ -98,14 +91,7 @@ def test_an_engine_short_of_blocks_does_not_wait_for_saves_that_wait_for_the_dis
     pool too small for two prompts: the saves that found no slot hold the blocks the next
     request needs. The engine has them dropped (counted) and goes on; it does not wait
     for the disk or for SAVE_WAIT_S."""
-    release = threading.Event()
-    put_many = LmdbStore.put_many
-
-    def stalled_put_many(self, items, **kwargs):
-        release.wait(30)  # a disk that does not keep up
-        return put_many(self, items, **kwargs)
-
-    monkeypatch.setattr(LmdbStore, "put_many", stalled_put_many)
+    release = stall_disk(monkeypatch)
     monkeypatch.setattr(block_saver, "SAVE_WAIT_S", 3600.0)
     tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=2 * tiny_block_nbytes(), disk_bytes=64 << 20)
     try:
@@ -127,14 +113,7 @@ def test_an_engine_short_of_blocks_does_not_wait_for_saves_that_wait_for_the_dis
 
 
 def test_close_gives_up_on_the_queue_after_flush_timeout(reference, disk, monkeypatch):
-    release = threading.Event()
-    put_many = LmdbStore.put_many
-
-    def stalled_put_many(self, items, **kwargs):
-        release.wait(30)
-        return put_many(self, items, **kwargs)
-
-    monkeypatch.setattr(LmdbStore, "put_many", stalled_put_many)
+    release = stall_disk(monkeypatch)
     tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=0, disk_bytes=64 << 20, flush_timeout_s=0.1)
     llm = make_llm(tiers, blocks=64)
     manager = llm.engine.connector

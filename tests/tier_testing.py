@@ -2,6 +2,7 @@
 request (so hits must come from below), its prompts, and their reference outputs."""
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.models.tiny import TINY_CONFIG
+from storage.lmdb_store import LmdbStore
 from tiered_kv import TierConfig, build_llm
 
 BLOCK = 16
@@ -59,3 +61,18 @@ def assert_all_dropped(manager, blocks: int) -> None:
     stats = manager.stats()["cpu"]
     assert stats["dropped"] == blocks and stats["entries"] == 0
     assert manager.stores()["cpu"].num_evictable() == manager.stores()["cpu"].num_slots
+
+
+def stall_disk(monkeypatch) -> threading.Event:
+    """Hold every disk commit (``LmdbStore.put_many``) until the returned event is set: a
+    disk that does not keep up."""
+    release = threading.Event()
+    put_many = LmdbStore.put_many
+
+    def stalled_put_many(self, items, **kwargs):
+        release.wait(30)
+        return put_many(self, items, **kwargs)
+
+    monkeypatch.setattr(LmdbStore, "put_many", stalled_put_many)
+    return release
+
