@@ -20,20 +20,32 @@ link is not cut off, while a server that drips a byte at a time still meets the 
 
 A pooled connection has one user at a time, so the deadline is the calling thread's.
 Not bounded by it: resolving the host name, and a TLS handshake (the socket timeout alone).
+
+Nor is a reply's length, which only the server knows: a server that declares a terabyte
+and sends it as fast as the link goes earns time faster than it spends it. So a bulk reply
+may declare at most :data:`MAX_BULK_BYTES`; a longer (or negative) one is a protocol error
+that closes the connection before a byte of it is read.
 """
 from __future__ import annotations
 
+import functools
 import socket
 import threading
 import time
 from urllib.parse import urlsplit
 
 import valkey
+from valkey._parsers.base import _RESPBase
+from valkey._parsers.socket import SocketBuffer
+from valkey.exceptions import InvalidResponse
 
 
 # The slowest transfer a call is allowed: a call may take its timeout plus one second per
 # 64 MiB it moves.
 MIN_RATE_BYTES_S = 64 << 20
+# The longest bulk reply a connection reads: the largest record any tier holds (a block of
+# the largest models at the largest block size is about half of it).
+MAX_BULK_BYTES = 1 << 30
 
 
 class CallDeadline(threading.local):
@@ -93,9 +105,36 @@ class _DeadlineSocket:
         return getattr(self._sock, name)
 
 
+class _BoundedBuffer(SocketBuffer):
+    """The parser's buffer, refusing a bulk reply longer than :data:`MAX_BULK_BYTES` (the
+    parser reads ``$-1``, nil, before asking it for a length)."""
+
+    def read(self, length: int) -> bytes:
+        if not 0 <= length <= MAX_BULK_BYTES:
+            raise InvalidResponse(f"Protocol Error: a bulk reply of {length} bytes")
+        return super().read(length)
+
+
+@functools.cache
+def _bounded(parser_class: type) -> type:
+    """``parser_class`` reading through a :class:`_BoundedBuffer` (a parser in C, which has
+    no Python buffer, is left as it is)."""
+    if not issubclass(parser_class, _RESPBase):
+        return parser_class
+
+    class Bounded(parser_class):
+        def on_connect(self, connection) -> None:
+            super().on_connect(connection)
+            self._buffer = _BoundedBuffer(self._sock, self.socket_read_size,
+                                          connection.socket_timeout)
+
+    return Bounded
+
+
 class _Deadlined:
     """Makes a valkey connection class connect within, and talk through sockets bound by,
-    the ``call_deadline`` of the thread using it (a pooled connection has one user at a time)."""
+    the ``call_deadline`` of the thread using it (a pooled connection has one user at a time),
+    and read bulk replies of at most :data:`MAX_BULK_BYTES`."""
 
     def __init__(self, *, call_deadline: CallDeadline, **kwargs) -> None:
         self._call_deadline = call_deadline
@@ -105,6 +144,9 @@ class _Deadlined:
     def _connect(self):
         self.socket_connect_timeout = self._call_deadline.wait_s(self._connect_timeout)
         return _DeadlineSocket(super()._connect(), self._call_deadline)
+
+    def set_parser(self, parser_class) -> None:  # also how the client switches to RESP3
+        super().set_parser(_bounded(parser_class))
 
 
 class DeadlineConnection(_Deadlined, valkey.Connection):

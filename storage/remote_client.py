@@ -24,6 +24,7 @@ the nodes it saw fail: a node that answers the slot map passes the probe.
 from __future__ import annotations
 
 import abc
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 import valkey
 from valkey.backoff import NoBackoff
 from valkey.cluster import ClusterNode, ValkeyCluster
+from valkey.exceptions import InvalidResponse
 from valkey.retry import Retry
 
 from storage.call_deadline import CallDeadline, connection_class
@@ -41,6 +43,7 @@ from storage.cluster_pipeline import NO_ANSWER, NodeBreakers, NodeDown, send
 URL_SCHEMES = ("redis", "rediss", "valkey", "valkeys")
 CLUSTER_ON = ("1", "true", "yes")
 CLUSTER_OFF = ("0", "false", "no")
+SLOTS = 16384
 
 logger = logging.getLogger(__name__)
 
@@ -181,12 +184,21 @@ class ServerClient(RemoteClient):
         return self._client.scan(cursor, match=match, count=count)
 
     def memory(self) -> tuple[int, int]:
-        info = self._client.info("memory")
-        return int(info.get("used_memory", 0)), int(info.get("maxmemory", 0))
+        return _memory_figures(self._client.info("memory"))
 
     def close(self) -> None:
         self._client.close()
         self._client.connection_pool.disconnect()
+
+
+def _memory_figures(info: dict) -> tuple[int, int]:
+    """``used_memory`` and ``maxmemory`` of one server's ``INFO memory``. Raises
+    ``ValueError`` for a figure no server reports (negative, past 64 bits): the figures
+    reach the metrics, where a number past a float's range fails every scrape."""
+    used, limit = int(info.get("used_memory", 0)), int(info.get("maxmemory", 0))
+    if not (0 <= used < 1 << 64 and 0 <= limit < 1 << 64):
+        raise ValueError("INFO memory reports a figure out of range")
+    return used, limit
 
 
 class _Cluster(ValkeyCluster):
@@ -209,6 +221,45 @@ class _Cluster(ValkeyCluster):
         }
 
 
+class _SlotMapChecked:
+    """A connection that checks a ``CLUSTER SLOTS`` reply before the library reads it: the
+    library makes an entry for every slot of every range it names, so one range of 10**11
+    slots from a broken or hostile node would take minutes and gigabytes."""
+
+    _asked_slots = False
+
+    def send_command(self, *args, **kwargs) -> None:
+        self._asked_slots = args[:1] == ("CLUSTER SLOTS",)
+        super().send_command(*args, **kwargs)
+
+    def read_response(self, *args, **kwargs):
+        reply = super().read_response(*args, **kwargs)
+        asked, self._asked_slots = self._asked_slots, False
+        if asked:
+            _check_slot_map(reply)
+        return reply
+
+
+def _check_slot_map(reply) -> None:
+    """Raises unless each range of a ``CLUSTER SLOTS`` reply is two slot numbers in order,
+    and the ranges hold at most every slot once."""
+    if not isinstance(reply, list):
+        raise InvalidResponse(f"CLUSTER SLOTS replied {reply!r:.100}")
+    total = 0
+    for entry in reply:
+        first, last = entry[:2] if isinstance(entry, list) and len(entry) >= 2 else (None, None)
+        if not (isinstance(first, int) and isinstance(last, int) and 0 <= first <= last < SLOTS):
+            raise InvalidResponse(f"CLUSTER SLOTS names the range {entry!r:.100}")
+        total += last - first + 1
+    if total > SLOTS:
+        raise InvalidResponse(f"CLUSTER SLOTS names {total} slots")
+
+
+@functools.cache
+def _cluster_connection(connection: type[valkey.Connection]) -> type[valkey.Connection]:
+    return type(f"Cluster{connection.__name__}", (_SlotMapChecked, connection), {})
+
+
 class ClusterClient(RemoteClient):
     """A Valkey/Redis Cluster; see the module docstring. A node that does not answer is
     down for ``cooldown_s``. Thread-safe."""
@@ -219,7 +270,9 @@ class ClusterClient(RemoteClient):
         self._deadline = deadline
         self._nodes = NodeBreakers(cooldown_s)
         self._refresh_slots = False  # a node went down: ask a node that is up for the slot map
-        tls_or_tcp = connection_class(url)
+        start = urlsplit(url)
+        self._start = (start.hostname, start.port or 6379)  # the URL's node
+        tls_or_tcp = _cluster_connection(connection_class(url))
 
         def pool(**kwargs) -> valkey.ConnectionPool:
             # The library puts its own class for a TLS URL here; ours bounds every wait.
@@ -241,7 +294,12 @@ class ClusterClient(RemoteClient):
     def client(self) -> ValkeyCluster:
         with self._lock:
             if self._cluster is None:
-                seeds = [ClusterNode(host, port) for host, port in self._known]
+                # Nodes that went down are asked for the slot map last: one that takes the
+                # connection and never answers would spend every probe's deadline.
+                seeds = sorted(
+                    (ClusterNode(host, port) for host, port in [*self._known, self._start]),
+                    key=lambda node: self._nodes.is_down(node.name),
+                )
                 self._cluster = _Cluster(url=self._url, startup_nodes=seeds,
                                          cluster_error_retry_attempts=0,  # the breakers decide
                                          **self._options)
@@ -305,8 +363,9 @@ class ClusterClient(RemoteClient):
                 continue
             self._nodes.record(node.name, permit, None)
             answered += 1
-            used += int(info.get("used_memory", 0))
-            limit += int(info.get("maxmemory", 0))
+            node_used, node_limit = _memory_figures(info)
+            used += node_used
+            limit += node_limit
         if not answered:
             raise error
         return used, limit

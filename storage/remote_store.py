@@ -72,6 +72,10 @@ logger = logging.getLogger(__name__)
 
 _GLOB_CHARS = set("*?[]\\")
 _SCAN_COUNT = 1000
+# A walk of a node ends after this many pages: at _SCAN_COUNT keys a page, more than a node
+# of 400 million keys needs (Redis is tested to 250 million). Past it, the server hands out
+# new cursors forever.
+_MAX_SCAN_PAGES = 1 << 19
 
 
 class RemoteStore(BlockStore[Record]):
@@ -278,12 +282,13 @@ class RemoteStore(BlockStore[Record]):
         if not kbs:
             return 0
         replies = self._pipeline(lambda p: [p.delete(kb) for kb in kbs], len(kbs), "delete")
-        return sum(int(r) for r in replies if not isinstance(r, Exception))
+        return sum(r == 1 for r in replies)  # anything else, an error or garbage, deleted nothing
 
     def keys(self, namespace: bytes | None = None) -> Iterator[BlockKey]:
         """Keys under this prefix by ``SCAN`` of the server, or of every primary of a
-        cluster, one page per call (stops where the server or a node is unreachable, at a
-        cursor the walk already passed, and once the store is closed)."""
+        cluster, one page per call (stops where the server or a node is unreachable or
+        answers something other than a page, at a cursor the walk already passed, after
+        ``_MAX_SCAN_PAGES`` pages of a node, and once the store is closed)."""
         pattern = self._prefix + (namespace.hex().encode() + b":" if namespace else b"") + b"*"
         ok, nodes = self._call(lambda r: r.scan_nodes(), "scan")
         if not ok:
@@ -292,10 +297,12 @@ class RemoteStore(BlockStore[Record]):
         for node in nodes:
             cursor: int | None = 0
             visited: set[int] = set()  # a server whose cursors cycle ends the walk
-            while cursor is not None and cursor not in visited and not self._closed:
+            while (cursor is not None and cursor not in visited and not self._closed
+                   and len(visited) < _MAX_SCAN_PAGES):
                 visited.add(cursor)
                 ok, reply = self._call(
-                    lambda r, cur=cursor, node=node: r.scan(node, cur, pattern, _SCAN_COUNT), "scan"
+                    lambda r, cur=cursor, node=node: _page(r.scan(node, cur, pattern, _SCAN_COUNT)),
+                    "scan",
                 )
                 if not ok:
                     return
@@ -354,3 +361,12 @@ class RemoteStore(BlockStore[Record]):
             return
         self._closed = True
         self._remote.close()
+
+
+def _page(reply) -> tuple[int, list[bytes]]:
+    """A ``SCAN`` reply checked: the next cursor and the keys that are strings. Raises for
+    anything else (the walk ends there)."""
+    cursor, keys = reply
+    if not isinstance(cursor, int) or not isinstance(keys, list):
+        raise ValueError(f"not a SCAN page: {reply!r:.100}")
+    return cursor, [k for k in keys if isinstance(k, bytes)]
