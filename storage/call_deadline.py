@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 
 import valkey
 from valkey._parsers.base import _RESPBase
+from valkey._parsers.resp2 import _RESP2Parser
 from valkey._parsers.socket import SocketBuffer
 from valkey.exceptions import InvalidResponse
 
@@ -117,10 +118,11 @@ class _BoundedBuffer(SocketBuffer):
 
 @functools.cache
 def _bounded(parser_class: type) -> type:
-    """``parser_class`` reading through a :class:`_BoundedBuffer` (a parser in C, which has
-    no Python buffer, is left as it is)."""
+    """``parser_class`` reading through a :class:`_BoundedBuffer`. The parser in C (used when
+    ``libvalkey`` is installed) has no Python buffer to bound: the Python one stands in for
+    it (RESP2; the client switches it to RESP3 as it would without ``libvalkey``)."""
     if not issubclass(parser_class, _RESPBase):
-        return parser_class
+        parser_class = _RESP2Parser
 
     class Bounded(parser_class):
         def on_connect(self, connection) -> None:

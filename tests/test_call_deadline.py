@@ -7,9 +7,13 @@ import time
 
 import pytest
 import valkey
+from valkey._parsers import _LibvalkeyParser, _RESP2Parser, _RESP3Parser
+from valkey.exceptions import InvalidResponse
 
 from storage import call_deadline
-from storage.call_deadline import MIN_RATE_BYTES_S, CallDeadline, _DeadlineSocket, connection_class
+from storage.call_deadline import (
+    MAX_BULK_BYTES, MIN_RATE_BYTES_S, CallDeadline, _DeadlineSocket, connection_class,
+)
 
 
 class _Clock:
@@ -134,3 +138,23 @@ def test_tls_urls_get_tls_connections():
     assert issubclass(connection_class("valkeys://h:1/0"), valkey.SSLConnection)
     assert not issubclass(connection_class("redis://h:1/0"), valkey.SSLConnection)
     assert issubclass(connection_class("valkey://h:1/0"), valkey.Connection)
+
+
+@pytest.mark.parametrize("parser", [_RESP2Parser, _RESP3Parser, _LibvalkeyParser])
+def test_every_connection_reads_through_the_bounded_buffer(parser):
+    """Whichever parser the library would pick (the C one where ``libvalkey`` is installed),
+    a connection parses in Python through a buffer that refuses a reply declaring more than
+    MAX_BULK_BYTES."""
+    connection = connection_class("redis://h:1/0")(
+        call_deadline=CallDeadline(), parser_class=parser)
+    assert isinstance(connection._parser, _RESP3Parser if parser is _RESP3Parser else _RESP2Parser)
+    left, right = socket.socketpair()
+    try:
+        connection._sock = left
+        connection._parser.on_connect(connection)
+        right.sendall(b"$%d\r\nabc" % (MAX_BULK_BYTES + 1))
+        with pytest.raises(InvalidResponse, match="bulk reply"):
+            connection._parser.read_response()
+    finally:
+        left.close()
+        right.close()
