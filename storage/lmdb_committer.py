@@ -57,7 +57,7 @@ class Pending:
     reason: str
     seq: int
     first_seq: int
-    put_ns: int
+    put_ns: int  # the access time to store: the put's, or a later read's (see lmdb_reader)
     created_ns: int
     priority: int
     queued: bool = True

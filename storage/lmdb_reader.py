@@ -134,6 +134,10 @@ class Reader:
                 if kbs[i] in self._index:
                     self._index.move_to_end(kbs[i])
                     self._touched[kbs[i]] = now
+                    entry = self._pending.get(kbs[i])
+                    if entry is not None and entry.op is Op.PUT:
+                        # the put's commit writes its meta after (or without) this touch
+                        entry.put_ns = now
             gone = [kb for kb, error, data in bad if self._corrupt_locked(kb, error, data)]
         self._notify_gone(gone)
         return results

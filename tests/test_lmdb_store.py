@@ -473,6 +473,26 @@ def test_access_order_survives_reopening(path: Path) -> None:
         assert evicted == [key(2), key(3)]
 
 
+@pytest.mark.parametrize("batch_items", [512, 1])
+def test_a_read_before_its_put_commits_survives_reopening(
+    path: Path, monkeypatch, batch_items
+) -> None:
+    """The read's access time is stored, not the older put's (whether the writer commits
+    the put with the read's batch of access times or after it)."""
+    size = record(0).nbytes
+    with LmdbStore(path, 4 * size, max_batch_items=batch_items) as store:
+        blocked = BlockedWriter(store, monkeypatch)
+        put(store, 0)
+        put(store, 1)
+        store.get(key(0))
+        blocked.release.set()
+    evicted: list[BlockKey] = []
+    with LmdbStore(path, 4 * size, on_evict=evicted.append) as store:
+        for i in (2, 3, 4):
+            put(store, i)
+        assert evicted == [key(1)]
+
+
 def test_smaller_capacity_on_reopen_evicts_the_oldest(path: Path) -> None:
     size = record(0).nbytes
     with LmdbStore(path, 10 * size) as store:
