@@ -1,6 +1,8 @@
 """Helpers shared by the engine tests: a one-thread fixture, sequences, an in-memory connector."""
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Sequence as Seq
 
 import pytest
@@ -62,6 +64,27 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def hold_steps(monkeypatch, engine, after: int = 0, hold_s: float = 30.0) -> threading.Event:
+    """Let ``engine`` take ``after`` more steps, then hold it until the returned event is set
+    (or ``hold_s`` has passed, so that a test of broken code fails instead of hanging): a
+    held step computes nothing and returns no outputs, while an ``AsyncLLM``'s thread still
+    takes in adds and aborts and refreshes its stats. How far a request gets before the test
+    acts is then up to the test, not to how fast the engine is next to its consumer."""
+    release = threading.Event()
+    step, taken = engine.step, [0]
+    deadline = time.monotonic() + hold_s
+
+    def held_step():
+        if taken[0] >= after and not release.is_set() and time.monotonic() < deadline:
+            release.wait(0.005)
+            return []
+        taken[0] += 1
+        return step()
+
+    monkeypatch.setattr(engine, "step", held_step)
+    return release
 
 
 def make_seq(

@@ -11,7 +11,7 @@ import torch
 from engine import LLM, AsyncLLM, RequestOutputKind, SamplingParams
 from engine import llm_engine
 from engine.async_engine import EngineDeadError, RequestFailedError
-from engine_testing import fail_detokenizing, one_thread  # noqa: F401  (one_thread: autouse fixture)
+from engine_testing import fail_detokenizing, hold_steps, one_thread  # noqa: F401  (one_thread: autouse fixture)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 ENDLESS = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
@@ -41,6 +41,20 @@ def wait_idle(llm: AsyncLLM, timeout: float = 10.0):
     raise AssertionError(f"engine still busy: {llm.stats()}")
 
 
+def finishes(monkeypatch, llm: AsyncLLM) -> threading.Event:
+    """An event set once a step's finished output has been handed to its event loop."""
+    finished = threading.Event()
+    deliver = llm._deliver_step
+
+    def deliver_step(outputs):
+        deliver(outputs)
+        if any(o.finished for o in outputs):
+            finished.set()
+
+    monkeypatch.setattr(llm, "_deliver_step", deliver_step)
+    return finished
+
+
 async def collect(llm: AsyncLLM, prompt, params=GREEDY, **kw):
     return [out async for out in llm.generate(prompt, params, **kw)]
 
@@ -59,24 +73,27 @@ def test_streaming_yields_growing_outputs(llm):
 
 
 @pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA])
-def test_a_consumer_that_falls_behind_gets_the_waiting_outputs_merged(llm, kind):
+def test_a_consumer_that_falls_behind_gets_the_waiting_outputs_merged(llm, monkeypatch, kind):
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, logprobs=1)
     offline = LLM(max_model_len=256, num_gpu_blocks_override=64, device="cpu")
     try:
         expected = offline.generate(["Fall behind"], params)[0]
     finally:
         offline.engine.close()
+    release = hold_steps(monkeypatch, llm.engine, after=1)  # the first output is read alone
+    finished = finishes(monkeypatch, llm)
 
     async def main():
         outs = []
         async for out in llm.generate("Fall behind", dataclasses.replace(params, output_kind=kind)):
             outs.append(out)
             if len(outs) == 1:
-                time.sleep(0.5)  # the event loop is busy: the engine steps on meanwhile
+                release.set()
+                assert finished.wait(30)  # the event loop is busy: the engine steps on meanwhile
         return outs
 
     outs = asyncio.run(main())
-    assert len(outs) < 60
+    assert len(outs) == 2
     assert "".join(o.delta_text for o in outs) == expected.text
     if kind is RequestOutputKind.CUMULATIVE:
         assert len(outs[1].token_ids) - len(outs[0].token_ids) > 1  # merged, not one a step
@@ -108,9 +125,14 @@ def test_a_steps_outputs_reach_each_event_loop_in_one_hand_off(fresh, monkeypatc
 
     monkeypatch.setattr(fresh, "_deliver_step", counted_step)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    release = hold_steps(monkeypatch, fresh.engine)  # until all six wait: they run side by side
 
     async def main():
-        return await asyncio.gather(*(collect(fresh, f"prompt {i}", params) for i in range(6)))
+        streams = asyncio.gather(*(collect(fresh, f"prompt {i}", params) for i in range(6)))
+        while fresh.stats().num_waiting < 6:
+            await asyncio.sleep(0.005)
+        release.set()
+        return await streams
 
     results = asyncio.run(main())
     assert all(outs[-1].finished and len(outs[-1].token_ids) == 12 for outs in results)
@@ -120,14 +142,16 @@ def test_a_steps_outputs_reach_each_event_loop_in_one_hand_off(fresh, monkeypatc
     assert len(calls) <= steps < sum(produced) / 2, (len(calls), produced)
 
 
-def test_a_request_whose_event_loop_closed_is_aborted(fresh):
+def test_a_request_whose_event_loop_closed_is_aborted(fresh, monkeypatch):
+    release = hold_steps(monkeypatch, fresh.engine, after=1)
     loop = asyncio.new_event_loop()
     stream = fresh.generate("Nobody reads me", ENDLESS)
     first = loop.run_until_complete(stream.__anext__())
     assert not first.finished
     loop.close()  # the consumer's loop is gone, its generator left suspended
+    release.set()
     stats = wait_idle(fresh)
-    assert stats.num_used_blocks == 0
+    assert stats.num_used_blocks == 0 and stats.num_generated_tokens < 200
     with pytest.raises(RuntimeError):
         loop.run_until_complete(stream.aclose())
 
@@ -143,21 +167,25 @@ def test_streams_match_offline_generation_and_run_concurrently(fresh):
     assert [r[-1].token_ids for r in results] == expected
 
 
-def test_abort_ends_the_stream_and_frees_blocks(fresh):
+def test_abort_ends_the_stream_and_frees_blocks(fresh, monkeypatch):
+    hold_steps(monkeypatch, fresh.engine, after=3)  # the request runs until the abort
+
     async def main():
         outs = []
         async for out in fresh.generate("abort me", ENDLESS, request_id="a1"):
             outs.append(out)
-            if len(outs) == 3:
+            if len(out.token_ids) == 3:
                 fresh.abort("a1")
         return outs
 
     outs = asyncio.run(main())
-    assert outs[-1].finish_reason == "abort" and 3 <= len(outs[-1].token_ids) < 200
+    assert outs[-1].finish_reason == "abort" and len(outs[-1].token_ids) == 3
     assert wait_idle(fresh).num_finished_requests == 1
 
 
-def test_leaving_the_loop_early_aborts(fresh):
+def test_leaving_the_loop_early_aborts(fresh, monkeypatch):
+    hold_steps(monkeypatch, fresh.engine, after=2)
+
     async def main():
         async for out in fresh.generate("break early", ENDLESS):
             if len(out.token_ids) >= 2:  # outputs merge when the consumer falls behind
@@ -165,11 +193,12 @@ def test_leaving_the_loop_early_aborts(fresh):
         await asyncio.sleep(0)  # let the abandoned generator be finalized
 
     asyncio.run(main())
-    stats = wait_idle(fresh)
-    assert stats.num_generated_tokens < 200
+    assert wait_idle(fresh).num_generated_tokens == 2
 
 
-def test_cancelling_the_consumer_aborts(fresh):
+def test_cancelling_the_consumer_aborts(fresh, monkeypatch):
+    hold_steps(monkeypatch, fresh.engine, after=1)
+
     async def main():
         started = asyncio.Event()
 
@@ -184,7 +213,7 @@ def test_cancelling_the_consumer_aborts(fresh):
             await task
 
     asyncio.run(main())
-    assert wait_idle(fresh).num_generated_tokens < 200
+    assert wait_idle(fresh).num_generated_tokens == 1
 
 
 def test_invalid_requests_raise_in_the_consumer(fresh):
@@ -235,11 +264,15 @@ def test_outputs_waiting_before_a_failure_are_yielded_before_it_raises(fresh, mo
 
     async def consume(stall: bool):
         seen = []
+        if stall:
+            release = hold_steps(monkeypatch, fresh.engine, after=1)  # the first output is read alone
+            finished = finishes(monkeypatch, fresh)
         with pytest.raises(RequestFailedError):
             async for out in fresh.generate("fail me later", marked):
                 seen.append(out)
                 if stall and len(seen) == 1:
-                    time.sleep(0.5)  # the rest of the outputs and the failure queue up
+                    release.set()
+                    assert finished.wait(30)  # the rest of the outputs and the failure queue up
         return seen
 
     def tokens(seen):
@@ -248,9 +281,8 @@ def test_outputs_waiting_before_a_failure_are_yielded_before_it_raises(fresh, mo
 
     steady, stalled = asyncio.run(consume(False)), asyncio.run(consume(True))
     # the eleven tokens before the failure all reach the consumer, however far behind it was:
-    # the stalled one sees the first output, then the rest merged into one (or all in one, if
-    # the engine finished before the first read, as a steady consumer on a fast machine may)
-    assert len(stalled) <= 2 and len(steady) >= len(stalled)
+    # the stalled one sees the first output, then the rest merged into one
+    assert len(stalled) == 2 and len(stalled[0].token_ids) == 1
     assert len(tokens(stalled)) == 11 and tokens(stalled) == tokens(steady)
     assert "".join(o.delta_text for o in stalled) == "".join(o.delta_text for o in steady)
 
@@ -264,14 +296,15 @@ def test_a_prompt_that_is_not_unicode_is_refused(fresh):
     assert asyncio.run(main())[-1].finished and fresh.is_running
 
 
-def test_shutdown_aborts_streams_and_refuses_new_requests():
+def test_shutdown_aborts_streams_and_refuses_new_requests(monkeypatch):
     llm = AsyncLLM(max_model_len=256, num_gpu_blocks_override=64, device="cpu")
+    hold_steps(monkeypatch, llm.engine, after=2)  # the request runs until the shutdown
 
     async def main():
         outs = []
         async for out in llm.generate("shutting down", ENDLESS):
             outs.append(out)
-            if len(outs) == 2:
+            if len(out.token_ids) == 2:
                 await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
         with pytest.raises(EngineDeadError):
             await collect(llm, "too late")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine import AsyncLLM
-from engine_testing import one_thread  # noqa: F401  (autouse fixture)
+from engine_testing import hold_steps, one_thread  # noqa: F401  (one_thread: autouse fixture)
 from metrics_testing import VLLM_BUCKETS, families, sample_names, samples, value
 from server_testing import BLOCK, MAX_MODEL_LEN, client, run
 from tiered_kv import TierConfig, TierManager
@@ -168,14 +168,19 @@ def test_latency_histograms_use_vllms_buckets(llm):
         assert bounds == [*buckets, float("inf")], name
 
 
-def test_preemptions_are_counted(llm):
+def test_preemptions_are_counted(llm, monkeypatch):
     """Two requests that each need 10 of the pool's 16 blocks: one is preempted."""
     before = value(metrics_after(llm, lambda c: asyncio.sleep(0)), "vllm:num_preemptions_total")
+    release = hold_steps(monkeypatch, llm.engine)  # until both wait: they run side by side
 
     async def crowd(c):
-        await asyncio.gather(
+        both = asyncio.gather(
             complete(c, "First long story: " * 3, 100), complete(c, "Second long story: " * 3, 100)
         )
+        while llm.stats().num_waiting < 2:
+            await asyncio.sleep(0.005)
+        release.set()
+        await both
 
     after = value(metrics_after(llm, crowd), "vllm:num_preemptions_total")
     assert after > before

@@ -179,7 +179,7 @@ def test_a_killed_node_costs_only_its_own_keys_and_is_used_again_after_the_coold
     private_cluster, breaker_clock, caplog
 ):
     caplog.set_level(logging.INFO, logger="storage.cluster_pipeline")
-    timeout, cooldown = 1.0, 0.5
+    timeout, cooldown = ANSWER_S, 0.5  # a killed node refuses at once: no call waits on it
     s = store(private_cluster.url, timeout_s=timeout, prefix="t-down:",
               breaker=BreakerConfig(failures=2, cooldown_s=cooldown))
     chain = [key(i) for i in range(30)]

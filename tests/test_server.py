@@ -8,7 +8,7 @@ import pytest
 
 import engine.sampler
 from engine import AsyncLLM
-from engine_testing import fail_detokenizing, one_thread  # noqa: F401  (one_thread: autouse fixture)
+from engine_testing import fail_detokenizing, hold_steps, one_thread  # noqa: F401  (one_thread: autouse fixture)
 from storage.lmdb_store import LmdbStore
 from server_testing import ADMIN, BLOCK, GREEDY, MAX_MODEL_LEN, assert_error, post_json, run, sse_events
 from tiered_kv import TierConfig, TierManager
@@ -484,7 +484,9 @@ def test_unknown_model_is_404(llm):
     assert_error(run(llm, test), 404, param="model", code="model_not_found")
 
 
-def test_full_queue_gets_429_with_retry_after(llm):
+def test_full_queue_gets_429_with_retry_after(llm, monkeypatch):
+    release = hold_steps(monkeypatch, llm.engine)  # the long request holds its place until the 429
+
     async def test(c):
         state = c.app.state.tiered_kv
         long = asyncio.create_task(
@@ -493,6 +495,7 @@ def test_full_queue_gets_429_with_retry_after(llm):
         while state.inflight < 1:
             await asyncio.sleep(0.005)
         rejected = await c.post("/v1/completions", json={"prompt": "y", "max_tokens": 1})
+        release.set()
         long.cancel()  # the client goes away: the request is aborted and its place freed
         with contextlib.suppress(asyncio.CancelledError):
             await long

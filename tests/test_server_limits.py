@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 
@@ -177,17 +176,21 @@ def test_structured_output_requests_take_their_places_before_their_grammar_compi
     six used to pass the check while the compile was awaited)."""
     grammars = llm.engine.grammars
     compile_ = grammars.compile
+    release = threading.Event()
 
     def slow_compile(spec):
-        time.sleep(0.3)
+        release.wait(10)  # until the other four are refused (10 s at most, if they got in)
         return compile_(spec)
 
     monkeypatch.setattr(grammars, "compile", slow_compile)
     body = {"prompt": "x", "response_format": {"type": "json_object"}, **GREEDY}
 
     async def test(c):
-        responses = await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(6)))
-        return responses, c.app.state.tiered_kv.inflight
+        posts = [asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(6)]
+        while sum(p.done() for p in posts) < 4:
+            await asyncio.sleep(0.005)
+        release.set()
+        return await asyncio.gather(*posts), c.app.state.tiered_kv.inflight
 
     responses, inflight = run(llm, test, max_num_seqs=1, max_queue_len=1)
     codes = sorted(r.status_code for r in responses)

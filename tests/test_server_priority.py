@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from engine import AsyncLLM
-from engine_testing import one_thread  # noqa: F401  (autouse fixture)
+from engine_testing import hold_steps, one_thread  # noqa: F401  (one_thread: autouse fixture)
 from server_testing import BLOCK, MAX_MODEL_LEN, assert_error, run
 
 SHORT = {"temperature": 0, "max_tokens": 4, "ignore_eos": True}
@@ -53,9 +53,10 @@ def test_fcfs_refuses_a_priority_with_400(fcfs):
     assert_error(not_int, 400, param="priority")
 
 
-def test_a_higher_priority_request_overtakes_the_queue(by_priority):
+def test_a_higher_priority_request_overtakes_the_queue(by_priority, monkeypatch):
     llm = by_priority
     finished: list[str] = []
+    release = hold_steps(monkeypatch, llm.engine, after=1)  # the long request runs until all wait
 
     async def until(condition) -> None:
         while not condition(llm.stats()):
@@ -81,6 +82,7 @@ def test_a_higher_priority_request_overtakes_the_queue(by_priority):
         tasks.append(asyncio.create_task(send("urgent", -1, path="/v1/chat/completions")))
         await until(lambda s: s.num_waiting == 3)
         assert finished == []  # the long request still runs: the three wait behind it
+        release.set()
         await asyncio.gather(*tasks)
 
     run(llm, test)

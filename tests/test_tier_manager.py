@@ -163,7 +163,7 @@ def test_without_a_cpu_pool_blocks_go_straight_to_disk(reference, disk):
 
 def test_queued_blocks_are_found_before_they_are_written(reference, disk, monkeypatch):
     """A block waiting for the disk writer counts as present and is served from the queue."""
-    release = stall_disk(monkeypatch)
+    release = stall_disk(monkeypatch).release
     tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=0, disk_bytes=64 << 20)
     with make_llm(tiers) as llm:
         manager = llm.engine.connector

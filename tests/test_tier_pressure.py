@@ -4,7 +4,6 @@ drops its blocks, says so once, and the engine serves on."""
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 
 import pytest
@@ -19,6 +18,7 @@ from engine.stats import StatsCollector
 from engine_testing import make_seq, scheduler_step
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
 from storage.codecs.kivi import KiviCodec
+from storage.cpu_pool import CpuBlockPool
 from storage.lmdb_store import LmdbStore
 from tiered_kv import TierConfig, TierManager, block_saver, pool_writer
 from tier_testing import (
@@ -36,7 +36,7 @@ def test_write_pressure_drops_stores_and_never_stalls(reference, disk, monkeypat
     keep up: the two wait for the disk, every other block is dropped and counted once (in
     the buffer's tier) once it has waited SAVE_WAIT_S, and the engine keeps producing the
     same tokens."""
-    release = stall_disk(monkeypatch)
+    release = stall_disk(monkeypatch).release
     monkeypatch.setattr(block_saver, "SAVE_WAIT_S", 0.0)
     block_nbytes = tiny_block_nbytes()
     two = 2 * block_nbytes
@@ -91,7 +91,7 @@ def test_an_engine_short_of_blocks_does_not_wait_for_saves_that_wait_for_the_dis
     pool too small for two prompts: the saves that found no slot hold the blocks the next
     request needs. The engine has them dropped (counted) and goes on; it does not wait
     for the disk or for SAVE_WAIT_S."""
-    release = stall_disk(monkeypatch)
+    release = stall_disk(monkeypatch).release
     monkeypatch.setattr(block_saver, "SAVE_WAIT_S", 3600.0)
     tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=2 * tiny_block_nbytes(), disk_bytes=64 << 20)
     try:
@@ -113,13 +113,23 @@ def test_an_engine_short_of_blocks_does_not_wait_for_saves_that_wait_for_the_dis
 
 
 def test_close_gives_up_on_the_queue_after_flush_timeout(reference, disk, monkeypatch):
-    release = stall_disk(monkeypatch)
+    stalled = stall_disk(monkeypatch)
     tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=0, disk_bytes=64 << 20, flush_timeout_s=0.1)
     llm = make_llm(tiers, blocks=64)
     manager = llm.engine.connector
-    assert [llm.generate(p, GREEDY)[0].token_ids for p in PROMPTS] == reference
+    outs = [llm.generate(PROMPTS[0], GREEDY)[0]]
+    assert stalled.writing.wait(10)  # the writer holds its first batch: the others' blocks queue
+    outs += [llm.generate(p, GREEDY)[0] for p in PROMPTS[1:]]
+    assert [o.token_ids for o in outs] == reference
     assert not manager.flush(0.05)
-    threading.Timer(0.5, release.set).start()  # the batch being written finishes late
+    wait_pending = CpuBlockPool.wait_pending
+
+    def given_up(self, tier, timeout=None):  # the batch being written finishes late
+        done = wait_pending(self, tier, timeout)
+        stalled.release.set()
+        return done
+
+    monkeypatch.setattr(CpuBlockPool, "wait_pending", given_up)
     start = time.monotonic()
     llm.close()
     assert time.monotonic() - start < 5

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -63,16 +64,21 @@ def assert_all_dropped(manager, blocks: int) -> None:
     assert manager.stores()["cpu"].num_evictable() == manager.stores()["cpu"].num_slots
 
 
-def stall_disk(monkeypatch) -> threading.Event:
-    """Hold every disk commit (``LmdbStore.put_many``) until the returned event is set: a
-    disk that does not keep up."""
-    release = threading.Event()
+class StalledDisk(NamedTuple):
+    writing: threading.Event  # set once a commit is held
+    release: threading.Event  # set by the test: the held commits go on
+
+
+def stall_disk(monkeypatch) -> StalledDisk:
+    """Hold every disk commit (``LmdbStore.put_many``) until ``release`` is set: a disk that
+    does not keep up."""
+    stalled = StalledDisk(threading.Event(), threading.Event())
     put_many = LmdbStore.put_many
 
     def stalled_put_many(self, items, **kwargs):
-        release.wait(30)
+        stalled.writing.set()
+        stalled.release.wait(30)
         return put_many(self, items, **kwargs)
 
     monkeypatch.setattr(LmdbStore, "put_many", stalled_put_many)
-    return release
-
+    return stalled
