@@ -31,6 +31,8 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import functools
+import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Generic, NamedTuple, TypeVar
 
@@ -66,6 +68,22 @@ class BlockKey(NamedTuple):
 
     def short(self) -> str:
         return f"{self.namespace.hex()[:8]}/{self.block_hash.hex()[:12]}"
+
+
+_new_key = functools.partial(tuple.__new__, BlockKey)  # a BlockKey of a (namespace, hash) pair
+
+
+def block_keys(namespace: bytes, block_hashes: Iterable[bytes]) -> list[BlockKey]:
+    """The key of each of ``block_hashes`` under ``namespace`` (unchecked), built without a
+    Python call each (a save makes one a block on the engine's thread)."""
+    return list(map(_new_key, zip(itertools.repeat(namespace), block_hashes)))
+
+
+def check_keys(keys: Sequence[BlockKey]) -> None:
+    """:meth:`BlockKey.validate` of each of ``keys`` (at once while all are valid)."""
+    if set(map(len, itertools.chain.from_iterable(keys))) - {DIGEST_SIZE}:
+        for key in keys:
+            key.validate()
 
 
 @dataclasses.dataclass

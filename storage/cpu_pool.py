@@ -29,12 +29,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence, Sized
 
 import torch
 
-from storage.base import BlockKey, BlockStore, StoreStats
-from storage.cpu_slots import Commit, HostBlock, SlotBlock, SlotEntry
+from storage.base import BlockKey, BlockStore, StoreStats, check_keys
+from storage.cpu_slots import Commit, Commits, HostBlock, SlotBlock, SlotEntry
 from storage.cpu_write_behind import WriteBehind
 from storage.pinned import PinnedSlab
 from storage.priority_lru import DEFAULT_PRIORITY, PriorityLru
@@ -125,6 +125,11 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
         slots: list[int] = []
         with self._lock:
             self._check_open()
+            free = self._free
+            if isinstance(priorities, Sized) and len(priorities) <= len(free):
+                slots = free[len(free) - len(priorities) :]  # what as many pops would take
+                del free[len(free) - len(priorities) :]
+                priorities = ()
             for priority in priorities:
                 slot = self._take_slot_locked(priority)
                 if slot is None:
@@ -155,44 +160,52 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
 
     def commit_many(
         self,
-        commits: Sequence[Commit],
+        commits: Sequence[Commit] | Commits,
         kv_dtype: torch.dtype,
         kv_shape: tuple[int, ...],
         *,
         hold: bool = False,
     ) -> list[bool]:
-        """:meth:`commit` for many blocks of one dtype and shape, under one lock. An invalid
-        key raises before any slot is committed or freed: the slots are still the caller's."""
-        for commit in commits:
-            commit.key.validate()
+        """:meth:`commit` for many blocks of one dtype and shape (as :class:`Commit` s, or
+        columns), under one lock. An invalid key raises before any slot is committed or
+        freed: the slots are still the caller's."""
+        if not isinstance(commits, Commits):
+            commits = Commits.of(commits)
+        check_keys(commits.keys)
         kv_shape = tuple(kv_shape)
         readers = int(hold)
         done: list[bool] = []
         with self._lock:
-            entries = self._entries
-            for key, slot, parent_hash, token_ids, pending, priority in commits:
-                if self._closed or key in entries:
-                    if not self._closed:
-                        self._free.append(slot)
+            if self._closed:
+                return [False] * len(commits.keys)
+            entries, free, counts = self._entries, self._free, self._priorities
+            pending_count, queues = self._pending_count, self._queues
+            queued = False
+            for key, slot, parent_hash, token_ids, pending, priority in zip(*commits):
+                if key in entries:
+                    free.append(slot)
                     done.append(False)
                     continue
                 done.append(True)
                 if not pending and not self.keep_clean and not hold:
-                    self._free.append(slot)
+                    free.append(slot)
                     continue
                 entry = entries[key] = SlotEntry(
                     slot, kv_dtype, kv_shape, parent_hash, tuple(token_ids), set(pending),
-                    readers, priority=priority,
+                    readers, set(), priority,
                 )
-                self._priorities[priority] += 1
+                counts[priority] += 1
                 if pending:  # a new key is in no queue and not evictable: nothing to settle
-                    self._queue_pending_locked(key, pending)
+                    queued = True
+                    for tier in pending:  # newly pending: counted, and last in the queue
+                        pending_count[tier] += 1
+                        queues[tier][key] = None
                 elif not hold:
                     self._settle_locked(key, entry)
             stored = done.count(True)
             self._stats.puts += stored
             self._stats.bytes_written += self._slot_nbytes * stored
-            if any(c.pending for c in commits):
+            if queued:
                 self._changed.notify_all()
         return done
 

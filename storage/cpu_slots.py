@@ -1,12 +1,14 @@
 """What a slot of the host-memory pool (:class:`storage.cpu_pool.CpuBlockPool`) holds and
 hands out: the block copied out (:class:`HostBlock`), the block held in its slot
-(:class:`SlotBlock`), a block committed into a reserved slot (:class:`Commit`), and the
-pool's own record of a visible block (:class:`SlotEntry`).
+(:class:`SlotBlock`), blocks committed into reserved slots (:class:`Commit`, or as columns
+:class:`Commits`), and the
+pool's own record of a visible block (:class:`SlotEntry`), and a writer's pending blocks
+(:class:`TakenBlocks`).
 """
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection
+from collections.abc import Collection, Iterable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -50,6 +52,24 @@ class Commit(NamedTuple):
     priority: int = DEFAULT_PRIORITY
 
 
+class Commits(NamedTuple):
+    """Blocks filled into reserved slots, as columns (one entry a block in each), for
+    :meth:`CpuBlockPool.commit_many`: what :class:`Commit` holds, without an object a
+    block."""
+
+    keys: Sequence[BlockKey]
+    slots: Sequence[int]
+    parent_hashes: Sequence[bytes | None]
+    token_ids: Sequence[tuple[int, ...]]
+    pending: Sequence[Collection[str]]
+    priorities: Sequence[int]
+
+    @classmethod
+    def of(cls, commits: Iterable[Commit]) -> Commits:
+        columns = [list(column) for column in zip(*commits)]
+        return cls(*columns) if columns else cls([], [], [], [], [], [])
+
+
 class SlotBlock(NamedTuple):
     """A block held in its slot: ``kv`` is a view of slot ``slot``, valid until the holder
     lets go (:meth:`CpuBlockPool.release`, or :meth:`CpuBlockPool.done_pending` for a
@@ -62,3 +82,16 @@ class SlotBlock(NamedTuple):
     parent_hash: bytes | None
     token_ids: tuple[int, ...]
     priority: int = DEFAULT_PRIORITY  # the block's, for the tiers it is written to
+
+
+class TakenBlocks(NamedTuple):
+    """Blocks a writer took (:meth:`CpuBlockPool.take_pending_columns`), as columns: one
+    entry a block in each list. Each block is held until the writer lets go of it
+    (:meth:`CpuBlockPool.done_pending`); its stage payload is its slot's row of
+    :attr:`CpuBlockPool.slab`."""
+
+    keys: list[BlockKey]
+    slots: list[int]
+    parent_hashes: list[bytes | None]
+    token_ids: list[tuple[int, ...]]
+    priorities: list[int]

@@ -2,14 +2,15 @@
 
 A block is committed with the tiers it still has to reach (``pending``: ``disk``,
 ``remote``) and stays in its slot, never evicted, until each of them is done with it.
-Writers take pending blocks (:meth:`WriteBehind.take_pending`), oldest first, and report
+Writers take pending blocks (:meth:`WriteBehind.take_pending`, or as columns
+:meth:`WriteBehind.take_pending_columns`), oldest first, and report
 them done (:meth:`WriteBehind.done_pending`), written or given up.
 
 :class:`WriteBehind` is a part of :class:`storage.cpu_pool.CpuBlockPool`. It owns the
 per-tier count and queue of pending blocks (``_pending_count``, ``_queues``, set up by
-``_init_write_behind``); the pool's ``commit_many``, ``delete`` and ``close`` change them
-through ``_queue_pending_locked``, ``_unqueue_pending_locked`` and
-``_clear_pending_locked``. It uses the pool's lock and its condition ``_changed``,
+``_init_write_behind``); the pool's ``commit_many`` queues a batch's new blocks in them
+directly, under the pool's lock, and ``delete`` and ``close`` change them through
+``_unqueue_pending_locked`` and ``_clear_pending_locked``. It uses the pool's lock and its condition ``_changed``,
 ``_entries``, ``_evictable``, ``_closed``, ``keep_clean``, ``slot_view`` and
 ``_settle_locked``.
 """
@@ -20,7 +21,7 @@ import time
 from collections.abc import Iterable
 
 from storage.base import BlockKey
-from storage.cpu_slots import SlotBlock, SlotEntry
+from storage.cpu_slots import SlotBlock, SlotEntry, TakenBlocks
 
 
 class WriteBehind:
@@ -60,33 +61,48 @@ class WriteBehind:
         """Up to ``max_blocks`` blocks still pending for ``tier``, oldest first, each held
         (pinned against eviction and read) until :meth:`done_pending`. Waits up to
         ``timeout`` seconds for one (``None``: until one comes or the pool closes).
-        ``views=False``: no ``kv`` view (three torch calls a block, each of which lets go
-        of the GIL and waits to get it back, under the pool's lock); the caller reads the
-        slot's row of :attr:`slab`."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        ``views=False``: no ``kv`` view; the caller reads the slot's row of :attr:`slab`."""
         with self._lock:
-            queue = self._queues[tier]
-            while not self._closed:
-                taken = []
-                while queue and len(taken) < max_blocks:
-                    key, _ = queue.popitem(last=False)
+            taken = self._take_pending_locked(tier, max_blocks, timeout)
+            blocks = []
+            for key, slot, parent_hash, token_ids, priority in zip(*taken):
+                view = None
+                if views:
                     entry = self._entries[key]
+                    view = self.slot_view(slot, entry.dtype, entry.shape)
+                blocks.append(SlotBlock(key, slot, view, parent_hash, token_ids, priority))
+            return blocks
+
+    def take_pending_columns(
+        self, tier: str, max_blocks: int, timeout: float | None = None
+    ) -> TakenBlocks:
+        """:meth:`take_pending` as columns, without views: no object and no torch call a
+        block (the writers' path)."""
+        with self._lock:
+            return self._take_pending_locked(tier, max_blocks, timeout)
+
+    def _take_pending_locked(
+        self, tier: str, max_blocks: int, timeout: float | None
+    ) -> TakenBlocks:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        queue = self._queues[tier]
+        while not self._closed:
+            if queue:
+                popitem, entries = queue.popitem, self._entries
+                keys = [popitem(False)[0] for _ in range(min(len(queue), max_blocks))]
+                held = [entries[key] for key in keys]
+                for entry in held:
                     entry.taken.add(tier)
                     entry.readers += 1
-                    view = self.slot_view(entry.slot, entry.dtype, entry.shape) if views else None
-                    taken.append(
-                        SlotBlock(
-                            key, entry.slot, view, entry.parent_hash, entry.token_ids,
-                            entry.priority,
-                        )
-                    )
-                if taken:
-                    return taken
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    break
-                self._changed.wait(remaining)
-            return []
+                return TakenBlocks(
+                    keys, [e.slot for e in held], [e.parent_hash for e in held],
+                    [e.token_ids for e in held], [e.priority for e in held],
+                )
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                break
+            self._changed.wait(remaining)
+        return TakenBlocks([], [], [], [], [])
 
     def done_pending(self, tier: str, keys: Iterable[BlockKey]) -> None:
         """The writer for ``tier`` is finished with these blocks (written, or given up)."""

@@ -19,7 +19,6 @@ import logging
 import struct
 import threading
 import time
-from typing import NamedTuple
 
 import lmdb
 
@@ -27,7 +26,7 @@ from storage.base import KEY_SIZE, BlockKey
 from storage.lmdb_layout import (
     DB_INFO, DB_META, DB_QUARANTINE, DB_RECORDS, INFO_BYTES_USED, U64,
 )
-from storage.lmdb_meta import meta_size, pack_meta, unpack_meta
+from storage.lmdb_meta import META, meta_size, pack_meta, unpack_meta
 from storage.priority_lru import DEFAULT_PRIORITY
 
 logger = logging.getLogger("storage.lmdb_store")
@@ -48,10 +47,12 @@ class Pending:
     """The newest not-yet-committed operation on one key.
 
     ``seq`` numbers the latest change; ``first_seq`` the oldest change not yet covered by a
-    commit (what ``flush`` waits for). While the writer holds a snapshot of the entry
-    (``queued`` false), a new change goes to ``next_first`` and re-queues the key.
+    commit (what ``flush`` waits for). The writer commits an entry as it is when it takes
+    it (``queued`` false): a change meanwhile makes a new entry in its place, which goes
+    to ``next_first`` and re-queues the key.
     """
 
+    key: bytes
     op: Op
     data: bytes | memoryview | None  # an encoded record (storage.record.encode_record_buffer)
     reason: str
@@ -64,17 +65,8 @@ class Pending:
     next_first: int | None = None
 
 
-class Snap(NamedTuple):
-    """What the writer commits for one key: a copy of its pending entry at ``seq``."""
-
-    key: bytes
-    seq: int
-    op: Op
-    data: bytes | memoryview | None
-    reason: str
-    put_ns: int
-    created_ns: int
-    priority: int
+# What the writer commits for one key: the entry it took, which no change touches after.
+Snap = Pending
 
 
 class Committer:
@@ -120,21 +112,41 @@ class Committer:
         seq = self._seq
         entry = self._pending.get(kb)
         if entry is None:
-            entry = Pending(op, data, reason, seq, seq, time.time_ns(), created_ns, priority)
+            entry = Pending(kb, op, data, reason, seq, seq, time.time_ns(), created_ns, priority)
             self._pending[kb] = entry
             self._queue.append(kb)
-        else:
+        elif entry.queued:
             self._pending_bytes -= len(entry.data) if entry.data is not None else 0
             entry.op, entry.data, entry.reason, entry.seq = op, data, reason, seq
             entry.put_ns, entry.created_ns = time.time_ns(), created_ns
             entry.priority = priority
-            if not entry.queued:  # the writer holds an older snapshot of it
-                entry.queued = True
-                if entry.next_first is None:
-                    entry.next_first = seq
-                self._queue.append(kb)
+        else:  # the writer is committing the entry as it was: a new one takes its place
+            self._pending_bytes -= len(entry.data) if entry.data is not None else 0
+            entry = Pending(kb, op, data, reason, seq, entry.first_seq, time.time_ns(),
+                            created_ns, priority, next_first=seq)
+            self._pending[kb] = entry
+            self._queue.append(kb)
         self._pending_bytes += len(data) if data is not None else 0
         return entry
+
+    def _enqueue_puts_locked(
+        self, kbs: list[bytes], datas: list[bytes | memoryview], created: list[int],
+        priorities: list[int],
+    ) -> None:
+        """:meth:`_enqueue_locked` of a put of each key, in order (the caller wakes the
+        writer as there)."""
+        pending, queue, put = self._pending, self._queue, Op.PUT
+        now = time.time_ns()
+        added = 0
+        for kb, data, created_ns, priority in zip(kbs, datas, created, priorities):
+            if kb in pending:  # put again before its last change was committed
+                self._enqueue_locked(kb, put, data, created_ns=created_ns, priority=priority)
+                continue
+            self._seq = seq = self._seq + 1
+            pending[kb] = Pending(kb, put, data, "", seq, seq, now, created_ns, priority)
+            queue.append(kb)
+            added += len(data)
+        self._pending_bytes += added
 
     def _wait_for_room_locked(self, nbytes: int) -> None:
         """Backpressure: block while the pending puts would exceed ``max_pending_bytes``."""
@@ -204,28 +216,31 @@ class Committer:
                 return
 
     def _take_batch_locked(self) -> list[Snap]:
+        queue, pending = self._queue, self._pending
+        max_items, max_bytes = self._max_batch_items, self._max_batch_bytes
         snaps: list[Snap] = []
         nbytes = 0
-        while self._queue and len(snaps) < self._max_batch_items:
-            kb = self._queue[0]
-            entry = self._pending.get(kb)
+        while queue and len(snaps) < max_items:
+            entry = pending.get(queue[0])
             if entry is None or not entry.queued:
-                self._queue.popleft()  # a stale position: the key was taken or finished
+                queue.popleft()  # a stale position: the key was taken or finished
                 continue
             size = len(entry.data) if entry.data is not None else 0
-            if snaps and nbytes + size > self._max_batch_bytes:
+            if snaps and nbytes + size > max_bytes:
                 break
-            self._queue.popleft()
-            snaps.append(self._snapshot_locked(kb, entry))
+            queue.popleft()
+            entry.queued = False
+            entry.next_first = None
+            snaps.append(entry)
             nbytes += size
         return snaps
 
     @staticmethod
-    def _snapshot_locked(kb: bytes, entry: Pending) -> Snap:
+    def _snapshot_locked(entry: Pending) -> Snap:
+        """The writer takes ``entry`` to commit it as it is (see :class:`Pending`)."""
         entry.queued = False
         entry.next_first = None
-        return Snap(kb, entry.seq, entry.op, entry.data, entry.reason, entry.put_ns,
-                    entry.created_ns, entry.priority)
+        return entry
 
     def _commit(self, snaps: list[Snap], touches: dict[bytes, int], gone: list[bytes]) -> None:
         """Commit ``snaps``; a failed commit is recovered from, or its puts dropped.
@@ -261,14 +276,20 @@ class Committer:
                 if known is not None:
                     new = pack_meta(access_ns, known.nbytes, known.created_ns, known.priority)
                     txn.put(kb, new, db=meta)
-            # As few calls per key as possible: each one drops and retakes the GIL.
+            # The puts as three calls, not a few a key: each call drops and retakes the GIL,
+            # and parses its arguments holding it. A batch holds a key once.
+            put = Op.PUT  # bound once: an enum's member is looked up through its class's hook
+            puts = [s for s in snaps if s.op is put]
+            if puts:
+                txn.cursor(db=records).putmulti([(s.key, s.data) for s in puts])
+                replaced = txn.cursor(db=meta).getmulti([s.key for s in puts])
+                pack = META.pack
+                txn.cursor(db=meta).putmulti(
+                    [(s.key, pack(s.put_ns, len(s.data), s.created_ns, s.priority)) for s in puts]
+                )
+                used += sum([len(s.data) for s in puts]) - sum([meta_size(v) for _, v in replaced])
             for s in snaps:
-                if s.op is Op.PUT:
-                    size = len(s.data)
-                    txn.put(s.key, s.data, db=records)
-                    new = pack_meta(s.put_ns, size, s.created_ns, s.priority)
-                    replaced = txn.replace(s.key, new, db=meta)
-                    used += size if replaced is None else size - meta_size(replaced)
+                if s.op is put:
                     continue
                 if s.op is Op.QUARANTINE:
                     bad = txn.get(s.key, db=records)
@@ -282,7 +303,8 @@ class Committer:
     def _wrote(self, snaps: list[Snap]) -> None:
         """``snaps`` are committed: count them and retire their pending entries."""
         with self._lock:
-            written = sum(len(s.data) for s in snaps if s.op is Op.PUT)
+            put = Op.PUT
+            written = sum([len(s.data) for s in snaps if s.op is put])
             if written:
                 self._stats.bytes_written += written
                 self._writes_resumed_locked()

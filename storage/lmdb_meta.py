@@ -52,3 +52,14 @@ def check_priority(priority: object) -> int:
     if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
         raise ValueError(f"a priority must fit in 64 bits (signed), got {priority}")
     return priority
+
+
+def check_priorities(priorities: list[object]) -> None:
+    """:func:`check_priority` of each of ``priorities`` (at once while they are all plain
+    integers in range)."""
+    if set(map(type, priorities)) <= {int} and (
+        not priorities or PRIORITY_MIN <= min(priorities) and max(priorities) <= PRIORITY_MAX
+    ):
+        return
+    for priority in priorities:
+        check_priority(priority)

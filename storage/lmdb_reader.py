@@ -44,14 +44,14 @@ class Reader:
             return kb in self._index
 
     def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
-        kbs = [k.to_bytes() for k in keys]
+        kbs = list(map(b"".join, keys))  # BlockKey.to_bytes, without a Python call a key
         if self.readonly:
             self._check_open()
             with self._env.begin(db=self._dbs[DB_RECORDS], buffers=True) as txn:
                 return [txn.get(kb) is not None for kb in kbs]
         with self._lock:
             self._check_open()
-            return [kb in self._index for kb in kbs]
+            return self._index.contains_many(kbs)
 
     def longest_prefix(self, keys: Sequence[BlockKey]) -> int:
         if self.readonly:

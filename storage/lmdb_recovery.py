@@ -157,7 +157,7 @@ class Recovery:
             freed += sizes[kb]
             self._touched.pop(kb, None)
             entry = self._enqueue_locked(kb, Op.DELETE, None, priority=priority)
-            victims.append(self._snapshot_locked(kb, entry))
+            victims.append(self._snapshot_locked(entry))
         self._used -= freed
         return victims, sizes
 
@@ -225,5 +225,6 @@ class Recovery:
             if size is not None:
                 self._used -= size
                 gone.append(s.key)
-            # The record replaced may still be committed: delete it instead.
-            return [[s._replace(op=Op.DELETE, data=None)]]
+            # The record replaced may still be committed: delete it instead (``s`` is the
+            # entry, changed above).
+            return [[s]]

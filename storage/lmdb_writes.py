@@ -19,18 +19,17 @@ Capacity
 lock, LRU index (``_index``, ``_used``, ``_touched``), counters (``_stats``), limits
 (``capacity_bytes``, ``max_record_bytes``, ``_max_batch_bytes``, ``_max_batch_items``),
 ``seal_key``, ``_on_evict`` and ``_check_writable``, and the committer's
-``_enqueue_locked``, ``_wait_for_room_locked``, ``_pending_bytes``, ``_max_pending_bytes``
+``_enqueue_locked``, ``_enqueue_puts_locked``, ``_wait_for_room_locked``, ``_pending_bytes``, ``_max_pending_bytes``
 and the writer's condition ``_work``.
 """
 from __future__ import annotations
 
-import itertools
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 
 from storage.base import BlockKey
 from storage.lmdb_committer import Op
-from storage.lmdb_meta import check_priority
+from storage.lmdb_meta import check_priorities
 from storage.priority_lru import DEFAULT_PRIORITY
 from storage.record import Record, encode_record_buffer
 from storage.record_batch import RecordBatch
@@ -56,77 +55,117 @@ class Writes:
         ``priorities``: one per item (default: all ``0``; integers of 64 bits, signed), the
         order of eviction (see Capacity above), stored with each record; a record put again
         takes the new one. Records are encoded on the calling thread (a
-        :class:`~storage.record_batch.RecordBatch` straight from its columns); each group is
+        :class:`~storage.record_batch.RecordBatch` at once, from its columns); each group is
         queued at once, so the writer commits it in one transaction.
         """
         self._check_writable()
+        if isinstance(items, RecordBatch):
+            kbs = list(map(b"".join, items.keys))
+            datas: list[bytes | memoryview | None] = items.sealed(self.seal_key)
+            created = items.created_ns
+        else:
+            kbs, datas, created = [], [], []
+            for key, record in items:
+                key.validate()
+                if record.key != key:
+                    raise ValueError(f"record is for {record.key.short()}, put under {key.short()}")
+                kbs.append(key.to_bytes())
+                datas.append(encode_record_buffer(record, self.seal_key))
+                created.append(record.created_ns)
+        if priorities is None:
+            ranks = [DEFAULT_PRIORITY] * len(kbs)
+        else:
+            ranks = list(priorities)
+            if len(ranks) != len(kbs):
+                raise ValueError(f"{len(ranks)} priorities for {len(kbs)} records")
+            check_priorities(ranks)
+        sizes = list(map(len, datas))
+        if sizes and max(sizes) > self.max_record_bytes:  # refused at once (counted dropped)
+            datas = [d if n <= self.max_record_bytes else None for d, n in zip(datas, sizes)]
+            sizes = [n if n <= self.max_record_bytes else 0 for n in sizes]
         results: list[bool] = []
         evicted: list[bytes] = []
-        group: list[tuple[bytes, bytes | memoryview | None, int, int]] = []
-        group_bytes = 0
-        ranks = iter(priorities) if priorities is not None else itertools.repeat(DEFAULT_PRIORITY)
-        if isinstance(items, RecordBatch):
-            sealed = items.sealed(self.seal_key)
-        else:
-            sealed = self._sealed(items)
-        for (key, data, created_ns), priority in zip(sealed, ranks, strict=priorities is not None):
-            check_priority(priority)
-            if len(data) > self.max_record_bytes:
-                data = None
-            group.append((key.to_bytes(), data, created_ns, priority))
-            group_bytes += len(data) if data is not None else 0
-            if group_bytes >= self._max_batch_bytes or len(group) >= self._max_batch_items:
-                self._queue_puts(group, results, evicted)
-                group, group_bytes = [], 0
-        if group:
-            self._queue_puts(group, results, evicted)
+        start = 0
+        for end in self._group_ends(sizes):
+            group = slice(start, end)
+            self._queue_puts(kbs[group], datas[group], sizes[group], created[group], ranks[group],
+                             results, evicted)
+            start = end
         self._notify_gone(evicted)
         return results
 
-    def _sealed(
-        self, items: Iterable[tuple[BlockKey, Record]]
-    ) -> Iterator[tuple[BlockKey, bytes | memoryview, int]]:
-        for key, record in items:
-            key.validate()
-            if record.key != key:
-                raise ValueError(f"record is for {record.key.short()}, put under {key.short()}")
-            yield key, encode_record_buffer(record, self.seal_key), record.created_ns
+    def _group_ends(self, sizes: list[int]) -> list[int]:
+        """Where the groups of records of ``sizes`` end: each up to one write batch (its
+        last record may take it past ``max_batch_bytes``)."""
+        if len(sizes) < self._max_batch_items and sum(sizes) < self._max_batch_bytes:
+            return [len(sizes)] if sizes else []
+        ends: list[int] = []
+        count = nbytes = 0
+        for i, size in enumerate(sizes, 1):
+            count += 1
+            nbytes += size
+            if nbytes >= self._max_batch_bytes or count >= self._max_batch_items:
+                ends.append(i)
+                count = nbytes = 0
+        if count:
+            ends.append(len(sizes))
+        return ends
 
     def _queue_puts(
         self,
-        group: list[tuple[bytes, bytes | memoryview | None, int, int]],
+        kbs: list[bytes],
+        datas: list[bytes | memoryview | None],
+        sizes: list[int],
+        created: list[int],
+        priorities: list[int],
         results: list[bool],
         evicted: list[bytes],
     ) -> None:
+        """Queue a group of puts under one hold of the lock (``None`` data: refused)."""
+        total = sum(sizes)
         with self._lock:
             self._check_writable()
-            index = self._index
-            for kb, data, created_ns, priority in group:
-                if data is None:
-                    self._stats.dropped += 1
-                    results.append(False)
-                    continue
-                size = len(data)
-                if self._pending_bytes + size > self._max_pending_bytes:
-                    self._wait_for_room_locked(size)
-                    self._check_writable()
-                # what is free always suffices; else see what it could evict or replace
-                free = self.capacity_bytes - self._used
-                if size > free and size > self._room_locked(kb, priority):
-                    self._stats.dropped += 1  # only records that matter more could make room
-                    results.append(False)
-                    continue
-                replaced = index.get(kb)
-                if replaced is not None:  # set updates it, no removal
-                    self._used -= replaced
-                index.set(kb, size, priority)
-                self._used += size
-                self._enqueue_locked(kb, Op.PUT, data, created_ns=created_ns, priority=priority)
-                self._stats.puts += 1
-                if self._used > self.capacity_bytes:
-                    evicted.extend(self._evict_to_budget_locked(keep=kb))
-                results.append(True)
+            # Every record fits what is free and the pending budget: all of them are taken,
+            # none evicts, and the index and the pending map take the group at once.
+            if (None not in datas and total <= self.capacity_bytes - self._used
+                    and self._pending_bytes + total <= self._max_pending_bytes):
+                self._used += total - self._index.set_weights(kbs, sizes, priorities)
+                self._enqueue_puts_locked(kbs, datas, created, priorities)
+                self._stats.puts += len(kbs)
+                results.extend([True] * len(kbs))
+                self._work.notify()
+                return
+            for kb, data, size, created_ns, priority in zip(kbs, datas, sizes, created, priorities):
+                results.append(self._queue_put_locked(kb, data, size, created_ns, priority, evicted))
             self._work.notify()
+
+    def _queue_put_locked(
+        self, kb: bytes, data: bytes | memoryview | None, size: int, created_ns: int,
+        priority: int, evicted: list[bytes],
+    ) -> bool:
+        """One put of a group that does not fit at once: it may wait for the pending budget,
+        evict, or be refused (counted dropped)."""
+        if data is None:
+            self._stats.dropped += 1
+            return False
+        if self._pending_bytes + size > self._max_pending_bytes:
+            self._wait_for_room_locked(size)
+            self._check_writable()
+        # what is free always suffices; else see what it could evict or replace
+        free = self.capacity_bytes - self._used
+        if size > free and size > self._room_locked(kb, priority):
+            self._stats.dropped += 1  # only records that matter more could make room
+            return False
+        replaced = self._index.get(kb)
+        if replaced is not None:  # set updates it, no removal
+            self._used -= replaced
+        self._index.set(kb, size, priority)
+        self._used += size
+        self._enqueue_locked(kb, Op.PUT, data, created_ns=created_ns, priority=priority)
+        self._stats.puts += 1
+        if self._used > self.capacity_bytes:
+            evicted.extend(self._evict_to_budget_locked(keep=kb))
+        return True
 
     def delete(self, key: BlockKey) -> bool:
         return self.delete_many([key]) == 1

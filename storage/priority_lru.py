@@ -75,6 +75,25 @@ class PriorityLru(Generic[K]):
             totals[priority] += weight
             priorities[key] = priority
 
+    def set_weights(self, keys: Iterable[K], weights: Iterable[int], priorities: Iterable[int]) -> int:
+        """:meth:`set` of each key with its own weight and priority, in order, as one call
+        (a store indexes a group of puts at once); the total weight the keys had before."""
+        levels, totals, known = self._levels, self._totals, self._priority
+        replaced = 0
+        for key, weight, priority in zip(keys, weights, priorities):
+            old = known.get(key)
+            if old is not None:
+                replaced += self._unlink(key, old)
+            level = levels.get(priority)
+            if level is None:
+                level = levels[priority] = collections.OrderedDict()
+                totals[priority] = 0
+                bisect.insort(self._order, priority)
+            level[key] = weight
+            totals[priority] += weight
+            known[key] = priority
+        return replaced
+
     def pop(self, key: K, default: object = _MISSING) -> int:
         priority = self._priority.get(key)
         if priority is None:
@@ -137,6 +156,10 @@ class PriorityLru(Generic[K]):
 
     def __contains__(self, key: object) -> bool:
         return key in self._priority
+
+    def contains_many(self, keys: Iterable[K]) -> list[bool]:
+        """``key in self`` of each key, as one call."""
+        return list(map(self._priority.__contains__, keys))
 
     def __len__(self) -> int:
         return len(self._priority)

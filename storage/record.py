@@ -33,6 +33,7 @@ import dataclasses
 import functools
 import struct
 import time
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -52,6 +53,9 @@ _FLAG_HAS_PARENT = 1
 RELEASED_ASSEMBLY_BYTES = 64 << 10
 
 _FIXED = struct.Struct("<4sHHIQQ32s32s32sBBHI")
+# Where the fields that differ from record to record start (see the layout above): what
+# :class:`storage.record_batch.RecordBatch` writes a column at a time into its headers.
+FLAGS_AT, PAYLOAD_LEN_AT, CREATED_AT, KEY_AT, PARENT_AT = 6, 12, 20, 28, 92
 _ZERO_DIGEST = bytes(DIGEST_SIZE)
 
 # Stable on-disk codes; never renumber.
@@ -123,6 +127,17 @@ def check_layout(codec: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None
         raise ValueError(f"codec spec must be 1..{MAX_CODEC_LEN} ASCII chars: {codec!r}")
 
 
+class HeaderColumns(NamedTuple):
+    """The headers of records of one layout and number of token ids, for a batch to fill in
+    a column at a time: ``template`` ([header bytes] uint8) is the header with the fields
+    that differ from record to record zero, and ``dtype`` a numpy record type of the
+    header's size that names those fields at their offsets (``flags``, ``payload_len``,
+    ``created_ns``, ``key``, ``parent_hash``, ``token_ids``)."""
+
+    template: np.ndarray
+    dtype: np.dtype
+
+
 def _header_len(ndim: int, codec_len: int, num_tokens: int) -> int:
     return _FIXED.size + 4 * ndim + codec_len + 4 * num_tokens
 
@@ -139,6 +154,7 @@ class RecordLayout:
         self._dtype_code = DTYPE_CODES[dtype]
         self._shape = tuple(shape)
         self._headers: dict[int, struct.Struct] = {}  # by the number of token ids
+        self._columns: dict[int, HeaderColumns] = {}  # the same
 
     @staticmethod
     @functools.lru_cache(maxsize=64)
@@ -153,6 +169,29 @@ class RecordLayout:
                 f"{_FIXED.format}{len(self._shape)}I{len(self._codec)}s{num_tokens}I"
             )
         return header
+
+    def columns(self, num_tokens: int) -> HeaderColumns:
+        """The headers of records with ``num_tokens`` token ids as columns (see
+        :class:`HeaderColumns`)."""
+        columns = self._columns.get(num_tokens)
+        if columns is None:
+            header = self._header(num_tokens)
+            zero = BlockKey(_ZERO_DIGEST, _ZERO_DIGEST)
+            template = header.pack(*self._fields(header, zero, None, (0,) * num_tokens, 0, 0))
+            names = ["flags", "payload_len", "created_ns", "key", "parent_hash"]
+            formats: list = ["<u2", "<u8", "<u8", ("u1", 2 * DIGEST_SIZE), ("u1", DIGEST_SIZE)]
+            offsets = [FLAGS_AT, PAYLOAD_LEN_AT, CREATED_AT, KEY_AT, PARENT_AT]
+            if num_tokens:
+                names.append("token_ids")
+                formats.append(("<u4", (num_tokens,)))
+                offsets.append(header.size - 4 * num_tokens)
+            dtype = np.dtype(
+                {"names": names, "formats": formats, "offsets": offsets, "itemsize": header.size}
+            )
+            columns = self._columns[num_tokens] = HeaderColumns(
+                np.frombuffer(template, dtype=np.uint8), dtype
+            )
+        return columns
 
     def nbytes(self, num_tokens: int, payload_len: int) -> int:
         """Size of an encoded record."""

@@ -143,6 +143,9 @@ class FailingDisk:
                     self.delta += len(v) - (len(old) if old is not None else 0)
                 return self.txn.put(k, v, db=db, **kw)
 
+            def cursor(self, db=None):
+                return Cursor(self, db) if db is disk.records else self.txn.cursor(db=db)
+
             def delete(self, k, db=None, **kw):
                 if db is disk.records:
                     old = self.txn.get(k, db=db)
@@ -157,6 +160,20 @@ class FailingDisk:
                 if kind is None:
                     disk.on_disk += self.delta
                 return self.txn.__exit__(kind, exc, tb)
+
+        class Cursor:
+            def __init__(self, txn: Txn, db) -> None:
+                self.txn, self.cursor = txn, txn.txn.cursor(db=db)
+
+            def __getattr__(self, name):
+                return getattr(self.cursor, name)
+
+            def putmulti(self, items, **kw):
+                items = list(items)
+                for k, v in items:
+                    old = self.txn.txn.get(k, db=disk.records)
+                    self.txn.delta += len(v) - (len(old) if old is not None else 0)
+                return self.cursor.putmulti(items, **kw)
 
         class Env:
             def __getattr__(self, name):

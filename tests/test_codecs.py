@@ -527,3 +527,15 @@ def test_a_batch_encoded_on_the_gpu_is_the_hosts_encoding(spec, shape, dtype):
     host = torch.empty_like(blocks)
     codec.decode_blocks(payloads.cpu(), host)
     assert torch.equal(bits_of(out.cpu()), bits_of(host))
+
+
+@pytest.mark.parametrize("spec", ["zstd", "kivi4+zstd"])
+def test_a_run_packed_at_once_is_each_block_packed(spec):
+    codec = get_codec(spec)
+    shape, dtype = (2, 2, 16, 2, 64), torch.bfloat16
+    size = codec.stage.payload_size(dtype, shape)
+    staged = np.random.default_rng(0).integers(0, 256, size=(4, size), dtype=np.uint8)
+    staged[1] = 0  # every plane compresses
+    staged[2, 1::2] = 0x3F  # only the high bytes' plane does
+    for row, packed in zip(staged, codec.pack_many(staged, dtype, shape), strict=True):
+        assert bytes(packed) == bytes(codec.pack(row, dtype, shape))

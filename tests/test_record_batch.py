@@ -6,13 +6,14 @@ from __future__ import annotations
 import hashlib
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from storage.base import BlockKey
 from storage.lmdb_store import LmdbStore
 from storage.record import RELEASED_ASSEMBLY_BYTES, Record, encode_record, encode_record_buffer
-from storage.record_batch import RecordBatch
+from storage.record_batch import PayloadRows, RecordBatch
 from storage.seal import SealKey
 
 SEAL = SealKey(b"the record batch tests' secret, 32 bytes")
@@ -50,11 +51,21 @@ def test_iterated_a_batch_is_its_records():
 
 def test_sealed_from_its_columns_a_batch_is_each_record_encoded():
     records = batch(SIZES)
-    sealed = list(records.sealed(SEAL))
-    for (k, record), (sealed_key, data, created_ns) in zip(records, sealed, strict=True):
-        assert sealed_key == k and created_ns == record.created_ns
+    for (k, record), data in zip(records, records.sealed(SEAL), strict=True):
         assert bytes(data) == bytes(encode_record_buffer(record, SEAL)) == encode_record(record, SEAL)
         assert len(data) == record.nbytes
+
+
+def test_payloads_that_are_rows_of_a_slab_seal_as_the_rows_would():
+    slab = np.frombuffer(random.Random(0).randbytes(8 * 1000), dtype=np.uint8).reshape(8, 1000)
+    rows = [5, 6, 2, 3, 4, 0]  # runs of consecutive rows, and rows alone
+    n = len(rows)
+    records = RecordBatch("raw", torch.uint8, (1000,), [key(i) for i in range(n)], [None] * n,
+                          [(i,) for i in range(n)], PayloadRows(slab, rows))
+    for row, (k, record), data in zip(rows, records, records.sealed(SEAL), strict=True):
+        assert bytes(record.payload) == slab[row].tobytes()
+        assert bytes(data) == encode_record(record, SEAL)
+    assert records.nbytes_of(range(n)) == sum(record.nbytes for _, record in records)
 
 
 @pytest.mark.parametrize(

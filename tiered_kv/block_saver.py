@@ -26,11 +26,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from engine.connector import SavedBlock
-from storage.base import BlockKey
+from storage.base import BlockKey, block_keys
 from storage.cpu_pool import CpuBlockPool
-from storage.cpu_slots import Commit
+from storage.cpu_slots import Commits
 from storage.lmdb_store import LmdbStore
 from tiered_kv.block_mover import BlockMover, Copy
 from tiered_kv.config import TierConfig
@@ -51,9 +52,18 @@ class _Save:
     """One save_blocks batch: its copy, and what to commit to the pool once it is done."""
 
     copy: Copy
-    commits: list[tuple[BlockKey, int, SavedBlock]]  # (key, slot, block)
+    commits: _Commits
     block_ids: list[int]  # every block id of the batch (reported saved together)
     started: float
+
+
+class _Commits(NamedTuple):
+    """Blocks with reserved slots, one entry a block in each column."""
+
+    keys: list[BlockKey]
+    slots: list[int]
+    blocks: list[SavedBlock]
+    priorities: list[int]
 
 
 class BlockSaver:
@@ -189,19 +199,20 @@ class BlockSaver:
         placed: set[int] = set()  # block ids reported, waiting or handed to a copy
         slots: list[int] = []  # reserved, not yet handed to a copy
         try:
-            keys = [BlockKey(self._namespace, block.block_hash) for block, _ in blocks]
+            keys = block_keys(self._namespace, [block.block_hash for block, _ in blocks])
             present = self._pool.contains_many(keys)
-            # in the pool already (saved before, or loaded): nothing to copy
-            done = [block.block_id for (block, _), here in zip(blocks, present) if here]
-            self._pend_again([key for key, here in zip(keys, present) if here])
-            todo = [(key, item) for key, item, here in zip(keys, blocks, present) if not here]
-            priority = self._config.tenant_priority
-            slots = self._pool.reserve_many([priority(block.cache_salt) for _, (block, _) in todo])
-            commits = [(key, slot, block) for (key, (block, _)), slot in zip(todo, slots)]
+            todo, done = blocks, []
+            if any(present):  # in the pool already (saved before, or loaded): nothing to copy
+                done = [block.block_id for (block, _), here in zip(blocks, present) if here]
+                self._pend_again([key for key, here in zip(keys, present) if here])
+                todo = [item for item, here in zip(blocks, present) if not here]
+                keys = [key for key, here in zip(keys, present) if not here]
+            priorities = self._config.tenant_priorities_of([block.cache_salt for block, _ in todo])
+            slots = self._pool.reserve_many(priorities)
             if len(slots) < len(todo):  # the rest wait for slots (their GPU blocks stay held)
-                rest = [item for _, item in todo[len(slots):]]
+                rest = todo[len(slots):]
                 # unless every slot holds a block that matters more: none will free up
-                outranked = self._pool.outranked(priority(block.cache_salt) for block, _ in rest)
+                outranked = self._pool.outranked(priorities[len(slots):])
                 waiting = [item for item, no in zip(rest, outranked) if not no]
                 dropped = [block.block_id for (block, _), no in zip(rest, outranked) if no]
                 placed.update(dropped)
@@ -215,9 +226,12 @@ class BlockSaver:
             if done:
                 self._on_saved(done)
                 placed.update(done)
-            if commits:
-                block_ids = [block.block_id for _, _, block in commits]
+            if slots:
+                n = len(slots)
+                saved = [block for block, _ in todo[:n]]
+                block_ids = [block.block_id for block in saved]
                 placed.update(block_ids)
+                commits = _Commits(keys[:n], slots, saved, priorities[:n])
                 slots = []
                 self._copy(commits, block_ids)
         except Exception:
@@ -247,15 +261,15 @@ class BlockSaver:
             logger.exception("looking up %d saved blocks on disk failed", len(keys))
             return [False] * len(keys)
 
-    def _copy(self, commits: list[tuple[BlockKey, int, SavedBlock]], block_ids: list[int]) -> None:
+    def _copy(self, commits: _Commits, block_ids: list[int]) -> None:
         """Start the batched copy of ``commits``; it reports ``block_ids`` once, done or
         dropped."""
         try:
             # On CUDA the copies are queued here, so a device error (out of memory for the
             # staging temporaries, a kernel that does not compile) raises here, not in wait().
-            copy = self._mover.offload([(block.block_id, slot) for _, slot, block in commits])
+            copy = self._mover.offload(list(zip(block_ids, commits.slots)))
         except Exception:
-            self._drop_failed("offloading", block_ids, [slot for _, slot, _ in commits])
+            self._drop_failed("offloading", block_ids, commits.slots)
             return
         save = _Save(copy, commits, block_ids, time.perf_counter())
         if self._save_watcher is None:
@@ -292,8 +306,7 @@ class BlockSaver:
             try:
                 save.copy.wait()
             except Exception:
-                slots = [slot for _, slot, _ in save.commits]
-                self._drop_failed("offloading", save.block_ids, slots)
+                self._drop_failed("offloading", save.block_ids, save.commits.slots)
             else:
                 self._commit_save(save)
             with self._in_flight_lock:
@@ -325,23 +338,23 @@ class BlockSaver:
         """:meth:`_commit_save` but the report; the pool's slots are given back if it
         refuses them."""
         pending = self._pending_tiers
+        commits = save.commits
         # a block already on disk is pending only for the others
-        on_disk = self._on_disk([key for key, _, _ in save.commits])
+        on_disk = self._on_disk(commits.keys)
         below = tuple(t for t in pending if t != "disk")
-        priority = self._config.tenant_priority
         try:
             stored = self._pool.commit_many(
-                [Commit(key, slot, block.parent_hash, block.token_ids,
-                        below if there else pending, priority(block.cache_salt))
-                 for (key, slot, block), there in zip(save.commits, on_disk)],
+                Commits(commits.keys, commits.slots, [b.parent_hash for b in commits.blocks],
+                        [b.token_ids for b in commits.blocks],
+                        [below if there else pending for there in on_disk], commits.priorities),
                 self._mover.slot_dtype, self._mover.slot_shape,
             ).count(True)
         except Exception:  # the pool raises before it takes any slot: give them all back
             logger.exception("committing %d saved blocks to the CPU pool failed; dropping them",
-                             len(save.commits))
-            for _, slot, _ in save.commits:
+                             len(commits.slots))
+            for slot in commits.slots:
                 self._pool.unreserve(slot)
-            self._metrics.add(self._drop_tier, dropped=len(save.commits))
+            self._metrics.add(self._drop_tier, dropped=len(commits.slots))
         else:
             if self._config.has_cpu:
                 self._metrics.observe_store(

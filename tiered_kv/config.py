@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import reprlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import yaml
@@ -156,6 +156,13 @@ class TierConfig:
     def tenant_priority(self, cache_salt: str | None) -> int:
         """The eviction priority of a request's blocks (0 for an unlisted tenant)."""
         return self.tenant_priorities.get(cache_salt, 0) if cache_salt else 0
+
+    def tenant_priorities_of(self, cache_salts: Sequence[str | None]) -> list[int]:
+        """:meth:`tenant_priority` of each of ``cache_salts`` (a save's blocks)."""
+        priorities = self.tenant_priorities
+        if not priorities:
+            return [0] * len(cache_salts)
+        return [priorities.get(salt, 0) if salt else 0 for salt in cache_salts]
 
 
 def load_tenant_priorities(path: str | os.PathLike[str]) -> dict[str, int]:

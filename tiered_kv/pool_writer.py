@@ -8,20 +8,22 @@ dropped only when the whole pool is full of blocks not yet written.
 
 ::
 
-    CpuBlockPool ─ take_pending(tier) ─▶ pack (codec) ─▶ store.put_many ─▶ done_pending
-    (slots pinned while pending)      (zstd: the batch   (LMDB commits on its own thread;
-                                       in PACK_THREADS    Valkey/Redis: one pipeline)
-                                       runs)
+    CpuBlockPool ─ take_pending_columns ─▶ pack (codec) ─▶ store.put_many ─▶ done_pending
+    (slots pinned while pending)        (zstd: the batch   (LMDB commits on its own thread;
+                                         in PACK_THREADS    Valkey/Redis: one pipeline)
+                                         runs)
 
 A slot holds its block in the form of the codec's tensor stage (raw bytes, or a KIVI
 payload quantized on the engine's device; see :mod:`tiered_kv.block_mover`), so a writer
 only applies the byte stage (zstd, or nothing) and seals the record. Without a byte stage
-the record's payload is a view of the slot (the stores encode a record inside ``put_many``,
-while the writer still holds the slot). A batch goes to ``put_many`` as one
-:class:`~storage.record_batch.RecordBatch`, from whose columns the disk tier seals each
-record without building a :class:`~storage.record.Record`: these threads share the GIL with
-the engine's, so what they run a block is Python the engine may wait for
-(``benchmarks/writer_cost.py`` counts it).
+the record's payload is its slot's row of the slab (the stores encode a record inside
+``put_many``, while the writer still holds the slot); with one, a pack thread packs its run
+of blocks at once (``Codec.pack_many``). The pool hands the writer a batch as columns, and
+the batch goes to ``put_many`` as one :class:`~storage.record_batch.RecordBatch`, from
+whose columns the disk tier seals the whole batch without a
+:class:`~storage.record.Record` a block: these threads share the GIL with the engine's, so
+what they run a block is Python the engine may wait for (``benchmarks/writer_cost.py``
+counts it).
 
 With ``write_back`` the writer leaves blocks pending until the pool runs short of slots it
 could evict (fewer than ``low_watermark``), or refuses a reservation (a newcomer of a tenant
@@ -40,12 +42,12 @@ from collections.abc import Iterator
 
 import torch
 
-from storage.base import BlockStore, StoreError
+from storage.base import BlockKey, BlockStore, StoreError
 from storage.codecs import Codec
 from storage.cpu_pool import CpuBlockPool
-from storage.cpu_slots import SlotBlock
+from storage.cpu_slots import TakenBlocks
 from storage.record import Record
-from storage.record_batch import RecordBatch
+from storage.record_batch import PayloadRows, RecordBatch
 from tiered_kv.drop_warning import DropWarning
 from tiered_kv.metrics import TierMetrics
 
@@ -93,7 +95,6 @@ class PoolWriter:
         self._by_priority = by_priority  # the store evicts by the blocks' tenant priority
         # [num_slots, slot bytes]: a slot's stage payload is its row, no torch call a block
         self._slots = pool.slab.numpy()
-        self._rows = memoryview(self._slots).cast("B")  # the same bytes, sliced without numpy
         self._draining = threading.Event()  # write-back: write everything now
         self._refused_seen = 0  # write-back: the pool's refused reservations, as last seen
         self._closing = False
@@ -158,39 +159,39 @@ class PoolWriter:
                     self._stopping.wait(IDLE_WAIT_S)
                     continue
                 self._refused_seen = refused
-            batch = self._pool.take_pending(
-                self.tier, BATCH_BLOCKS, timeout=IDLE_WAIT_S, views=False
-            )
-            if not batch:
+            taken = self._pool.take_pending_columns(self.tier, BATCH_BLOCKS, timeout=IDLE_WAIT_S)
+            if not taken.keys:
                 continue
             try:
-                self._write(batch)
+                self._write(taken)
             except Exception:  # never let one bad batch stop the writer
-                logger.exception("%s writer: dropping a batch of %d blocks", self.tier, len(batch))
-                self._metrics.add(self.tier, dropped=len(batch))
+                logger.exception("%s writer: dropping a batch of %d blocks", self.tier, len(taken.keys))
+                self._metrics.add(self.tier, dropped=len(taken.keys))
             finally:
-                self._pool.done_pending(self.tier, [b.key for b in batch])
+                self._pool.done_pending(self.tier, taken.keys)
 
-    def _write(self, batch: list[SlotBlock]) -> None:
+    def _write(self, taken: TakenBlocks) -> None:
         start = time.perf_counter()
-        if self._packers is not None:  # a run of blocks a pack thread (a task costs Python)
-            run = -(-len(batch) // PACK_THREADS)
-            runs = [batch[i : i + run] for i in range(0, len(batch), run)]
-            payloads = [p for packed in self._packers.map(self._pack_run, runs) for p in packed]
-        else:  # no byte stage: a block's payload is its slot's row (TensorCodec.pack)
-            size = self._pool.slot_nbytes
-            payloads = [self._rows[b.slot * size : (b.slot + 1) * size] for b in batch]
-        kept = [b for b, p in zip(batch, payloads) if p is not None]
-        if not kept:
-            return
+        if self._packers is None:  # no byte stage: a block's payload is its slot's row
+            payloads: PayloadRows | list[bytes | memoryview] = PayloadRows(self._slots, taken.slots)
+        else:  # a run of blocks a pack thread (a task costs Python)
+            blocks = list(zip(taken.keys, taken.slots))
+            run = -(-len(blocks) // PACK_THREADS)
+            runs = [blocks[i : i + run] for i in range(0, len(blocks), run)]
+            packed = [p for part in self._packers.map(self._pack_run, runs) for p in part]
+            kept = [i for i, p in enumerate(packed) if p is not None]
+            if not kept:
+                return
+            if len(kept) < len(packed):
+                taken = TakenBlocks(*([column[i] for i in kept] for column in taken))
+            payloads = [packed[i] for i in kept]
         records = RecordBatch(
-            self._codec.name, self._dtype, self._shape,
-            [b.key for b in kept], [b.parent_hash for b in kept], [b.token_ids for b in kept],
-            [p for p in payloads if p is not None],
+            self._codec.name, self._dtype, self._shape, taken.keys, taken.parent_hashes,
+            taken.token_ids, payloads,
         )
         try:
             if self._by_priority:
-                accepted = self._store.put_many(records, priorities=[b.priority for b in kept])
+                accepted = self._store.put_many(records, priorities=taken.priorities)
             else:
                 accepted = self._store.put_many(records)
         except StoreError as e:  # the store was closed under us
@@ -201,19 +202,29 @@ class PoolWriter:
         if len(stored) < len(records):
             self._refusals.add(len(records) - len(stored), _REFUSAL_HINTS.get(self.tier, ""))
         self._metrics.observe_store(
-            self.tier, time.perf_counter() - start, len(stored),
-            sum(records.nbytes(i) for i in stored),
+            self.tier, time.perf_counter() - start, len(stored), records.nbytes_of(stored)
         )
 
-    def _pack_run(self, blocks: list[SlotBlock]) -> list[bytes | memoryview | None]:
-        return [self._pack(block) for block in blocks]
-
-    def _pack(self, block: SlotBlock) -> bytes | memoryview | None:
-        """``block``'s payload: its slot's stage payload, packed (``None``, counted as
-        dropped, if the codec refuses it)."""
+    def _pack_run(self, blocks: list[tuple[BlockKey, int]]) -> list[bytes | memoryview | None]:
+        """The payloads of a run of blocks, packed at once (one by one if the codec refuses
+        the run: to count the block it refuses)."""
+        slots = [slot for _, slot in blocks]
+        first = slots[0]
+        if slots == list(range(first, first + len(slots))):
+            staged = self._slots[first : first + len(slots)]
+        else:
+            staged = self._slots[slots]
         try:
-            return self._codec.pack(self._slots[block.slot], self._dtype, self._shape)
+            return self._codec.pack_many(staged, self._dtype, self._shape)
+        except ValueError:
+            return [self._pack(key, slot) for key, slot in blocks]
+
+    def _pack(self, key: BlockKey, slot: int) -> bytes | memoryview | None:
+        """The payload of block ``key``: its slot's stage payload, packed (``None``,
+        counted as dropped, if the codec refuses it)."""
+        try:
+            return self._codec.pack(self._slots[slot], self._dtype, self._shape)
         except ValueError as e:
-            logger.error("%s writer: cannot encode %s: %s", self.tier, block.key.short(), e)
+            logger.error("%s writer: cannot encode %s: %s", self.tier, key.short(), e)
             self._metrics.add(self.tier, dropped=1)
             return None

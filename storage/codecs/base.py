@@ -102,6 +102,12 @@ class Codec(abc.ABC):
         be a view of ``staged`` (a tensor codec's is: no copy), so it is used, or copied,
         before ``staged`` changes."""
 
+    def pack_many(
+        self, staged: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> list[bytes | memoryview]:
+        """:meth:`pack` of each row of ``staged`` (``[blocks, stage bytes]`` uint8)."""
+        return [self.pack(row, dtype, shape) for row in staged]
+
     @abc.abstractmethod
     def unpack_into(
         self, payload: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...], out: np.ndarray

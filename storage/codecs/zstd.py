@@ -32,6 +32,8 @@ from storage.codecs.base import Codec, CodecError, Section, TensorCodec, as_byte
 DEFAULT_LEVEL = 1
 MIN_LEVEL, MAX_LEVEL = 1, 19
 _FRAME_MAGIC = b"\x28\xb5\x2f\xfd"  # 0xFD2FB528, little-endian
+# From this size on a frame is copied with the GIL released; below, a hand-off costs more.
+_RELEASED_COPY_BYTES = 64 << 10
 
 
 class ZstdCodec(Codec):
@@ -81,6 +83,53 @@ class ZstdCodec(Codec):
         parts = self._planes(staged, dtype, tuple(shape))
         head = np.frombuffer(_lengths(parts), dtype=np.uint8)
         return memoryview(np.concatenate([head, *parts]))
+
+    def pack_many(
+        self, staged: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> list[memoryview]:
+        """:meth:`pack` of each row of ``staged`` (``[blocks, stage bytes]`` uint8), as views
+        of one buffer: one numpy copy a section gathers every row's byte planes behind room
+        for its header (with the GIL released), each plane is compressed from there, and a
+        frame zstd made smaller takes the plane's place, the planes after it moved up. A
+        block whose planes do not compress (random bytes) is packed where it was gathered."""
+        layout = self._layout(dtype, tuple(shape))
+        blocks = staged.shape[0]
+        num_planes = sum(s.itemsize for s in layout)
+        head = 4 * num_planes
+        width = head + staged.shape[1]
+        out = np.empty((blocks, width), dtype=np.uint8)
+        planes: list[tuple[int, int]] = []  # (offset in a row of out, length) of each plane
+        offset = 0
+        for section in layout:
+            n = section.nbytes // section.itemsize
+            data = staged[:, offset : offset + section.nbytes]
+            gathered = out[:, head + offset : head + offset + section.nbytes]
+            # [blocks, n, w] -> [blocks, w, n]: plane i holds byte i of every element
+            gathered.reshape(blocks, section.itemsize, n)[:] = (
+                data.reshape(blocks, n, section.itemsize).transpose(0, 2, 1)
+            )
+            planes += [(head + offset + i * n, n) for i in range(section.itemsize)]
+            offset += section.nbytes
+        buf = out.reshape(-1)
+        flat = memoryview(buf)
+        cctx = self._compressor()
+        header = struct.Struct(f"<{num_planes}I")
+        payloads = []
+        for row in range(0, blocks * width, width):
+            end = row + head
+            lengths = []
+            for start, n in planes:
+                packed = cctx.compress(flat[row + start : row + start + n])
+                if len(packed) < n:
+                    _copy(buf, flat, end, packed)
+                    n = len(packed)
+                elif end != row + start:  # after a smaller frame: up, by numpy (they overlap)
+                    buf[end : end + n] = buf[row + start : row + start + n]
+                lengths.append(n)
+                end += n
+            header.pack_into(flat, row, *lengths)
+            payloads.append(flat[row:end])
+        return payloads
 
     def _planes(
         self, staged: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]
@@ -194,6 +243,14 @@ class ZstdCodec(Codec):
         if len(data) != plane_len:
             raise CodecError(f"{self.name}: zstd frame gave {len(data)} bytes, expected {plane_len}")
         return np.frombuffer(data, dtype=np.uint8)
+
+
+def _copy(buf: np.ndarray, flat: memoryview, at: int, data: bytes) -> None:
+    """``data`` into ``buf[at:]``: by numpy, with the GIL released, for a large frame."""
+    if len(data) >= _RELEASED_COPY_BYTES:
+        buf[at : at + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    else:
+        flat[at : at + len(data)] = data
 
 
 def _lengths(parts: list[np.ndarray]) -> bytes:
