@@ -15,18 +15,15 @@ A slot's life::
      ▲                 (filled by   │                       │         no readers) ─▶ free
      └──── unreserve() ◀────────────┘ its owner)            acquire()/release(): readers
 
-Eviction takes, among the blocks neither pending nor read, those committed with the
-highest ``priority`` value first (a lower value matters more, as a request's priority
-does; a tenant's blocks carry its priority), and within one priority the one read or
-written out longest ago. ``reserve(priority)`` evicts only blocks that matter no more
-than the newcomer: O(1), no scan of the pool.
+Which slot a new block gets, and which block is evicted for it (by priority, then least
+recently used; with ``pass_through``, a slot for blocks on their way to the lower tiers
+only), is :mod:`storage.cpu_eviction`.
 
 ``keep_clean=False`` makes the pool a pure staging buffer: a block leaves as soon as no
 tier is pending for it.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import threading
 from collections.abc import Collection, Iterable, Iterator, Sequence, Sized
@@ -34,13 +31,14 @@ from collections.abc import Collection, Iterable, Iterator, Sequence, Sized
 import torch
 
 from storage.base import BlockKey, BlockStore, StoreStats, check_keys
+from storage.cpu_eviction import PASSING_SHARE, Eviction
 from storage.cpu_slots import Commit, Commits, HostBlock, SlotBlock, SlotEntry
 from storage.cpu_write_behind import WriteBehind
 from storage.pinned import PinnedSlab
-from storage.priority_lru import DEFAULT_PRIORITY, PriorityLru
+from storage.priority_lru import DEFAULT_PRIORITY
 
 
-class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
+class CpuBlockPool(Eviction, WriteBehind, BlockStore[HostBlock]):
     """LRU pool of raw KV blocks in one host slab. Thread-safe.
 
     ``get`` returns a copy. :meth:`acquire` returns a view of a block's slot and keeps the
@@ -56,6 +54,7 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
         block_nbytes: int | None = None,
         pin_memory: bool | None = None,
         keep_clean: bool = True,
+        pass_through: bool = False,
     ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
@@ -64,18 +63,15 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
         self.capacity_bytes = capacity_bytes
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.keep_clean = keep_clean
+        self.pass_through = pass_through and keep_clean  # a staging buffer keeps nothing
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._entries: dict[BlockKey, SlotEntry] = {}
-        self._evictable: PriorityLru[BlockKey] = PriorityLru()  # neither pending nor read
-        self._priorities: collections.Counter[int] = collections.Counter()  # entries per priority
         self._slab: PinnedSlab | None = None
-        self._free: list[int] = []
         self._slot_nbytes = 0
+        self._init_eviction()
         self._init_write_behind()
         self._stats = StoreStats(tier=self.tier, capacity_bytes=capacity_bytes)
-        self._removals = 0  # blocks that left: evicted, dropped once written, deleted
-        self._refused = 0  # reservations that found no slot
         self._closed = False
         if block_nbytes is not None:
             self._reserve_slab(block_nbytes)
@@ -102,6 +98,7 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
         self._slab = PinnedSlab(num_slots, slot_nbytes, pin=self.pin_memory)
         self._slot_nbytes = slot_nbytes
         self._free = list(range(num_slots - 1, -1, -1))
+        self._max_passing = max(1, num_slots // PASSING_SHARE) if self.pass_through else 0
 
     def slot_view(self, slot: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         return self.slab[slot].view(dtype).view(shape)
@@ -110,7 +107,8 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
 
     def reserve(self, priority: int = DEFAULT_PRIORITY) -> int | None:
         """A slot for a new block of ``priority``: a free one, or the slot of the block
-        evicted first (see above) if that one matters no more than the newcomer. ``None``
+        evicted first (see above) if that one matters no more than the newcomer (or, with
+        ``pass_through``, a slot for a passing block while there is room for one). ``None``
         when no slot can be had."""
         slots = self.reserve_many((priority,))
         return slots[0] if slots else None
@@ -131,7 +129,7 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
                 del free[len(free) - len(priorities) :]
                 priorities = ()
             for priority in priorities:
-                slot = self._take_slot_locked(priority)
+                slot = self._take_slot_locked(priority, may_pass=True)
                 if slot is None:
                     break
                 slots.append(slot)
@@ -178,17 +176,19 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
         with self._lock:
             if self._closed:
                 return [False] * len(commits.keys)
-            entries, free, counts = self._entries, self._free, self._priorities
-            pending_count, queues = self._pending_count, self._queues
+            entries, counts = self._entries, self._priorities
+            pending_count, queues, passing = self._pending_count, self._queues, self._passing
             queued = False
             for key, slot, parent_hash, token_ids, pending, priority in zip(*commits):
                 if key in entries:
-                    free.append(slot)
+                    self._free_slot_locked(slot)
                     done.append(False)
                     continue
                 done.append(True)
-                if not pending and not self.keep_clean and not hold:
-                    free.append(slot)
+                if not pending and not hold and (not self.keep_clean or slot in passing):
+                    if slot in passing:  # nothing to write: it passes at once
+                        self._stats.evictions += 1
+                    self._free_slot_locked(slot)
                     continue
                 entry = entries[key] = SlotEntry(
                     slot, kv_dtype, kv_shape, parent_hash, tuple(token_ids), set(pending),
@@ -213,41 +213,7 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
         """Give back a reserved slot that was not committed."""
         with self._lock:
             if not self._closed:
-                self._free.append(slot)
-
-    def _take_slot_locked(self, priority: int) -> int | None:
-        if self._free:
-            return self._free.pop()
-        key = self._evictable.first()
-        if key is None or self._evictable.priority(key) < priority:
-            self._refused += 1
-            return None
-        self._evictable.pop(key)
-        self._stats.evictions += 1
-        return self._remove_locked(key).slot
-
-    def _remove_locked(self, key: BlockKey) -> SlotEntry:
-        """Take ``key``'s entry out of the pool's entries (its slot is the caller's)."""
-        entry = self._entries.pop(key)
-        self._removals += 1
-        left = self._priorities[entry.priority] - 1
-        if left:
-            self._priorities[entry.priority] = left
-        else:
-            del self._priorities[entry.priority]
-        return entry
-
-    def _settle_locked(self, key: BlockKey, entry: SlotEntry) -> None:
-        """File ``entry`` by its state: evictable (the most recent of its priority) once
-        neither pending nor read, or gone at once from a pool that keeps no clean blocks."""
-        if entry.pending or entry.readers:
-            self._evictable.pop(key, None)
-        elif self.keep_clean:
-            self._evictable.set(key, 1, entry.priority)
-        else:
-            self._remove_locked(key)
-            self._evictable.pop(key, None)
-            self._free.append(entry.slot)
+                self._free_slot_locked(slot)
 
     # ------------------------------------------------------------------ reads
 
@@ -321,12 +287,7 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
                     settled.append((key, entry))
             if not settled:
                 return
-            clean = [(k, e) for k, e in settled if not e.pending]
-            if self.keep_clean:  # evictable now, the most recent of their priorities
-                self._evictable.set_many(((k, e.priority) for k, e in clean), 1)
-            else:
-                for key, entry in clean:
-                    self._settle_locked(key, entry)
+            self._settle_clean_locked([(k, e) for k, e in settled if not e.pending])
             self._changed.notify_all()
 
     def release(self, key: BlockKey) -> None:
@@ -341,30 +302,6 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
             return HostBlock(held.kv.clone(), held.parent_hash, held.token_ids)
         finally:
             self.release(key)
-
-    def outranked(self, priorities: Iterable[int]) -> list[bool]:
-        """For new blocks of ``priorities``: whether no slot can free up for one by waiting,
-        as every slot holds a block (written or not, read or not) that matters more."""
-        priorities = list(priorities)
-        with self._lock:
-            # a staging pool frees a slot once its block is written; a reserved one comes back
-            if not self.keep_clean or not self._entries or len(self._entries) < self.num_slots:
-                return [False for _ in priorities]
-            # the slot of a block that matters no more may free up: written, or read no longer
-            least = max(self._priorities)  # the highest value: the block that matters least
-            return [least < priority for priority in priorities]
-
-    def refused(self) -> int:
-        """Reservations so far that found no slot. A write-back writer takes a rise as
-        pressure: a newcomer's slot may be one only a pending block of its own priority can
-        free, while blocks that matter more keep ``num_evictable`` up."""
-        return self._refused
-
-    def num_evictable(self) -> int:
-        """Slots a :meth:`reserve` of any priority could have right now (free, or clean and
-        unread)."""
-        with self._lock:
-            return len(self._free) + len(self._evictable)
 
     # ------------------------------------------------------------------ BlockStore
 
@@ -407,7 +344,7 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
             self._remove_locked(key)
             self._evictable.pop(key, None)
             self._unqueue_pending_locked(key, entry.pending)
-            self._free.append(entry.slot)
+            self._free_slot_locked(entry.slot)
             self._changed.notify_all()
             return True
 
@@ -431,6 +368,8 @@ class CpuBlockPool(WriteBehind, BlockStore[HostBlock]):
             self._priorities.clear()
             self._evictable.clear()
             self._free.clear()
+            self._passing.clear()
+            self._passed.clear()
             self._clear_pending_locked()
             slab, self._slab = self._slab, None
             self._changed.notify_all()

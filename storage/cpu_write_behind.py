@@ -10,9 +10,9 @@ them done (:meth:`WriteBehind.done_pending`), written or given up.
 per-tier count and queue of pending blocks (``_pending_count``, ``_queues``, set up by
 ``_init_write_behind``); the pool's ``commit_many`` queues a batch's new blocks in them
 directly, under the pool's lock, and ``delete`` and ``close`` change them through
-``_unqueue_pending_locked`` and ``_clear_pending_locked``. It uses the pool's lock and its condition ``_changed``,
-``_entries``, ``_evictable``, ``_closed``, ``keep_clean``, ``slot_view`` and
-``_settle_locked``.
+``_unqueue_pending_locked`` and ``_clear_pending_locked``. It uses the pool's lock and its
+condition ``_changed``, ``_entries``, ``_evictable``, ``_closed``, ``slot_view``,
+``_settle_locked`` and ``_settle_clean_locked``.
 """
 from __future__ import annotations
 
@@ -122,11 +122,7 @@ class WriteBehind:
                     settled.append((key, entry))
             if done:
                 self._pending_count[tier] -= done
-            if self.keep_clean:  # evictable now, the most recent of their priorities, in order
-                self._evictable.set_many(((k, e.priority) for k, e in settled), 1)
-            else:
-                for key, entry in settled:
-                    self._settle_locked(key, entry)
+            self._settle_clean_locked(settled)
             self._changed.notify_all()
 
     def add_pending(self, tier: str, keys: Iterable[BlockKey]) -> int:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from storage.base import BlockKey
+from storage.cpu_eviction import PASSING_SHARE
 from storage.cpu_pool import CpuBlockPool
 from storage.cpu_slots import HostBlock
 from storage.pinned import available_host_bytes
@@ -245,6 +246,47 @@ def test_a_newcomer_is_outranked_only_when_every_slot_holds_a_block_that_matters
     )
     commit(staging, 0, staging.reserve(), ("disk",), 0)
     assert staging.outranked([1]) == [False]  # it leaves once written
+
+
+def test_a_block_every_evictable_block_outranks_passes_through_a_bounded_share_of_slots():
+    """With ``pass_through``, a newcomer that matters less than every block in a full pool
+    takes the slot of the one evicted first, one slot in PASSING_SHARE at most, and leaves
+    once written (counted as evicted); a load promoted into the pool (``put``) never passes,
+    and neither does anything without ``pass_through``."""
+    kv = block(0).kv
+    slots = PASSING_SHARE + 2  # room for one passing block
+
+    def full_of_gold(pass_through: bool) -> CpuBlockPool:
+        pool = CpuBlockPool(slots * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, pin_memory=False,
+                            pass_through=pass_through)
+        for i in range(slots):
+            assert pool.put(key(i), block(i), priority=-10)
+        return pool
+
+    pool = full_of_gold(pass_through=False)
+    assert pool.reserve(priority=0) is None and pool.outranked([0]) == [True]
+    pool = full_of_gold(pass_through=True)
+    assert not pool.put(key(100), block(100), priority=0)  # a promotion never passes
+    assert pool.outranked([0]) == [False]
+    slot = pool.reserve(priority=0)
+    assert slot is not None and not pool.contains(key(0))  # the gold block evicted first
+    assert pool.reserve(priority=0) is None  # the share is taken
+    assert pool.commit(key(100), slot, kv.dtype, tuple(kv.shape), None, (100,), ("disk",),
+                       priority=0)
+    assert pool.contains(key(100))  # served while it waits for the disk
+    (taken,) = pool.take_pending("disk", 8, timeout=0, views=False)
+    assert taken.key == key(100)
+    pool.done_pending("disk", [key(100)])
+    assert not pool.contains(key(100)) and pool.stats().evictions == 2
+    assert pool.stats().entries == slots - 1 == pool.stats().puts - pool.stats().evictions
+    assert not pool.put(key(102), block(102), priority=0)  # its slot is not for the outranked
+    assert pool.reserve(priority=-10) == slot  # but for a block that matters as much as any
+    passing = pool.reserve(priority=0)  # another gold block evicted for a passing one
+    assert passing is not None and pool.reserve(priority=0) is None
+    assert pool.commit(key(101), passing, kv.dtype, tuple(kv.shape), None, (101,), (),
+                       priority=0)
+    assert not pool.contains(key(101))  # nothing to write: it passed at once
+    assert pool.reserve(priority=-10) == passing and pool.reserve(priority=0) is not None
 
 
 def test_pending_and_read_blocks_stay_whatever_their_priority():

@@ -235,8 +235,9 @@ def test_the_cpu_pool_evicts_the_lower_priority_tenant_first(reference):
 
 def test_blocks_a_load_brings_up_keep_their_tenants_priority(reference, disk):
     """Gold's blocks, loaded from disk into a fresh CPU pool, rank there as gold's: an
-    unsalted newcomer that fills the pool does not evict them (it did when a promotion
-    entered the pool at the default priority)."""
+    unsalted newcomer that fills the pool evicts none of them but the one slot its blocks
+    pass through on their way to disk (it evicted them all when a promotion entered the
+    pool at the default priority)."""
     tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=16 * tiny_block_nbytes(), disk_bytes=64 << 20,
                        tenant_priorities={"gold": -10})
     with make_llm(tiers) as llm:  # gold's blocks reach the disk
@@ -251,8 +252,34 @@ def test_blocks_a_load_brings_up_keep_their_tenants_priority(reference, disk):
         again = llm.generate(PROMPTS[0], GREEDY, cache_salt="gold")[0]
         from_pool = manager.stats()["cpu"]["hit_blocks"] - before
     assert again.num_cached_tokens == hit_tokens(PROMPTS[0])
-    assert from_pool == hit_tokens(PROMPTS[0]) // BLOCK
+    assert from_pool == hit_tokens(PROMPTS[0]) // BLOCK - 1  # 16 slots: one passing
     assert promoted.token_ids == again.token_ids == reference[0]
+
+
+def test_a_tenant_that_matters_less_reaches_disk_through_a_pool_full_of_gold(reference, disk):
+    """A pool full of gold's written blocks, and a tenant that matters less: its blocks pass
+    through one slot on their way to disk (they were dropped, none reaching the disk, when
+    every slot held a block that matters more), and gold keeps the rest of the pool."""
+    tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=8 * tiny_block_nbytes(), disk_bytes=64 << 20,
+                       tenant_priorities={"gold": -10, "batch": 10})
+    with make_llm(tiers) as llm:
+        manager = llm.engine.connector
+        llm.generate(PROMPTS[0], GREEDY, cache_salt="gold")  # 8 blocks: the pool is full
+        assert manager.flush(30)
+        llm.generate(PROMPTS[1], GREEDY, cache_salt="batch")
+        assert manager.flush(30)  # nothing dropped
+        llm.generate(FLUSH, GREEDY)  # the engine's own cache forgets both prompts
+        # written: the disk hit below finds the slot the last passing block left (a load
+        # that finds no slot recomputes, and this pool's other slots are the hit's own)
+        assert manager.flush(30)
+        before = manager.stats()["cpu"]["hit_blocks"]
+        gold = llm.generate(PROMPTS[0], GREEDY, cache_salt="gold")[0]
+        from_pool = manager.stats()["cpu"]["hit_blocks"] - before
+        stats = manager.stats()
+    assert stats["cpu"]["dropped"] == 0 and stats["disk"]["entries"] >= 16
+    assert from_pool == 7 and gold.num_cached_tokens == hit_tokens(PROMPTS[0])  # one from disk
+    assert gold.token_ids == reference[0]
+
 
 def test_another_block_size_never_hits(disk):
     tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=0, disk_bytes=64 << 20)

@@ -14,8 +14,9 @@ When every slot holds a block not yet written to the lower tiers, a save waits, 
 is idle) for up to ``SAVE_WAIT_S``; it is then dropped, counted and logged (one WARNING per
 ``drop_warning.DROP_WARNING_INTERVAL_S``, naming the setting to raise). It is dropped at once when the
 engine runs short of blocks (``release_deferred``): a save never stalls a request. A save
-no slot can free up for (every block in the pool belongs to a tenant that matters more,
-see ``tenant_priorities``) does not wait: it is dropped at once.
+of a tenant that matters less than every block in the pool (``tenant_priorities``) passes
+through the pool on its way to the lower tiers (:mod:`storage.cpu_eviction`); with no
+lower tier to write to, no slot can free up for it, and it is dropped at once.
 """
 from __future__ import annotations
 

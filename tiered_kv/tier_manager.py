@@ -218,8 +218,11 @@ class TierManager(KVConnector):
         self._namespace = storage_namespace(namespace, config.codec)
         # A slot holds a block in the codec's tensor stage (a KIVI payload is smaller).
         slot_nbytes = self._codec.stage.payload_size(kv_cache.dtype, self._block_shape)
-        pool = self._stores.reserve_pool(slot_nbytes, pin_memory=kv_cache.is_cuda)
         disk, remote = self._stores.disk, self._stores.remote
+        written_below = disk is not None or (
+            remote is not None and config.remote_write_policy == "write-through")
+        pool = self._stores.reserve_pool(
+            slot_nbytes, pin_memory=kv_cache.is_cuda, pass_through=written_below)
         self._kv_cache = kv_cache
         self._mover = BlockMover(kv_cache, pool.slab, self._codec.stage)
         block = (kv_cache.dtype, self._block_shape)

@@ -63,9 +63,12 @@ class TierStores:
                 ttl_s=config.remote_ttl_s,
             )
 
-    def reserve_pool(self, slot_nbytes: int, pin_memory: bool) -> CpuBlockPool:
-        """Reserve the CPU pool in slots of ``slot_nbytes``; a size that holds no slot, or
-        more than the host can pin, raises ``ValueError`` naming the setting to change."""
+    def reserve_pool(
+        self, slot_nbytes: int, pin_memory: bool, pass_through: bool = False
+    ) -> CpuBlockPool:
+        """Reserve the CPU pool in slots of ``slot_nbytes`` (``pass_through``: saves have a
+        lower tier to go to, see :class:`CpuBlockPool`); a size that holds no slot, or more
+        than the host can pin, raises ``ValueError`` naming the setting to change."""
         config = self.config
         pool_bytes = config.cpu_bytes if config.has_cpu else config.staging_bytes
         setting = "cpu_bytes" if config.has_cpu else "staging_bytes"
@@ -77,6 +80,7 @@ class TierStores:
         try:
             self.pool = CpuBlockPool(
                 pool_bytes, block_nbytes=slot_nbytes, keep_clean=config.has_cpu,
+                pass_through=pass_through,
                 pin_memory=pin_memory,
             )
         except ValueError as e:  # more than the host can pin
