@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import itertools
 from collections.abc import Hashable, Iterable, Iterator
 from typing import Generic, TypeVar
 
@@ -61,19 +62,9 @@ class PriorityLru(Generic[K]):
     def set_many(self, items: Iterable[tuple[K, int]], weight: int) -> None:
         """:meth:`set` of each ``(key, priority)`` with one ``weight``, in order, as one
         call (a pool settles a request's blocks at once)."""
-        levels, totals, priorities = self._levels, self._totals, self._priority
-        for key, priority in items:
-            old = priorities.get(key)
-            if old is not None:
-                self._unlink(key, old)
-            level = levels.get(priority)
-            if level is None:
-                level = levels[priority] = collections.OrderedDict()
-                totals[priority] = 0
-                bisect.insort(self._order, priority)
-            level[key] = weight
-            totals[priority] += weight
-            priorities[key] = priority
+        items = list(items)
+        self.set_weights([key for key, _ in items], itertools.repeat(weight),
+                         [priority for _, priority in items])
 
     def set_weights(self, keys: Iterable[K], weights: Iterable[int], priorities: Iterable[int]) -> int:
         """:meth:`set` of each key with its own weight and priority, in order, as one call

@@ -195,6 +195,21 @@ def recovers(s: RemoteStore, server: HostileServer, clock) -> None:
     pytest.fail("the store did not serve again once the server behaved")
 
 
+def play_and_recover(mode: str, plan, clock) -> None:
+    """An honest start (records to serve, or not), then ``plan`` played against every
+    public method of the store, then the server behaves and the store must serve again."""
+    server = HostileServer(cluster=mode == "cluster")
+    s = store(url(server, mode))
+    try:
+        s.put_many(list(zip(KEYS, RECORDS)))
+        play(server, plan)
+        exercise(s)
+        recovers(s, server, clock)
+    finally:
+        s.close()
+        server.stop()
+
+
 @pytest.fixture
 def scan_pages(monkeypatch):
     """A walk of keys ends after this many pages, not a few hundred thousand."""
@@ -207,16 +222,7 @@ def scan_pages(monkeypatch):
 def test_fuzzed_replies_are_misses_and_drops_never_errors_or_wrong_records(
     mode, plan, breaker_clock, scan_pages
 ):
-    server = HostileServer(cluster=mode == "cluster")
-    s = store(url(server, mode))
-    try:
-        s.put_many(list(zip(KEYS, RECORDS)))  # an honest start: records to serve, or not
-        play(server, plan)
-        exercise(s)
-        recovers(s, server, breaker_clock)
-    finally:
-        s.close()
-        server.stop()
+    play_and_recover(mode, plan, breaker_clock)
 
 
 # Each mutation once and each ending once, whatever the fuzz draws.
@@ -227,16 +233,7 @@ CASES = [(f"{m}", MODES[i % 3], [("all", [m], 12345)]) for i, m in enumerate(sor
 
 @pytest.mark.parametrize(("case", "mode", "plan"), CASES, ids=[c[0] for c in CASES])
 def test_each_hostile_reply(case, mode, plan, breaker_clock, scan_pages):
-    server = HostileServer(cluster=mode == "cluster")
-    s = store(url(server, mode))
-    try:
-        s.put_many(list(zip(KEYS, RECORDS)))
-        play(server, plan)
-        exercise(s)
-        recovers(s, server, breaker_clock)
-    finally:
-        s.close()
-        server.stop()
+    play_and_recover(mode, plan, breaker_clock)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -313,6 +310,18 @@ def test_a_scan_whose_cursor_never_ends_stops(scan_pages):
         server.stop()
 
 
+def get_in_little_memory(s: RemoteStore):
+    """``s.get`` of a key, in its deadline and with at most 32 MiB allocated at its peak."""
+    tracemalloc.start()
+    try:
+        got = timed(lambda: s.get(KEYS[0]))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 << 20, f"{peak >> 20} MiB"
+    return got
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_reply_declaring_a_terabyte_allocates_nothing_of_it(mode):
     """A bulk reply that declares 1 TiB and streams junk as fast as it is read: each byte
@@ -321,14 +330,10 @@ def test_a_reply_declaring_a_terabyte_allocates_nothing_of_it(mode):
     server = HostileServer(cluster=mode == "cluster")
     s = store(url(server, mode))
     flood = Reply(b"$%d\r\n" % TIB, then="flood", flood_bytes=256 << 20)
-    tracemalloc.start()
+    server.script = lambda batch: flood
     try:
-        server.script = lambda batch: flood
-        assert timed(lambda: s.get(KEYS[0])) is None
-        _, peak = tracemalloc.get_traced_memory()
-        assert peak < 32 << 20, f"{peak >> 20} MiB"
+        assert get_in_little_memory(s) is None
     finally:
-        tracemalloc.stop()
         s.close()
         server.stop()
 
@@ -340,14 +345,10 @@ def test_a_slot_map_of_millions_of_slots_is_refused():
     server = HostileServer(cluster=True)
     s = store(server.url)
     too_big = MUTATIONS["slot map too big"](server, [b"CLUSTER", b"SLOTS"], 0)
-    tracemalloc.start()
+    server.script = lambda batch: Reply(too_big) if batch[0][0] == b"CLUSTER" else None
     try:
-        server.script = lambda batch: Reply(too_big) if batch[0][0] == b"CLUSTER" else None
-        assert timed(lambda: s.get(KEYS[0])) is None
-        _, peak = tracemalloc.get_traced_memory()
-        assert peak < 32 << 20, f"{peak >> 20} MiB"
+        assert get_in_little_memory(s) is None
     finally:
-        tracemalloc.stop()
         s.close()
         server.stop()
 
