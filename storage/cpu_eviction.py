@@ -2,9 +2,18 @@
 
 Eviction takes, among the blocks neither pending nor read, those committed with the
 highest ``priority`` value first (a lower value matters more, as a request's priority
-does; a tenant's blocks carry its priority), and within one priority the one read or
-written out longest ago. ``reserve(priority)`` evicts only blocks that matter no more
-than the newcomer: O(1), no scan of the pool.
+does; a tenant's blocks carry its priority); within one priority, blocks that end their
+chain in the pool (no child here) before those whose chain goes on, and among those the
+one read or written out longest ago. ``reserve(priority)`` evicts only blocks that matter
+no more than the newcomer: O(1), no scan of the pool.
+
+Chains are evicted from their end, as a lookup walks a chain from its start and stops at
+the first block no tier holds: a chain's first block, saved and read first, is its least
+recently used, and evicting it first would leave the rest in the pool and of no use. When
+a chain's last block goes, the block before it becomes the chain's end as the least
+recently used of its kind (it was used no later), so a cold chain goes from its end on::
+
+    a0 ─ a1 ─ a2 ─ a3   (a3 a leaf)   evicted: a3, then a2, ...   a0 ─ a1 still a hit
 
 ``pass_through=True`` (a pool in front of lower tiers) lets a block through that every
 evictable block outranks: it takes the slot of the block evicted first all the same, and
@@ -50,6 +59,39 @@ class Eviction:
         self._max_passing = 0
         self._removals = 0  # blocks that left: evicted, dropped once written, deleted
         self._refused = 0  # reservations that found no slot
+        # children in the pool, by their parent's key (present or not): a block with one is
+        # filed after the chains' ends of its priority
+        self._children: dict[BlockKey, int] = {}
+
+    def _level(self, key: BlockKey, priority: int) -> int:
+        """A block's level in ``_evictable`` (the higher, the sooner evicted): its priority,
+        then whether its chain ends with it. ``level >> 1`` is the priority."""
+        return 2 * priority + (key not in self._children)
+
+    def _link_locked(self, key: BlockKey, parent_hash: bytes | None) -> None:
+        """A block entered the pool: its parent's chain goes on here."""
+        if parent_hash is None:
+            return
+        parent = BlockKey(key.namespace, parent_hash)
+        children = self._children.get(parent, 0)
+        self._children[parent] = children + 1
+        if not children and parent in self._evictable:  # no longer an end: refiled
+            self._evictable.set(parent, 1, self._evictable.priority(parent) - 1)
+
+    def _unlink_locked(self, key: BlockKey, parent_hash: bytes | None) -> None:
+        """A block left the pool: its parent may end its chain now, the least recently used
+        of its level."""
+        if parent_hash is None:
+            return
+        parent = BlockKey(key.namespace, parent_hash)
+        children = self._children[parent] - 1
+        if children:
+            self._children[parent] = children
+            return
+        del self._children[parent]
+        if parent in self._evictable:
+            self._evictable.set(parent, 1, self._evictable.priority(parent) + 1)
+            self._evictable.move_to_end(parent, last=False)
 
     def _take_slot_locked(self, priority: int, *, may_pass: bool = False) -> int | None:
         """A free slot; a slot passing blocks left, for a newcomer that matters as much as
@@ -62,7 +104,7 @@ class Eviction:
         if passed and priority <= min(self._priorities, default=priority):
             return passed.pop()
         key = self._evictable.first()
-        if key is not None and self._evictable.priority(key) >= priority:
+        if key is not None and self._evictable.priority(key) >> 1 >= priority:
             self._evictable.pop(key)
             self._stats.evictions += 1
             return self._remove_locked(key).slot
@@ -89,6 +131,7 @@ class Eviction:
     def _remove_locked(self, key: BlockKey) -> SlotEntry:
         """Take ``key``'s entry out of the pool's entries (its slot is the caller's)."""
         entry = self._entries.pop(key)
+        self._unlink_locked(key, entry.parent_hash)
         self._removals += 1
         left = self._priorities[entry.priority] - 1
         if left:
@@ -104,7 +147,7 @@ class Eviction:
         if entry.pending or entry.readers:
             self._evictable.pop(key, None)
         elif self.keep_clean and entry.slot not in self._passing:
-            self._evictable.set(key, 1, entry.priority)
+            self._evictable.set(key, 1, self._level(key, entry.priority))
         else:
             self._remove_locked(key)
             self._evictable.pop(key, None)
@@ -116,7 +159,8 @@ class Eviction:
         """:meth:`_settle_locked` for entries neither pending nor read now, in order: all
         evictable at once where the pool keeps them."""
         if self.keep_clean and not self._passing:  # the most recent of their priorities
-            self._evictable.set_many(((k, e.priority) for k, e in clean), 1)
+            level = self._level
+            self._evictable.set_many(((k, level(k, e.priority)) for k, e in clean), 1)
         else:
             for key, entry in clean:
                 self._settle_locked(key, entry)

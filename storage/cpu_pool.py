@@ -195,6 +195,7 @@ class CpuBlockPool(Eviction, WriteBehind, BlockStore[HostBlock]):
                     readers, set(), priority,
                 )
                 counts[priority] += 1
+                self._link_locked(key, parent_hash)
                 if pending:  # a new key is in no queue and not evictable: nothing to settle
                     queued = True
                     for tier in pending:  # newly pending: counted, and last in the queue
@@ -367,6 +368,7 @@ class CpuBlockPool(Eviction, WriteBehind, BlockStore[HostBlock]):
             self._entries.clear()
             self._priorities.clear()
             self._evictable.clear()
+            self._children.clear()
             self._free.clear()
             self._passing.clear()
             self._passed.clear()

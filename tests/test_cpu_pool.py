@@ -289,6 +289,32 @@ def test_a_block_every_evictable_block_outranks_passes_through_a_bounded_share_o
     assert pool.reserve(priority=-10) == passing and pool.reserve(priority=0) is not None
 
 
+def test_chains_are_evicted_from_their_end():
+    """A chain's first block is its least recently used: evicting it first (plain LRU)
+    left the rest in the pool with no lookup able to reach it. The ends of chains go first,
+    and when an end goes the block before it is the chain's end, the least recently used."""
+    kv = block(0).kv
+    pool = CpuBlockPool(6 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, pin_memory=False)
+
+    def save_chain(first: int, length: int) -> None:
+        slots = pool.reserve_many([0] * length)
+        parents = [None] + [key(i).block_hash for i in range(first, first + length - 1)]
+        for i, slot, parent in zip(range(first, first + length), slots, parents):
+            assert pool.commit(key(i), slot, kv.dtype, tuple(kv.shape), parent, (i,))
+
+    save_chain(0, 3)  # a: 0 ─ 1 ─ 2
+    save_chain(10, 3)  # b: 10 ─ 11 ─ 12, used later
+    save_chain(20, 2)  # evicts a's end, then the block before it
+    assert [pool.contains(key(i)) for i in (0, 1, 2, 10, 11, 12)] == [1, 0, 0, 1, 1, 1]
+    pool.get(key(10))  # b's first block read: b is no colder than a's rest
+    save_chain(30, 1)  # a's first block now ends its chain, the least recently used
+    assert not pool.contains(key(0)) and all(pool.contains(key(i)) for i in (10, 11, 12, 20, 21))
+    save_chain(40, 1)  # the least recently used end is b's (its start was read, not its end)
+    assert not pool.contains(key(12)) and pool.contains(key(11))
+    assert pool.reserve() is not None and not pool.contains(key(11))  # the end now
+    assert all(pool.contains(key(i)) for i in (10, 20, 21, 30, 40))
+
+
 def test_pending_and_read_blocks_stay_whatever_their_priority():
     pool = CpuBlockPool(3 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, pin_memory=False)
     kv = block(0).kv

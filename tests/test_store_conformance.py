@@ -47,7 +47,12 @@ class Tier:
 
 
 def _host_block(i: int) -> HostBlock:
-    return HostBlock(kv_tensor(i), None if i == 0 else key(i - 1).block_hash, (i, i + 1, i + 2))
+    return HostBlock(kv_tensor(i), _parent(i), (i, i + 1, i + 2))
+
+
+def _parent(i: int) -> bytes | None:
+    """Block ``i``'s parent: none of the blocks the tests store, so each is a chain's end."""
+    return None if i == 0 else hashlib.sha256(b"parent %d" % i).digest()
 
 
 def _same_host(a: HostBlock, b: HostBlock) -> bool:
@@ -56,7 +61,7 @@ def _same_host(a: HostBlock, b: HostBlock) -> bool:
 
 def _record(i: int) -> Record:
     return Record(
-        key=key(i), parent_hash=None if i == 0 else key(i - 1).block_hash,
+        key=key(i), parent_hash=_parent(i),
         token_ids=(i, i + 1, i + 2), codec="raw", dtype=torch.float16, shape=SHAPE,
         payload=kv_tensor(i).numpy().tobytes(), created_ns=1_700_000_000_000_000_000 + i,
     )
@@ -206,6 +211,8 @@ def test_batch_forms_and_longest_prefix(tier_factory):
 
 
 def test_capacity_evicts_least_recently_used(tier_factory):
+    """Among blocks of one chain each (the CPU pool evicts the ends of longer chains first:
+    tests/test_cpu_pool.py)."""
     t = tier_factory(capacity_blocks=4)
     if not t.evicts:
         pytest.skip("the server evicts (maxmemory-policy), not the store: no budget to test")

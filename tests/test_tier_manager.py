@@ -281,6 +281,18 @@ def test_a_tenant_that_matters_less_reaches_disk_through_a_pool_full_of_gold(ref
     assert gold.token_ids == reference[0]
 
 
+def test_a_chain_partly_evicted_from_the_cpu_pool_still_hits_its_start(reference):
+    """A CPU pool alone, full of one prompt's chain: a newcomer evicts its end, not its
+    start (its start went first before, and the rest of the chain could not be hit)."""
+    with make_llm(TierConfig(cpu_bytes=8 * tiny_block_nbytes())) as llm:
+        llm.generate(PROMPTS[0], GREEDY)  # 8 blocks: the pool is full
+        llm.generate(PROMPTS[1][:70], GREEDY)  # 4 more
+        long = SamplingParams(temperature=0.0, max_tokens=230, ignore_eos=True)
+        llm.generate(PROMPTS[2][:10], long)  # the engine's cache forgets both (no prompt block)
+        again = llm.generate(PROMPTS[0], GREEDY)[0]
+    assert again.num_cached_tokens == 4 * BLOCK and again.token_ids == reference[0]
+
+
 def test_another_block_size_never_hits(disk):
     tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=0, disk_bytes=64 << 20)
     with make_llm(tiers) as llm:
