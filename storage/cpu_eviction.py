@@ -15,6 +15,10 @@ recently used of its kind (it was used no later), so a cold chain goes from its 
 
     a0 ─ a1 ─ a2 ─ a3   (a3 a leaf)   evicted: a3, then a2, ...   a0 ─ a1 still a hit
 
+A block is filed by whether it had a child in the pool when it became evictable; one that
+gets a child later is refiled when eviction comes to it (the commit only counts the child,
+so a save costs one dict update a block).
+
 ``pass_through=True`` (a pool in front of lower tiers) lets a block through that every
 evictable block outranks: it takes the slot of the block evicted first all the same, and
 leaves once no tier is pending for it, as in a staging buffer. Its slot is then kept for
@@ -59,38 +63,30 @@ class Eviction:
         self._max_passing = 0
         self._removals = 0  # blocks that left: evicted, dropped once written, deleted
         self._refused = 0  # reservations that found no slot
-        # children in the pool, by their parent's key (present or not): a block with one is
-        # filed after the chains' ends of its priority
-        self._children: dict[BlockKey, int] = {}
+        # children in the pool by their parent's block hash (present or not; a pool holds
+        # one model's blocks): a block with one is filed after the chains' ends
+        self._children: dict[bytes, int] = {}
 
     def _level(self, key: BlockKey, priority: int) -> int:
         """A block's level in ``_evictable`` (the higher, the sooner evicted): its priority,
         then whether its chain ends with it. ``level >> 1`` is the priority."""
-        return 2 * priority + (key not in self._children)
-
-    def _link_locked(self, key: BlockKey, parent_hash: bytes | None) -> None:
-        """A block entered the pool: its parent's chain goes on here."""
-        if parent_hash is None:
-            return
-        parent = BlockKey(key.namespace, parent_hash)
-        children = self._children.get(parent, 0)
-        self._children[parent] = children + 1
-        if not children and parent in self._evictable:  # no longer an end: refiled
-            self._evictable.set(parent, 1, self._evictable.priority(parent) - 1)
+        return 2 * priority + (key.block_hash not in self._children)
 
     def _unlink_locked(self, key: BlockKey, parent_hash: bytes | None) -> None:
         """A block left the pool: its parent may end its chain now, the least recently used
-        of its level."""
+        of its level. (A block entering the pool is counted in ``_children`` by the pool's
+        commit; its parent, if evictable, is refiled only when eviction comes to it.)"""
         if parent_hash is None:
             return
-        parent = BlockKey(key.namespace, parent_hash)
-        children = self._children[parent] - 1
+        children = self._children[parent_hash] - 1
         if children:
-            self._children[parent] = children
+            self._children[parent_hash] = children
             return
-        del self._children[parent]
-        if parent in self._evictable:
-            self._evictable.set(parent, 1, self._evictable.priority(parent) + 1)
+        del self._children[parent_hash]
+        parent = BlockKey(key.namespace, parent_hash)
+        level = self._evictable.get_priority(parent)
+        if level is not None and not level & 1:  # refiled as a chain's inside: an end again
+            self._evictable.set(parent, 1, level + 1)
             self._evictable.move_to_end(parent, last=False)
 
     def _take_slot_locked(self, priority: int, *, may_pass: bool = False) -> int | None:
@@ -104,6 +100,12 @@ class Eviction:
         if passed and priority <= min(self._priorities, default=priority):
             return passed.pop()
         key = self._evictable.first()
+        while key is not None and key.block_hash in self._children:
+            level = self._evictable.priority(key)
+            if not level & 1:  # the first block left is inside a chain: no end to take
+                break
+            self._evictable.set(key, 1, level - 1)  # its chain went on since it was filed
+            key = self._evictable.first()
         if key is not None and self._evictable.priority(key) >> 1 >= priority:
             self._evictable.pop(key)
             self._stats.evictions += 1
@@ -159,8 +161,9 @@ class Eviction:
         """:meth:`_settle_locked` for entries neither pending nor read now, in order: all
         evictable at once where the pool keeps them."""
         if self.keep_clean and not self._passing:  # the most recent of their priorities
-            level = self._level
-            self._evictable.set_many(((k, level(k, e.priority)) for k, e in clean), 1)
+            children = self._children  # as _level, inline: a batch a call
+            self._evictable.set_many(
+                ((k, 2 * e.priority + (k.block_hash not in children)) for k, e in clean), 1)
         else:
             for key, entry in clean:
                 self._settle_locked(key, entry)

@@ -176,7 +176,7 @@ class CpuBlockPool(Eviction, WriteBehind, BlockStore[HostBlock]):
         with self._lock:
             if self._closed:
                 return [False] * len(commits.keys)
-            entries, counts = self._entries, self._priorities
+            entries, counts, children = self._entries, self._priorities, self._children
             pending_count, queues, passing = self._pending_count, self._queues, self._passing
             queued = False
             for key, slot, parent_hash, token_ids, pending, priority in zip(*commits):
@@ -195,7 +195,8 @@ class CpuBlockPool(Eviction, WriteBehind, BlockStore[HostBlock]):
                     readers, set(), priority,
                 )
                 counts[priority] += 1
-                self._link_locked(key, parent_hash)
+                if parent_hash is not None:  # its parent's chain goes on here
+                    children[parent_hash] = children.get(parent_hash, 0) + 1
                 if pending:  # a new key is in no queue and not evictable: nothing to settle
                     queued = True
                     for tier in pending:  # newly pending: counted, and last in the queue

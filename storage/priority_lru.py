@@ -126,6 +126,10 @@ class PriorityLru(Generic[K]):
     def priority(self, key: K) -> int:
         return self._priority[key]
 
+    def get_priority(self, key: K) -> int | None:
+        """``key``'s priority, or None if it is not here."""
+        return self._priority.get(key)
+
     def first(self) -> K | None:
         """The key evicted next, or None when empty."""
         if not self._order:

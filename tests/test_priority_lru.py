@@ -45,7 +45,9 @@ def test_weights_of_what_a_newcomer_may_evict():
 
 def test_pop_get_and_an_emptied_priority():
     lru = filled()
+    assert lru.get_priority("c") == lru.priority("c") and lru.get_priority("z") is None
     assert lru.pop("c") == 3 and "c" not in lru and lru.get("c") is None
+    assert lru.get_priority("c") is None
     assert lru.pop("c", None) is None
     with pytest.raises(KeyError):
         lru.pop("c")
