@@ -152,7 +152,7 @@ class CpuBlockPool(Eviction, WriteBehind, BlockStore[HostBlock]):
         """Make the block filled into ``slot`` visible under ``key``, still to be written to
         the tiers in ``pending``; ``hold``: also :meth:`acquire` it. ``priority``: its place
         in the order of eviction. ``False`` (and the slot freed) if ``key`` is already here
-        or the pool is closed."""
+        (it is then pending for ``pending`` too) or the pool is closed."""
         commit = Commit(key, slot, parent_hash, tuple(token_ids), pending, priority)
         return self.commit_many((commit,), kv_dtype, kv_shape, hold=hold)[0]
 
@@ -183,6 +183,15 @@ class CpuBlockPool(Eviction, WriteBehind, BlockStore[HostBlock]):
                 if key in entries:
                     self._free_slot_locked(slot)
                     done.append(False)
+                    # the block came in meanwhile (a load promoted it): the tiers this save
+                    # was for are its to reach still, or a flush would say so wrongly
+                    entry = entries[key]
+                    if any(tier not in entry.pending for tier in pending):
+                        new = [tier for tier in pending if tier not in entry.pending]
+                        entry.pending.update(new)
+                        self._evictable.pop(key, None)
+                        self._queue_pending_locked(key, new)
+                        queued = True
                     continue
                 done.append(True)
                 if not pending and not hold and (not self.keep_clean or slot in passing):

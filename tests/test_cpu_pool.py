@@ -315,6 +315,22 @@ def test_chains_are_evicted_from_their_end():
     assert all(pool.contains(key(i)) for i in (10, 20, 21, 30, 40))
 
 
+def test_a_save_of_a_block_that_came_in_meanwhile_is_still_written_below():
+    """A load promoted the block (pending for no tier) between a save's look into the pool
+    and its commit: the commit is refused, but the block is now pending for the tiers the
+    save was for (they were lost, and a flush said True without the remote tier having it)."""
+    kv = block(0).kv
+    pool = CpuBlockPool(4 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, pin_memory=False)
+    promoted, saved = pool.reserve_many([0, 0])
+    assert pool.commit(key(1), promoted, kv.dtype, tuple(kv.shape), None, (1,), ("disk",))
+    pool.done_pending("disk", [b.key for b in pool.take_pending("disk", 8, timeout=0)])
+    assert not pool.commit(key(1), saved, kv.dtype, tuple(kv.shape), None, (1,),
+                           ("disk", "remote"))
+    assert [b.key for b in pool.take_pending("remote", 8, timeout=0)] == [key(1)]
+    assert [b.key for b in pool.take_pending("disk", 8, timeout=0)] == [key(1)]
+    assert pool.num_evictable() == 4 - 1  # the refused save's slot is free; the block is not
+
+
 def test_pending_and_read_blocks_stay_whatever_their_priority():
     pool = CpuBlockPool(3 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, pin_memory=False)
     kv = block(0).kv
