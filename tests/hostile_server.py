@@ -16,8 +16,9 @@ import dataclasses
 import fnmatch
 import select
 import socket
-import threading
 from collections.abc import Callable
+
+from ports import LoopbackServer
 
 Command = list[bytes]
 
@@ -47,7 +48,7 @@ def array(items: list[bytes]) -> bytes:
     return b"*%d\r\n" % len(items) + b"".join(items)
 
 
-class HostileServer:
+class HostileServer(LoopbackServer):
     """See the module docstring. ``cluster``: answer ``CLUSTER SLOTS`` with every slot
     on this server."""
 
@@ -55,16 +56,8 @@ class HostileServer:
         self.cluster = cluster
         self.data: dict[bytes, bytes] = {}
         self.script: Callable[[list[Command]], Reply | None] | None = None
-        self._lock = threading.Lock()
-        self._stopping = threading.Event()
         self._conns: list[socket.socket] = []
-        self._listener = socket.socket()
-        self._listener.bind(("127.0.0.1", 0))
-        self._listener.listen(64)
-        self._listener.settimeout(0.05)
-        self.port = self._listener.getsockname()[1]
-        self._threads = [threading.Thread(target=self._accept, daemon=True)]
-        self._threads[0].start()
+        super().__init__()
 
     @property
     def url(self) -> str:
@@ -72,8 +65,7 @@ class HostileServer:
             f"redis://127.0.0.1:{self.port}/0"
         )
 
-    def stop(self) -> None:
-        self._stopping.set()
+    def _stop_serving(self) -> None:
         with self._lock:
             conns = list(self._conns)
         for conn in conns:
@@ -81,9 +73,6 @@ class HostileServer:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        for t in list(self._threads):
-            t.join(timeout=5)
-        self._listener.close()
 
     # ------------------------------------------------------------------ honest replies
 
@@ -128,17 +117,8 @@ class HostileServer:
 
     # ------------------------------------------------------------------ the connections
 
-    def _accept(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except (TimeoutError, OSError):
-                continue
-            with self._lock:
-                self._conns.append(conn)
-            t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
-            self._threads.append(t)
-            t.start()
+    def _accepted(self, conn: socket.socket) -> None:
+        self._conns.append(conn)
 
     def _serve(self, conn: socket.socket) -> None:
         pending = bytearray()

@@ -1,4 +1,5 @@
-"""Free loopback ports for the servers tests start, taken below the kernel's ephemeral range.
+"""Free loopback ports for the servers tests start, taken below the kernel's ephemeral range;
+and :class:`LoopbackServer`, the base of the fake servers tests run in a thread.
 
 A port that ``bind(0)`` hands out is an ephemeral one: between the moment a test picks it
 and the moment its server binds it (or binds it again after a restart), any outgoing
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import random
 import socket
+import threading
 from pathlib import Path
 
 _RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -47,3 +49,49 @@ def free_port() -> int:
         port = s.getsockname()[1]
     _given.add(port)
     return port
+
+
+class LoopbackServer:
+    """A test's own server on a loopback port ``bind(0)`` picks (never restarted on it): a
+    thread accepts connections and serves each on a thread of its own (``_serve``, the
+    subclass's). ``_accepted(conn)`` is told of each connection first, under ``_lock``;
+    ``_stopping`` is set once :meth:`stop` is called, which waits for the threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._listener = socket.socket()
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(64)
+        self._listener.settimeout(0.05)  # the accept loop sees soon that it is to stop
+        self.port = self._listener.getsockname()[1]
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+    def _accepted(self, conn: socket.socket) -> None:
+        """A connection came in (called under ``_lock``)."""
+
+    def _stop_serving(self) -> None:
+        """:meth:`stop` has set ``_stopping``: end what would keep a serving thread waiting."""
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._stop_serving()
+        for t in list(self._threads):
+            t.join(timeout=5)
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            with self._lock:
+                self._accepted(conn)
+            t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            self._threads.append(t)
+            t.start()

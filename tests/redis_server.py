@@ -9,7 +9,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 import valkey
 from valkey.crc import key_slot
 
-from ports import free_port
+from ports import LoopbackServer, free_port
 
 BINARIES = ("valkey-server", "redis-server")
 
@@ -180,7 +179,7 @@ def _cluster_ok(info, size: int) -> bool:
     return info.get("cluster_state") == "ok" and int(info.get("cluster_known_nodes", 0)) == size
 
 
-class DripServer:
+class DripServer(LoopbackServer):
     """A fake server on loopback that is alive but slow: it answers the client's connection
     handshake (``CLIENT``, ``SELECT``, ``PING``) at once, and to any other command starts a
     valid-looking reply (a 64 KiB bulk string) that it sends one byte every ``interval_s``,
@@ -194,37 +193,14 @@ class DripServer:
         self.drip_for_s = drip_for_s
         self.accepted = 0
         self.hung_up_by_client = 0
-        self._lock = threading.Lock()
-        self._stopping = threading.Event()
-        self._listener = socket.socket()
-        self._listener.bind(("127.0.0.1", 0))
-        self._listener.listen()
-        self._listener.settimeout(0.05)
-        self.port = self._listener.getsockname()[1]
-        self._threads = [threading.Thread(target=self._accept, daemon=True)]
-        self._threads[0].start()
+        super().__init__()
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def stop(self) -> None:
-        self._stopping.set()
-        for t in list(self._threads):
-            t.join(timeout=5)
-        self._listener.close()
-
-    def _accept(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            with self._lock:
-                self.accepted += 1
-            t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
-            self._threads.append(t)
-            t.start()
+    def _accepted(self, conn: socket.socket) -> None:
+        self.accepted += 1
 
     def _serve(self, conn: socket.socket) -> None:
         with conn, conn.makefile("rb") as commands:
