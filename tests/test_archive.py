@@ -2,13 +2,13 @@ from __future__ import annotations
 
 import hashlib
 import struct
-import tracemalloc
 from pathlib import Path
 
 import pytest
 import torch
 import zstandard
 
+from memory_testing import traced_peak
 from storage.base import BlockKey
 from storage.record import SEAL_SIZE, Record, encode_record
 from storage.seal import SealKey
@@ -105,13 +105,11 @@ def test_a_forged_record_length_is_refused_before_it_is_read(tmp_path: Path, dec
         for _ in range(length // (16 << 20)):
             body.write(bytes(16 << 20))
         body.close()
-    tracemalloc.start()
-    try:
+    def check() -> None:
         with pytest.raises(ArchiveError, match="not a record of 268435456 bytes"):
             check_archive(tmp_path / "bomb")
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+
+    _, peak = traced_peak(check)
     assert peak < 8 << 20
 
 
@@ -126,13 +124,11 @@ def test_a_forged_length_its_record_agrees_with_costs_only_the_bytes_there(tmp_p
     path = tmp_path / "forged"
     path.write_bytes(struct.pack("<8sHH", MAGIC, VERSION, FLAG_ZSTD if compress else 0) + KEY.key_id
                      + (zstandard.ZstdCompressor().compress(body) if compress else body))
-    tracemalloc.start()
-    try:
+    def check() -> None:
         with pytest.raises(ArchiveError, match="truncated"):
             check_archive(path)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+
+    _, peak = traced_peak(check)
     assert peak < 32 << 20  # a read of 16 MiB at most
 
 

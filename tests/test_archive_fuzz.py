@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import tracemalloc
 from pathlib import Path
 from typing import NamedTuple
 
@@ -27,6 +26,7 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from memory_testing import traced_peak
 from storage.codecs import encode_block
 from storage.lmdb_store import LmdbStore
 from storage.record import SEAL_SIZE
@@ -277,12 +277,7 @@ def forged_lengths(draw, source: Source) -> tuple[bytes, int]:
 def test_a_declared_length_costs_no_memory_beyond_the_bytes_there(source: Source, data):
     archive, present = data.draw(forged_lengths(source))
     with workdir() as work:
-        tracemalloc.start()
-        try:
-            _, gained = imported(source, archive, "key file", Path(work))
-            _, peak = tracemalloc.get_traced_memory()
-        finally:
-            tracemalloc.stop()
+        (_, gained), peak = traced_peak(lambda: imported(source, archive, "key file", Path(work)))
     # the bytes there (grown by an eighth at most), and a read of 16 MiB at a time
     assert not gained and peak < 1.25 * present + (40 << 20), f"{peak >> 20} MiB for {present} bytes"
 

@@ -11,6 +11,7 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from memory_testing import traced_peak
 from storage.base import BlockKey
 from storage.codecs import CodecError, decode_block, encode_block, get_codec
 from storage.codecs.base import KV_DTYPES
@@ -353,8 +354,7 @@ def bomb_frame(kind: str, plane_len: int) -> bytes:
 
 @pytest.mark.parametrize("bomb", BOMBS)
 def test_zstd_bomb_in_a_record_is_refused_without_expanding(bomb: str):
-    import tracemalloc
-
+    
     kv = make_kv(dtype=torch.bfloat16)
     good = encode_block(key(1), None, range(16), kv, "zstd")
     planes = get_codec("zstd").inner.layout(torch.bfloat16, SHAPE)[0].nbytes // 2
@@ -364,13 +364,11 @@ def test_zstd_bomb_in_a_record_is_refused_without_expanding(bomb: str):
     record = Record(key(1), None, good.token_ids, "zstd", torch.bfloat16, SHAPE, payload)
     seal_key = SealKey.generate()
     stored = decode_record(encode_record(record, seal_key), seal_key, key(1))  # seal and all
-    tracemalloc.start()
-    try:
+    def decode() -> None:
         with pytest.raises(CodecError, match="zstd"):
             decode_block(stored)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+
+    _, peak = traced_peak(decode)
     assert peak < 4 * planes + (1 << 20)
 
 

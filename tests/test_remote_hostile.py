@@ -11,7 +11,6 @@ import dataclasses
 import itertools
 import socket
 import time
-import tracemalloc
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -20,13 +19,14 @@ from hypothesis import strategies as st
 from engine import LLM
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
 from hostile_server import HostileServer, Reply, array, bulk
+from memory_testing import traced_peak
 from remote_testing import ANSWER_S, SECRET, SILENT_S
 from storage import remote_store
 from storage.base import BlockKey
 from storage.record import encode_record
 from storage.remote_store import BreakerConfig, RemoteStore
 from test_remote_store import KEY, key, record
-from test_tier_manager import BLOCK, FLUSH, GREEDY, PROMPTS, hit_tokens, make_llm
+from tier_testing import BLOCK, FLUSH, GREEDY, PROMPTS, hit_tokens, make_llm
 from tiered_kv import TierConfig
 
 TIMEOUT_S = 0.2  # the calls that meet a silent server wait this long
@@ -312,12 +312,7 @@ def test_a_scan_whose_cursor_never_ends_stops(scan_pages):
 
 def get_in_little_memory(s: RemoteStore):
     """``s.get`` of a key, in its deadline and with at most 32 MiB allocated at its peak."""
-    tracemalloc.start()
-    try:
-        got = timed(lambda: s.get(KEYS[0]))
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    got, peak = traced_peak(lambda: timed(lambda: s.get(KEYS[0])))
     assert peak < 32 << 20, f"{peak >> 20} MiB"
     return got
 
