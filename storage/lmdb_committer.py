@@ -58,15 +58,11 @@ class Pending:
     reason: str
     seq: int
     first_seq: int
-    put_ns: int  # the access time to store: the put's, or a later read's (see lmdb_reader)
+    put_ns: int  # the access time to store: the put's, or a read's while queued (lmdb_reader)
     created_ns: int
     priority: int
     queued: bool = True
     next_first: int | None = None
-
-
-# What the writer commits for one key: the entry it took, which no change touches after.
-Snap = Pending
 
 
 class Committer:
@@ -215,10 +211,10 @@ class Committer:
             if done:
                 return
 
-    def _take_batch_locked(self) -> list[Snap]:
+    def _take_batch_locked(self) -> list[Pending]:
         queue, pending = self._queue, self._pending
         max_items, max_bytes = self._max_batch_items, self._max_batch_bytes
-        snaps: list[Snap] = []
+        snaps: list[Pending] = []
         nbytes = 0
         while queue and len(snaps) < max_items:
             entry = pending.get(queue[0])
@@ -229,20 +225,18 @@ class Committer:
             if snaps and nbytes + size > max_bytes:
                 break
             queue.popleft()
-            entry.queued = False
-            entry.next_first = None
-            snaps.append(entry)
+            snaps.append(self._take_locked(entry))
             nbytes += size
         return snaps
 
     @staticmethod
-    def _snapshot_locked(entry: Pending) -> Snap:
+    def _take_locked(entry: Pending) -> Pending:
         """The writer takes ``entry`` to commit it as it is (see :class:`Pending`)."""
         entry.queued = False
         entry.next_first = None
         return entry
 
-    def _commit(self, snaps: list[Snap], touches: dict[bytes, int], gone: list[bytes]) -> None:
+    def _commit(self, snaps: list[Pending], touches: dict[bytes, int], gone: list[bytes]) -> None:
         """Commit ``snaps``; a failed commit is recovered from, or its puts dropped.
 
         Keys that leave the store on the way are appended to ``gone``.
@@ -265,7 +259,7 @@ class Committer:
             touches = {}
             self._wrote(part)
 
-    def _write_txn(self, snaps: list[Snap], touches: dict[bytes, int]) -> None:
+    def _write_txn(self, snaps: list[Pending], touches: dict[bytes, int]) -> None:
         records, meta = self._dbs[DB_RECORDS], self._dbs[DB_META]
         quarantine, info = self._dbs[DB_QUARANTINE], self._dbs[DB_INFO]
         used = self._disk_bytes
@@ -300,7 +294,7 @@ class Committer:
             txn.put(INFO_BYTES_USED, U64.pack(used), db=info)
         self._disk_bytes = used
 
-    def _wrote(self, snaps: list[Snap]) -> None:
+    def _wrote(self, snaps: list[Pending]) -> None:
         """``snaps`` are committed: count them and retire their pending entries."""
         with self._lock:
             put = Op.PUT
@@ -310,7 +304,7 @@ class Committer:
                 self._writes_resumed_locked()
             self._finish_locked(snaps)
 
-    def _finish_locked(self, snaps: list[Snap]) -> None:
+    def _finish_locked(self, snaps: list[Pending]) -> None:
         for s in snaps:
             entry = self._pending.get(s.key)
             if entry is None:
@@ -322,7 +316,7 @@ class Committer:
                 entry.first_seq = entry.next_first if entry.next_first is not None else entry.seq
         self._progress.notify_all()
 
-    def _abandon(self, snaps: list[Snap], gone: list[bytes]) -> None:
+    def _abandon(self, snaps: list[Pending], gone: list[bytes]) -> None:
         """Give up on ``snaps`` after a failed commit: their puts are dropped, never
         half-done, and every change given up (a put, a delete, a quarantine) is counted for
         the next ``flush`` to report."""

@@ -135,8 +135,9 @@ class Reader:
                     self._index.move_to_end(kbs[i])
                     self._touched[kbs[i]] = now
                     entry = self._pending.get(kbs[i])
-                    if entry is not None and entry.op is Op.PUT:
-                        # the put's commit writes its meta after (or without) this touch
+                    if entry is not None and entry.queued and entry.op is Op.PUT:
+                        # its commit may be this touch's, which skips a key with no meta
+                        # yet; one the writer took already commits before the touch
                         entry.put_ns = now
             gone = [kb for kb, error, data in bad if self._corrupt_locked(kb, error, data)]
         self._notify_gone(gone)

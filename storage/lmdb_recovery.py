@@ -28,7 +28,7 @@ import time
 
 import lmdb
 
-from storage.lmdb_committer import Op, Snap, short_key
+from storage.lmdb_committer import Op, Pending, short_key
 
 logger = logging.getLogger("storage.lmdb_store")
 
@@ -71,7 +71,7 @@ class Recovery:
     # ------------------------------------------------------------------ full disk, I/O errors
 
     def _recover_write_error(
-        self, part: list[Snap], batch_keys: set[bytes], error: lmdb.Error, gone: list[bytes]
+        self, part: list[Pending], batch_keys: set[bytes], error: lmdb.Error, gone: list[bytes]
     ) -> bool:
         """A commit of ``part`` failed with ``error`` (not a full map); True if recovery
         committed it after all. On False the caller drops it."""
@@ -94,7 +94,7 @@ class Recovery:
         return False
 
     def _evict_and_retry(
-        self, part: list[Snap], batch_keys: set[bytes], error: lmdb.Error, gone: list[bytes]
+        self, part: list[Pending], batch_keys: set[bytes], error: lmdb.Error, gone: list[bytes]
     ) -> bool:
         with self._lock:
             need = max(sum(len(s.data) for s in part if s.op is Op.PUT), self._used // 10)
@@ -123,7 +123,7 @@ class Recovery:
         self._wrote(part)
         return True
 
-    def _restore_locked(self, victims: list[Snap], sizes: dict[bytes, int]) -> list[bytes]:
+    def _restore_locked(self, victims: list[Pending], sizes: dict[bytes, int]) -> list[bytes]:
         """Undo evictions whose commit failed: the records are still on disk, so they go
         back to the front of the LRU order. Returns keys evicted to stay within budget."""
         for s in reversed(victims):
@@ -139,12 +139,12 @@ class Recovery:
 
     def _pick_victims_locked(
         self, need: int, batch_keys: set[bytes]
-    ) -> tuple[list[Snap], dict[bytes, int]]:
+    ) -> tuple[list[Pending], dict[bytes, int]]:
         """Least recently used keys on disk outside the batch worth ``need`` bytes, taken
         out of the index and queued for deletion; their snapshots and sizes. A key with an
         operation still pending is not on disk yet: deleting it frees nothing, and a failed
         deletion would put it back in the index as if its put had been written."""
-        victims: list[Snap] = []
+        victims: list[Pending] = []
         sizes: dict[bytes, int] = {}
         freed = 0
         for kb in list(self._index):
@@ -157,15 +157,15 @@ class Recovery:
             freed += sizes[kb]
             self._touched.pop(kb, None)
             entry = self._enqueue_locked(kb, Op.DELETE, None, priority=priority)
-            victims.append(self._snapshot_locked(entry))
+            victims.append(self._take_locked(entry))
         self._used -= freed
         return victims, sizes
 
     # ------------------------------------------------------------------ full map
 
     def _recover_map_full(
-        self, part: list[Snap], batch_keys: set[bytes], error: lmdb.Error, gone: list[bytes]
-    ) -> list[list[Snap]]:
+        self, part: list[Pending], batch_keys: set[bytes], error: lmdb.Error, gone: list[bytes]
+    ) -> list[list[Pending]]:
         """What to commit next after ``part`` did not fit the map (last in, first out)."""
         retry = self._make_room(part, batch_keys, error, gone)
         if retry is not None:
@@ -177,8 +177,8 @@ class Recovery:
         return self._shrink(part, gone)
 
     def _make_room(
-        self, part: list[Snap], batch_keys: set[bytes], error: lmdb.Error, gone: list[bytes]
-    ) -> list[list[Snap]] | None:
+        self, part: list[Pending], batch_keys: set[bytes], error: lmdb.Error, gone: list[bytes]
+    ) -> list[list[Pending]] | None:
         """Evict committed records in their own commit so ``part`` can be retried; None
         when there is nothing left to evict."""
         self._reclaim_readers()
@@ -203,7 +203,7 @@ class Recovery:
             self._write_txn([], {})  # the retry fails again and makes more room
         return [part]
 
-    def _shrink(self, part: list[Snap], gone: list[bytes]) -> list[list[Snap]]:
+    def _shrink(self, part: list[Pending], gone: list[bytes]) -> list[list[Pending]]:
         """Nothing left to evict: split a batch, or drop its one record that cannot fit."""
         if len(part) > 1:
             half = len(part) // 2
