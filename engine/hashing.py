@@ -91,20 +91,31 @@ def block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
 def hash_blocks(
     root: bytes, token_ids: Sequence[int], block_size: int, known: Sequence[bytes] = ()
 ) -> list[bytes]:
-    """Hashes of every full block of ``token_ids``, reusing the leading ``known`` ones.
-    The new blocks' ids are packed in one call, not one per block (a long prompt's
-    prefix lookup hashes thousands of blocks on the request's critical path)."""
+    """Hashes of every full block of ``token_ids``, reusing the leading ``known`` ones."""
     hashes = list(known)
-    parent = hashes[-1] if hashes else root
+    extend_block_hashes(hashes, root, token_ids, block_size, len(token_ids) // block_size)
+    return hashes
+
+
+def extend_block_hashes(
+    hashes: list[bytes], root: bytes, token_ids: Sequence[int], block_size: int, num_blocks: int
+) -> None:
+    """Append to ``hashes`` (the chain of ``token_ids``' first blocks) the hashes of its
+    blocks up to ``num_blocks``, in place: only the new blocks' ids are read, so a sequence
+    that grows by a block costs one block's hashing, not a copy of its whole history. The
+    new blocks' ids are packed in one call, not one per block (a long prompt's prefix
+    lookup hashes thousands of blocks on the request's critical path)."""
     start = len(hashes) * block_size
-    count = max(0, (len(token_ids) - start) // block_size)
+    count = min(num_blocks, len(token_ids) // block_size) - len(hashes)
+    if count <= 0:
+        return
     data = _pack(token_ids[start : start + count * block_size])
+    parent = hashes[-1] if hashes else root
     step = 4 * block_size
     sha256 = hashlib.sha256
     for offset in range(0, count * step, step):
         parent = sha256(parent + data[offset : offset + step]).digest()
         hashes.append(parent)
-    return hashes
 
 
 def _pack(token_ids: Sequence[int]) -> bytes:

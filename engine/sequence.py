@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from engine.hashing import hash_blocks
+from engine.hashing import extend_block_hashes
 from engine.outputs import PromptLogprob
 from engine.penalties import TokenCounts
 from engine.sampler import SamplingRow
@@ -163,10 +163,7 @@ class Sequence:
         num_tokens = self.num_tokens if num_tokens is None else num_tokens
         num_blocks = num_tokens // self.block_size
         if len(self.block_hashes) < num_blocks:
-            self.block_hashes = hash_blocks(
-                self.root_hash,
-                self.token_ids[: num_blocks * self.block_size],
-                self.block_size,
-                self.block_hashes,
+            extend_block_hashes(
+                self.block_hashes, self.root_hash, self.token_ids, self.block_size, num_blocks
             )
         return self.block_hashes[:num_blocks]

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.hashing import KV_LAYOUT_VERSION, KVNamespace, block_hash, hash_blocks, root_hash
+from engine.hashing import (
+    KV_LAYOUT_VERSION, KVNamespace, block_hash, extend_block_hashes, hash_blocks, root_hash,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 NS = KVNamespace(
@@ -60,6 +62,23 @@ def test_known_hashes_are_reused_and_extended():
     assert len(full) == 5
     assert hash_blocks(root, TOKENS, 8, known=full[:2]) == full
     assert hash_blocks(root, TOKENS[:7], 8) == []
+
+
+def test_a_chain_is_extended_in_place_up_to_the_blocks_asked_for():
+    root = root_hash(NS.digest())
+    full = hash_blocks(root, TOKENS, 8)
+    chain = full[:1]
+    extend_block_hashes(chain, root, TOKENS, 8, 3)  # reads only the ids of blocks 1 and 2
+    assert chain == full[:3]
+    extend_block_hashes(chain, root, TOKENS, 8, 2)  # fewer than known: nothing changes
+    assert chain == full[:3]
+    extend_block_hashes(chain, root, TOKENS, 8, 99)  # no further than the full blocks
+    assert chain == full
+    # a sequence's hashes follow its tokens as they grow a block at a time
+    grown: list[bytes] = []
+    for end in range(0, len(TOKENS) + 1):
+        extend_block_hashes(grown, root, TOKENS[:end], 8, end // 8)
+        assert grown == full[: end // 8]
 
 
 def test_salts_separate_roots_unambiguously():
