@@ -10,12 +10,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 
+from engine import AsyncLLM
 from ports import free_port  # noqa: F401  (tests import it from here)
 from tiered_kv.serve_config import ServeConfig
+from tiered_kv import TierConfig, TierManager
 from tiered_kv.server import create_app
 
 BLOCK = 16
@@ -24,6 +27,21 @@ GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
 # The environment of a ``tiered-kv serve`` child on the CPU: the server has no device flag
 # and runs on the GPU wherever it sees one (device "auto"), so the tests hide the GPU from it.
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 3  # ~136 tokens: 8 full blocks
+
+
+def tiered_llm(tmp_path_factory) -> Iterator[AsyncLLM]:
+    """For a module's ``llm`` fixture: a tiny model on the CPU behind a CPU pool and a disk
+    tier, shared by the module's server tests (each serves it through its own app: :func:`run`)."""
+    manager = TierManager(
+        TierConfig(kv_cache_dir=tmp_path_factory.mktemp("kv") / "cache", cpu_bytes=4 << 20, disk_bytes=64 << 20)
+    )
+    llm = AsyncLLM(
+        "tiny", kv_connector=manager, max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=64,
+        block_size=BLOCK, device="cpu"
+    )
+    yield llm
+    llm.shutdown()
 
 
 def config(**overrides) -> ServeConfig:
