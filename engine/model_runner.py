@@ -366,9 +366,12 @@ class ModelRunner:
             stop_ids = params.stop_token_ids + (() if params.ignore_eos else self.eos_token_ids)
             suppressed = tuple(t for t in stop_ids if 0 <= t < self.vocab_size)
         row = SamplingRow(
-            params, seq.generator, suppressed, grammar=seq.grammar, token_counts=seq.token_counts
+            params, seq.generator, suppressed, grammar=seq.grammar, token_counts=seq.token_counts,
+            position=seq.num_output_tokens if params.seed is not None else None,
         )
-        if not suppressed:  # past min_tokens nothing in it changes again: kept for later steps
+        # past min_tokens nothing in it changes again: kept for later steps (a seeded
+        # request's position changes at every step)
+        if not suppressed and params.seed is None:
             seq.sampling_row = row
         return row
 
@@ -382,7 +385,9 @@ def _num_logits(seq: Sequence, num_new: int) -> int:
 
 def _verify_row(seq: Sequence, first_logit: int) -> VerifyRow:
     draft_probs = seq.spec_draft_probs
-    return VerifyRow(first_logit, seq.spec_token_ids, seq.params, seq.generator, draft_probs)
+    return VerifyRow(
+        first_logit, seq.spec_token_ids, seq.params, seq.generator, draft_probs, seq.num_output_tokens
+    )
 
 
 def _as_result(sample: Sample | SampleError) -> StepResult:

@@ -12,6 +12,19 @@ from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarState, apply_token_masks
 
 _new_tuple = tuple.__new__
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's draw for output token ``position``: a
+    request's tokens then depend on its seed and their logits alone, not on how many
+    numbers it drew before (drafts verified or proposed, a batch sampled again row by row).
+    SplitMix64's finaliser over the seed and the position, so nearby seeds and positions
+    give unrelated streams."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 class SamplingRow(NamedTuple):
@@ -22,6 +35,8 @@ class SamplingRow(NamedTuple):
     suppressed_token_ids: Sequence[int] = ()  # stop/eos ids while below min_tokens
     token_counts: TokenCounts | None = None  # the sequence's, when it has penalties
     grammar: GrammarState | None = None  # the sequence's, when it has structured output
+    # a seeded request's output index at this step: its draw is keyed by it (position_seed)
+    position: int | None = None
 
 
 class Sample(NamedTuple):
@@ -43,8 +58,9 @@ class Sampler:
         """``logits``: ``[M, vocab]`` float32, one row per entry of ``rows``; may be modified.
 
         A batch that raises is sampled again row by row, so that only the rows that raise on
-        their own fail (as a :class:`SampleError`). The others are drawn again then, so a
-        seeded row's token may differ from the one the batch would have given it.
+        their own fail (as a :class:`SampleError`). The others are drawn again then: a
+        seeded request's row (``position``) draws the token the batch would have given it,
+        another row may draw another.
         """
         return self.launch(logits, rows).samples()
 
@@ -147,7 +163,7 @@ def _draw_batch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> _Drawn:
         random_index = to_device(random_rows, torch.int64, device)
         probs = filtered_probs(logits.index_select(0, random_index), [rows[i].params for i in random_rows])
         token_ids[random_index] = draw(
-            probs, [rows[i].generator for i in random_rows]
+            probs, [rows[i].generator for i in random_rows], [_draw_seed(rows[i]) for i in random_rows]
         )
 
     picked = top = None
@@ -196,14 +212,27 @@ def _to_host(drawn: _Drawn) -> list[Sample]:
     return samples
 
 
-def draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+def draw(
+    probs: torch.Tensor,
+    generators: Sequence[torch.Generator],
+    seeds: Sequence[int | None] | None = None,
+) -> torch.Tensor:
     """A token per row of ``probs`` (``[R, vocab]``, unnormalised), row ``r`` drawn with
     ``generators[r]``: what ``torch.multinomial(probs[r], 1)`` draws, without the host sync
-    in which it checks its input."""
+    in which it checks its input. A row with a seed in ``seeds`` reseeds its generator with
+    it first (:func:`position_seed`): the exponential race's noise then depends on that
+    seed alone, so verification can draw the very token this draw would."""
     noise = torch.empty_like(probs)  # [R, V]
     for r, generator in enumerate(generators):
+        seed = seeds[r] if seeds is not None else None
+        if seed is not None:
+            generator.manual_seed(seed)
         noise[r].exponential_(generator=generator)
     return (probs / noise).argmax(dim=1)  # [R]
+
+
+def _draw_seed(row: SamplingRow) -> int | None:
+    return None if row.position is None else position_seed(row.params.seed, row.position)
 
 
 def _biased(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

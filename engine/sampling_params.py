@@ -29,9 +29,10 @@ class SamplingParams:
       (1e-5). ``top_k=None`` and ``top_p=1.0`` disable those filters; a ``top_k`` of the
       vocabulary's size or more keeps every token, and the most likely token always survives
       ``top_p``.
-    - ``seed`` gives the request its own random generator, so its samples do not depend on
-      what else is in the batch. Without a seed the engine derives one from its own seed
-      and the order in which requests arrive.
+    - ``seed`` draws each output token with noise seeded by the seed and the token's
+      position, so its samples do not depend on what else is in the batch, on preemptions
+      or on speculative decoding. Without a seed the request gets a generator seeded from
+      the engine's seed and the order in which requests arrive.
     - ``max_tokens=None`` generates until a stop condition or ``max_model_len``.
     - ``stop`` strings end generation; the output text is cut before the stop string (the
       token ids keep the token that completed it). ``stop_token_ids`` and, unless

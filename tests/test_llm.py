@@ -308,7 +308,7 @@ def test_output_text_keeps_the_leading_space_of_sentencepiece_decoders():
 
 STREAMED_PARAMS = [  # the tiny model writes random bytes: broken UTF-8, special tokens
     SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
-    SamplingParams(temperature=1.0, seed=1, max_tokens=41, stop_token_ids=[20]),
+    SamplingParams(temperature=1.0, seed=4, max_tokens=41, stop_token_ids=[20]),
     SamplingParams(temperature=1.0, seed=2, max_tokens=37, min_tokens=12, stop_token_ids=[6, 7],
                    logprobs=2),
     SamplingParams(temperature=0.8, seed=3, max_tokens=50, skip_special_tokens=False),

@@ -334,15 +334,71 @@ def test_requests_that_do_not_compose_decode_one_token_at_a_time(reference):
     assert all(len(o.logprobs) == len(o.token_ids) for o in outs)
 
 
-def test_seeded_sampling_runs_under_speculation():
-    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=3, ignore_eos=True)
-    with make_llm({"model": str(tiny_model_path()), "num_speculative_tokens": 3}) as llm:
-        outs = llm.generate(PROMPTS, params)
-        again = llm.generate(PROMPTS, params)
+# low enough a temperature for the tiny model to repeat itself (ngram drafts), still sampled
+SEEDED = SamplingParams(temperature=0.1, top_p=0.9, max_tokens=40, seed=3, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def seeded_reference() -> list[list[int]]:
+    with make_llm() as llm:
+        return generate(llm, params=SEEDED)
+
+
+@pytest.mark.parametrize("method", ["ngram", "self-draft", "random-draft"])
+def test_seeded_output_is_identical_with_speculation(method, seeded_reference, reference, random_draft):
+    """A seeded request draws each output token with the noise of its own position, and
+    verification accepts a draft while it is that token: speculation changes how many
+    tokens a step emits, never which (in float32, as greedy)."""
+    config = {
+        "ngram": NGRAM,
+        "self-draft": {"model": str(tiny_model_path()), "num_speculative_tokens": 3},
+        "random-draft": {"model": random_draft, "num_speculative_tokens": 3},
+    }[method]
+    with make_llm(config) as llm:
+        assert generate(llm, params=SEEDED) == seeded_reference
         stats = llm.engine.stats()
-    assert all(len(o.token_ids) == 24 for o in outs)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in again]  # seeded: reproducible
-    assert stats.spec_num_accepted_tokens > 0
+        # alone in the batch, and with the prefix cache moving where its chunks fall
+        assert generate(llm, PROMPTS[1:2], params=SEEDED) == seeded_reference[1:2]
+    assert seeded_reference != reference  # sampled, not greedy
+    assert stats.spec_num_drafts > 0
+    if method == "self-draft":  # the same model and the same noise: the target's own tokens
+        assert stats.spec_acceptance_rate > 0.9
+    if method == "ngram":
+        assert stats.spec_num_accepted_tokens > 0
+
+
+def test_seeded_output_is_identical_across_preemptions():
+    params = SamplingParams(temperature=0.1, max_tokens=48, seed=11, ignore_eos=True)
+    with make_llm(num_gpu_blocks_override=16) as llm:
+        expected = generate(llm, params=params)
+        assert llm.engine.stats().num_preemptions > 0
+    with make_llm(NGRAM, num_gpu_blocks_override=16) as llm:
+        assert generate(llm, params=params) == expected
+        stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.spec_num_drafts > 0
+
+
+def test_seeded_verification_draws_the_samplers_token_at_each_position():
+    """Whatever the drafts, a seeded row emits at position ``n + j`` the token the sampler
+    draws for output ``n + j``: drafts equal to those tokens all pass, the first other one
+    is replaced by it."""
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(5)) * 2
+    params = SamplingParams(temperature=1.0, seed=9)
+
+    def sampled(position: int) -> int:
+        row = SamplingRow(params, torch.Generator(), position=position)
+        return Sampler()(logits[position - 7 : position - 6].clone(), [row])[0].token_id
+
+    tokens = [sampled(7 + j) for j in range(5)]
+    assert len(set(tokens)) > 1 or len(set(sampled(7) for _ in range(3))) == 1
+    gen = torch.Generator().manual_seed(123)  # its state does not matter: each draw reseeds it
+    row = VerifyRow(0, tokens[:4], params, gen, None, 7)
+    assert verify_rows(logits, [row]) == [tokens]
+    wrong = (tokens[2] + 1) % 40
+    row = VerifyRow(0, [*tokens[:2], wrong, tokens[3]], params, gen, None, 7)
+    assert verify_rows(logits, [row]) == [tokens[:3]]
+    # and a batch sampled again row by row draws the same seeded token
+    assert Sampler()(logits[:1].clone(), [SamplingRow(params, gen, position=7)])[0].token_id == tokens[0]
 
 
 # ---------------------------------------------------------------- KV: pools, cache, connector

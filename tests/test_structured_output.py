@@ -179,7 +179,7 @@ def test_batch_mask_matches_xgrammar_and_leaves_free_rows_alone(tiny_tokenizer):
 # ---------------------------------------------------------------- the engine
 
 
-@pytest.mark.parametrize("temperature, seed", [(0.0, None), (1.0, 1), (0.7, 2)])
+@pytest.mark.parametrize("temperature, seed", [(0.0, None), (1.0, 3), (0.7, 2)])
 def test_outputs_match_their_grammar_and_end_with_it(llm, temperature, seed):
     cases = [
         # Any whitespace lets a random model wander in it; compact JSON ends within the budget.
@@ -228,7 +228,7 @@ def async_llm():
 
 
 # Greedy, the random model wanders in the whitespace JSON allows; seeded samples end in time.
-BASE = {"temperature": 1.0, "seed": 4, "max_tokens": MAX_TOKENS}
+BASE = {"temperature": 1.0, "seed": 3, "max_tokens": MAX_TOKENS}
 MESSAGES = [{"role": "user", "content": "Give me JSON"}]
 
 

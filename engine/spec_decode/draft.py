@@ -36,7 +36,7 @@ from engine.host_staging import to_device
 from engine.kv_cache import KVCacheSpec
 from engine.model_runner import BatchInputs, ModelRunner
 from engine.models import LoadedModel
-from engine.sampler import draw, filtered_probs
+from engine.sampler import draw, filtered_probs, position_seed
 from engine.sequence import Sequence
 from engine.spec_decode.speculator import Proposal
 
@@ -128,7 +128,7 @@ class DraftProposer:
                 rows, index, batch = feeds[j - 1]
                 batch.input_ids = drafts[:, j - 1].index_select(0, index)  # [len(rows)]
                 logits = self.runner.forward(batch)
-            tokens, qs = self._pick(logits, [live[r][1] for r in rows])
+            tokens, qs = self._pick(logits, [live[r][1] for r in rows], j)
             drafts[:, j].index_copy_(0, index, tokens)
             for r, q in zip(rows, qs):
                 if q is not None:
@@ -190,10 +190,12 @@ class DraftProposer:
         return torch.stack(out)
 
     def _pick(
-        self, logits: torch.Tensor, seqs: Seq[Sequence]
+        self, logits: torch.Tensor, seqs: Seq[Sequence], j: int
     ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-        """A draft token per row, on the device (``[R]``): the argmax for greedy requests,
-        else a sample of the request's distribution under the draft (its ``q``)."""
+        """Draft ``j`` of each row, on the device (``[R]``): the argmax for greedy requests,
+        else a sample of the request's distribution under the draft (its ``q``); a seeded
+        request's with the noise its target draws at that position, so that the draft is
+        the target's own token wherever the two models' distributions are close."""
         tokens = logits.argmax(dim=-1)  # [R]
         qs: list[torch.Tensor | None] = [None] * len(seqs)
         random = [r for r, seq in enumerate(seqs) if not seq.params.is_greedy]
@@ -201,7 +203,12 @@ class DraftProposer:
             index = to_device(random, torch.int64, logits.device)
             params = [seqs[r].params for r in random]
             probs = filtered_probs(logits.index_select(0, index), params)  # [S, V]
-            tokens.index_copy_(0, index, draw(probs, [seqs[r].generator for r in random]))
+            seeds = [
+                None if seqs[r].params.seed is None
+                else position_seed(seqs[r].params.seed, seqs[r].num_output_tokens + j)
+                for r in random
+            ]
+            tokens.index_copy_(0, index, draw(probs, [seqs[r].generator for r in random], seeds))
             for j, r in enumerate(random):
                 qs[r] = probs[j]
         return tokens, qs

@@ -7,7 +7,10 @@ its logits predicts the token after draft ``i`` (row 0: after the last accepted 
     logits:  p0  p1  p2 ... pk      accept d1 against p0, d2 against p1, ...
 
 Greedy: drafts are accepted while each equals the target's argmax; the first mismatch is
-replaced by the argmax, and when all match ``argmax(pk)`` is a bonus token. Sampling: the
+replaced by the argmax, and when all match ``argmax(pk)`` is a bonus token. A seeded
+request, likewise, against the token its seed draws at each position (the sampler's
+exponential race with that position's noise: :func:`engine.sampler.position_seed`), so it
+emits what it would without speculation. Other sampled requests: the
 standard rejection rule (Leviathan et al., Chen et al.): draft ``x`` drawn from ``q`` is
 accepted with probability ``min(1, p(x) / q(x))``; the first rejected one is replaced by a
 sample of ``max(0, p - q)`` normalised; all accepted, a bonus is drawn from ``pk``. Each
@@ -31,7 +34,7 @@ import numpy as np
 import torch
 
 from engine.host_staging import to_device
-from engine.sampler import Sample, SampleError, draw, filtered_probs
+from engine.sampler import Sample, SampleError, draw, filtered_probs, position_seed
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.spec_decode.speculator import composes_with_speculation, place_drafts
@@ -45,6 +48,7 @@ class VerifyRow(NamedTuple):
     params: SamplingParams
     generator: torch.Generator
     draft_probs: torch.Tensor | None = None  # [k, vocab]; None: one-hot
+    position: int = 0  # the output index of the token logits[first_logit] predicts
 
 
 def verifiable(seq: Sequence) -> bool:
@@ -110,6 +114,14 @@ def verify_rows(logits: torch.Tensor, rows: Seq[VerifyRow]) -> list[list[int]]:
     # greedy: the argmax where each draft matches it, then the argmax at the first mismatch
     accept = drafts[:, :width] == out[:, :width]  # [R, K]; padding (-1) never matches
     random = [r for r, row in enumerate(rows) if not row.params.is_greedy]
+    seeded = [r for r in random if rows[r].params.seed is not None]
+    if seeded:
+        random = [r for r in random if rows[r].params.seed is None]
+        picked = to_device(seeded, torch.int64, device)
+        seeded_logits = logits.index_select(0, index.view(num, width + 1)[picked].ravel())
+        tokens = _seeded_draws(seeded_logits, [rows[r] for r in seeded], width)
+        out.index_copy_(0, picked, tokens)
+        accept.index_copy_(0, picked, drafts.index_select(0, picked)[:, :width] == tokens[:, :width])
     if random:
         picked = to_device(random, torch.int64, device)
         random_logits = logits.index_select(0, index.view(num, width + 1)[picked].ravel())
@@ -121,6 +133,25 @@ def verify_rows(logits: torch.Tensor, rows: Seq[VerifyRow]) -> list[list[int]]:
     num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1, keepdim=True)  # [R, 1]
     host = torch.cat([num_accepted, out], dim=1).tolist()  # the step's host sync
     return [values[1 : values[0] + 2] for values in host]
+
+
+def _seeded_draws(logits: torch.Tensor, rows: Seq[VerifyRow], width: int) -> torch.Tensor:
+    """The tokens seeded rows draw at each of their positions (``logits``: ``[S*(K+1),
+    vocab]``; returns ``[S, K+1]``): at output index ``position + j`` the token the sampler
+    draws there, ``argmax(p / E)`` with the noise ``E`` of that index's seed. A draft is
+    accepted while it is that token, so the request emits the tokens it would without
+    speculation, each distributed as ``p``; a draft ``x`` then passes with probability
+    ``p(x)``, as an ngram draft does under the rejection rule (a draft model proposes with
+    the same noise, :meth:`~engine.spec_decode.draft.DraftProposer.propose`, which makes its
+    draft the target's token whenever the two distributions agree enough)."""
+    num = len(rows)
+    p = filtered_probs(logits, [row.params for row in rows for _ in range(width + 1)])
+    noise = torch.ones_like(p).view(num, width + 1, -1)  # [S, K+1, V]; padding never read
+    for s, row in enumerate(rows):
+        for j in range(len(row.draft_ids) + 1):
+            generator = row.generator.manual_seed(position_seed(row.params.seed, row.position + j))
+            noise[s, j].exponential_(generator=generator)
+    return (p.view(num, width + 1, -1) / noise).argmax(dim=2)  # [S, K+1]
 
 
 def _rejection_sample(
