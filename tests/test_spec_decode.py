@@ -264,13 +264,17 @@ def test_a_step_has_one_host_sync(config, monkeypatch):
         assert max(verified for _, verified in steps) >= 2
 
 
-@pytest.mark.parametrize("method", ["ngram", "self-draft", "random-draft"])
-def test_greedy_output_is_identical_with_speculation(method, reference, random_draft):
-    config = {
+def speculative_config(method: str, random_draft: str) -> dict:
+    return {
         "ngram": NGRAM,
         "self-draft": {"model": str(tiny_model_path()), "num_speculative_tokens": 3},
         "random-draft": {"model": random_draft, "num_speculative_tokens": 3},
     }[method]
+
+
+@pytest.mark.parametrize("method", ["ngram", "self-draft", "random-draft"])
+def test_greedy_output_is_identical_with_speculation(method, reference, random_draft):
+    config = speculative_config(method, random_draft)
     with make_llm(config) as llm:
         assert generate(llm) == reference
         stats = llm.engine.stats()
@@ -349,11 +353,7 @@ def test_seeded_output_is_identical_with_speculation(method, seeded_reference, r
     """A seeded request draws each output token with the noise of its own position, and
     verification accepts a draft while it is that token: speculation changes how many
     tokens a step emits, never which (in float32, as greedy)."""
-    config = {
-        "ngram": NGRAM,
-        "self-draft": {"model": str(tiny_model_path()), "num_speculative_tokens": 3},
-        "random-draft": {"model": random_draft, "num_speculative_tokens": 3},
-    }[method]
+    config = speculative_config(method, random_draft)
     with make_llm(config) as llm:
         assert generate(llm, params=SEEDED) == seeded_reference
         stats = llm.engine.stats()
