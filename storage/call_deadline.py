@@ -1,4 +1,5 @@
-"""Valkey/Redis connections whose calls have a deadline for the whole call.
+"""Valkey/Redis connections whose calls have a deadline for the whole call, and a bound on
+the bytes they read.
 
 The client's socket timeouts bound each wait, not a call: a server that drips a reply one
 byte at a time never lets a single read time out. Here the thread making a call sets its
@@ -25,6 +26,13 @@ Nor is a reply's length, which only the server knows: a server that declares a t
 and sends it as fast as the link goes earns time faster than it spends it. So a bulk reply
 may declare at most :data:`MAX_BULK_BYTES`; a longer (or negative) one is a protocol error
 that closes the connection before a byte of it is read.
+
+Nor, by itself, is the sum of a pipeline's replies: each of a call's ``n`` replies may be
+that long, so the call would hold ``n`` of them. A call begun with :meth:`CallDeadline.begin`
+reads at most :data:`MAX_CALL_BYTES` (the handshakes of the connections it opens included);
+a read past them raises :class:`CallBytesSpent` before it takes a byte, and the client closes
+that connection. The replies read in full before it stand; the caller may ask the others
+again, in a call of their own (``RemoteStore.get_many`` does).
 """
 from __future__ import annotations
 
@@ -47,17 +55,52 @@ MIN_RATE_BYTES_S = 64 << 20
 # The longest bulk reply a connection reads: the largest record any tier holds (a block of
 # the largest models at the largest block size is about half of it).
 MAX_BULK_BYTES = 1 << 30
+# The most one call reads: one longest bulk reply, with its framing and the handshake of a
+# connection, so that a call always has room for a whole record. Not the batch's records
+# summed: their sizes are known only once read, and ``n`` times the longest is what a
+# hostile server would send. A batch of records larger together is read in several calls.
+MAX_CALL_BYTES = MAX_BULK_BYTES + (64 << 10)
+
+
+class CallBytesSpent(InvalidResponse):
+    """The call has read :data:`MAX_CALL_BYTES`: the reply it was reading is cut off, and
+    its connection closed (the client closes a connection on any error of a read)."""
 
 
 class CallDeadline(threading.local):
-    """The deadline of the remote call this thread is making (``at``; ``None``: none)."""
+    """The deadline of the remote call this thread is making (``at``; ``None``: none), and
+    how many more bytes it may read (``unread``; ``None``: no bound)."""
 
     at: float | None = None
+    unread: int | None = None
+
+    def begin(self, timeout_s: float) -> None:
+        """A call starts: it ends ``timeout_s`` from now and may read :data:`MAX_CALL_BYTES`."""
+        self.at = time.monotonic() + timeout_s
+        self.unread = MAX_CALL_BYTES
+
+    def end(self) -> None:
+        self.at = self.unread = None
 
     def moved(self, nbytes: int) -> None:
         """``nbytes`` went over the wire: the deadline moves by their share of time."""
         if self.at is not None and nbytes > 0:
             self.at += nbytes / MIN_RATE_BYTES_S
+
+    def read_size(self, size: int) -> int:
+        """How many bytes one read may take: ``size`` cut to what the call may still read.
+        Raises :class:`CallBytesSpent` once that is nothing."""
+        if self.unread is None:
+            return size
+        if self.unread <= 0:
+            raise CallBytesSpent(f"the call has read its {MAX_CALL_BYTES} bytes")
+        return min(size, self.unread)
+
+    def received(self, nbytes: int) -> None:
+        """``nbytes`` arrived: they move the deadline, and count against the call's bytes."""
+        self.moved(nbytes)
+        if self.unread is not None:
+            self.unread -= nbytes
 
     def wait_s(self, timeout: float | None) -> float | None:
         """How long one socket operation may wait: ``timeout`` cut to the time left.
@@ -85,16 +128,18 @@ class _DeadlineSocket:
     def gettimeout(self) -> float | None:
         return self._timeout
 
-    def recv(self, *args):
+    def recv(self, bufsize: int, *args):
+        bufsize = self._deadline.read_size(bufsize)
         self._sock.settimeout(self._deadline.wait_s(self._timeout))
-        data = self._sock.recv(*args)
-        self._deadline.moved(len(data))
+        data = self._sock.recv(bufsize, *args)
+        self._deadline.received(len(data))
         return data
 
-    def recv_into(self, *args):
+    def recv_into(self, buffer, nbytes: int = 0, *args):
+        nbytes = self._deadline.read_size(nbytes or memoryview(buffer).nbytes)
         self._sock.settimeout(self._deadline.wait_s(self._timeout))
-        count = self._sock.recv_into(*args)
-        self._deadline.moved(count)
+        count = self._sock.recv_into(buffer, nbytes, *args)
+        self._deadline.received(count)
         return count
 
     def sendall(self, data) -> None:
@@ -136,7 +181,8 @@ def _bounded(parser_class: type) -> type:
 class _Deadlined:
     """Makes a valkey connection class connect within, and talk through sockets bound by,
     the ``call_deadline`` of the thread using it (a pooled connection has one user at a time),
-    and read bulk replies of at most :data:`MAX_BULK_BYTES`."""
+    and read bulk replies of at most :data:`MAX_BULK_BYTES`, and calls of at most
+    :data:`MAX_CALL_BYTES`."""
 
     def __init__(self, *, call_deadline: CallDeadline, **kwargs) -> None:
         self._call_deadline = call_deadline

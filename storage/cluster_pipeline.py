@@ -6,10 +6,16 @@ not answer costs only its own commands::
              ─▶ commands redirected (MOVED, ASK, TRYAGAIN): once more each, by the library
 
 Every command names its one key first (``GET``, ``SET``, ``EXISTS``, ``DEL``). A node that
-refuses the connection, resets it, or has not replied by the call's deadline
-(:mod:`storage.call_deadline`) fails its own commands, each reply the exception; the other
-nodes' replies are kept. Replies are read in the order they arrive, so a silent node does
-not hold up the others, and nothing is sent twice.
+refuses the connection, resets it, has not replied by the call's deadline
+(:mod:`storage.call_deadline`), or replies outside the protocol fails its own commands
+from there on, each reply the exception; the other nodes' replies are kept. Replies are
+read in the order they arrive, so a silent node does not hold up the others, and nothing
+is sent twice. A node's connection goes back to its pool only once every reply was read
+(valkey's own reader reads on past a reply that failed, and its pipeline pools a
+connection whose replies are still to come); any other is closed, as in
+:mod:`storage.server_pipeline`. Where the call reads its bytes
+(:class:`storage.call_deadline.CallBytesSpent`), the replies not read are that error,
+and the node is not down for it.
 
 A node that failed is down (:class:`NodeBreakers`): it has a circuit breaker of its own,
 with the store's cooldown, that opens at its first failure. One failure is enough: it is
@@ -33,12 +39,13 @@ from valkey.cluster import ClusterNode, NodeCommands, PipelineCommand, ValkeyClu
 from valkey.exceptions import (
     AskError,
     ConnectionError,  # noqa: A004 - valkey's, which its client raises
+    ResponseError,
     TimeoutError,  # noqa: A004
     TryAgainError,
     ValkeyError,
 )
 
-from storage.call_deadline import CallDeadline
+from storage.call_deadline import CallBytesSpent, CallDeadline
 from storage.circuit_breaker import BreakerConfig, CircuitBreaker, Permit
 
 logger = logging.getLogger(__name__)
@@ -97,9 +104,10 @@ class Sent(NamedTuple):
 
 
 def send(cluster: ValkeyCluster, commands: list[PipelineCommand], nodes: NodeBreakers,
-         deadline: CallDeadline) -> Sent:
+         deadline: CallDeadline, *, fresh: bool = False) -> Sent:
     """Send ``commands`` (queued on ``cluster.pipeline()``) node by node; see the module
-    docstring."""
+    docstring. ``fresh``: on connections opened for this call and closed after it, and
+    without following a redirection (its reply stays the error)."""
     groups: dict[str, tuple[ClusterNode, list[PipelineCommand]]] = {}
     for c in commands:
         try:
@@ -123,7 +131,7 @@ def send(cluster: ValkeyCluster, commands: list[PipelineCommand], nodes: NodeBre
     }
     try:
         for group in asked.values():  # the nodes on probation last
-            errors.update(_exchange(cluster, group, deadline))
+            errors.update(_exchange(cluster, group, deadline, fresh))
     finally:  # every permit gets its outcome, or a node would stay on probation
         went_down = False
         for permit, group in asked.items():
@@ -131,7 +139,7 @@ def send(cluster: ValkeyCluster, commands: list[PipelineCommand], nodes: NodeBre
                 went_down |= nodes.record(name, permit, errors[name])
     answered = sum(error is None for error in errors.values())
     for c in commands:
-        if isinstance(c.result, _REDIRECTED):
+        if isinstance(c.result, _REDIRECTED) and not fresh:
             try:
                 c.result = cluster.execute_command(*c.args, **c.options)
             except ValkeyError as e:
@@ -140,24 +148,28 @@ def send(cluster: ValkeyCluster, commands: list[PipelineCommand], nodes: NodeBre
 
 
 def _exchange(cluster: ValkeyCluster, group: dict[str, tuple[ClusterNode, list[PipelineCommand]]],
-              deadline: CallDeadline) -> dict[str, Exception | None]:
+              deadline: CallDeadline, fresh: bool) -> dict[str, Exception | None]:
     """Write each node its commands, then read the nodes as their replies arrive, until the
     deadline; each node's error (``None``: it answered)."""
-    errors: dict[str, Exception | None] = {}
     sent: dict[str, NodeCommands] = {}
+    in_step: set[str] = set()  # the nodes whose every reply was read
     try:
         for name, (node, cmds) in group.items():
             client = cluster.get_valkey_connection(node)
+            pool = client.connection_pool
             try:
-                connection = client.connection_pool.get_connection(cmds[0].args[0])
-            except NO_ANSWER as e:
-                errors[name] = _fail(cmds, e)
-                continue
-            sent[name] = NodeCommands(client.parse_response, client.connection_pool, connection)
-            for c in cmds:
-                sent[name].append(c)
-            sent[name].write()  # on failure: every reply the error, the connection closed
-        waiting = {n.connection._sock.fileno(): n for n in sent.values() if n.connection._sock}
+                if fresh:  # it connects as it writes
+                    connection = pool.connection_class(**pool.connection_kwargs)
+                else:
+                    connection = pool.get_connection(cmds[0].args[0])
+                sent[name] = NodeCommands(client.parse_response, pool, connection)
+                for c in cmds:
+                    sent[name].append(c)
+                sent[name].write()  # on failure: every reply the error, the connection closed
+            except (*NO_ANSWER, CallBytesSpent) as e:
+                _fail(cmds, e)
+        waiting = {n.connection._sock.fileno(): name for name, n in sent.items()
+                   if n.connection._sock}
         while waiting:
             try:
                 left = deadline.wait_s(None)
@@ -167,19 +179,43 @@ def _exchange(cluster: ValkeyCluster, group: dict[str, tuple[ClusterNode, list[P
             if not ready:
                 break
             for fd in ready:
-                waiting.pop(fd).read()
-        for n in waiting.values():  # silent: close rather than pool a reply still to come
-            n.connection.disconnect()
-            _fail(n.commands, TimeoutError("no reply by the call's deadline"))
+                name = waiting.pop(fd)
+                if _read(sent[name]):
+                    in_step.add(name)
+        for name in waiting.values():
+            _fail(sent[name].commands, TimeoutError("no reply by the call's deadline"))
     finally:
-        for n in sent.values():
-            n.connection_pool.release(n.connection)
-    for name, n in sent.items():
-        errors[name] = next((c.result for c in n.commands if isinstance(c.result, NO_ANSWER)), None)
-    return errors
+        for name, n in sent.items():
+            if fresh or name not in in_step:  # replies may still come: never pooled
+                n.connection.disconnect()
+            if not fresh:
+                n.connection_pool.release(n.connection)
+    return {name: _failure(cmds) for name, (_, cmds) in group.items()}
 
 
-def _fail(commands: list[PipelineCommand], error: Exception) -> Exception:
+def _read(node: NodeCommands) -> bool:
+    """Read a node's replies in order; whether every one was read. A read that fails ends
+    the node's call: the commands from there on fail with its error (read on, the next
+    reply would be taken for theirs), and :func:`_exchange` closes the connection. An
+    error is kept without its frames, which would hold the replies."""
+    for i, c in enumerate(node.commands):
+        try:
+            c.result = node.parse_response(node.connection, c.args[0], **c.options)
+        except ResponseError as e:  # the node refused the command (or redirects it)
+            c.result = e.with_traceback(None)
+        except Exception as e:  # noqa: BLE001 - whatever failed, the node's call ends here
+            _fail(node.commands[i:], e.with_traceback(None))
+            return False
+    return True
+
+
+def _failure(commands: list[PipelineCommand]) -> Exception | None:
+    """What says the node failed the call: the first reply that is neither the node's own
+    (a command it refused) nor cut off by the call's bytes (``None``: there is none)."""
+    return next((c.result for c in commands if isinstance(c.result, Exception)
+                 and not isinstance(c.result, (ResponseError, CallBytesSpent))), None)
+
+
+def _fail(commands: list[PipelineCommand], error: Exception) -> None:
     for c in commands:
         c.result = error
-    return error

@@ -27,6 +27,7 @@ import abc
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
@@ -36,6 +37,7 @@ from valkey.cluster import ClusterNode, ValkeyCluster
 from valkey.exceptions import InvalidResponse
 from valkey.retry import Retry
 
+from storage import server_pipeline
 from storage.call_deadline import CallDeadline, connection_class
 from storage.circuit_breaker import Permit
 from storage.cluster_pipeline import NO_ANSWER, NodeBreakers, NodeDown, send
@@ -46,6 +48,9 @@ CLUSTER_OFF = ("0", "false", "no")
 SLOTS = 16384
 
 logger = logging.getLogger(__name__)
+
+# A cluster node whose INFO has no memory figures is named in a WARNING at most this often.
+LEFT_OUT_WARNING_S = 600.0
 
 # The commands the tier sends, each naming its one key first, as ``COMMAND`` describes them
 # (arity, flags, first key, last key, step): all the library needs to route them.
@@ -124,11 +129,15 @@ class RemoteClient(abc.ABC):
     Every method touches the network: call them under the store's deadline."""
 
     @abc.abstractmethod
-    def pipeline(self, queue: Callable[[valkey.client.Pipeline], object]) -> list:
+    def pipeline(self, queue: Callable[[valkey.client.Pipeline], object], *,
+                 fresh: bool = False) -> list:
         """The replies of the commands ``queue(pipe)`` queues, each naming one key first,
         sent in one pipelined round-trip (per node, on a cluster): a reply is the exception
         where its command failed (the server refused it, its node did not answer or is
-        down). Raises if no server or node answered."""
+        down, the call read its bytes before it: ``CallBytesSpent``). Raises if no
+        server or node answered. ``fresh``: on connections opened for this call and closed
+        after it, which no reply of an earlier call can reach (see
+        :mod:`storage.server_pipeline`); a redirected command is then not followed."""
 
     @abc.abstractmethod
     def probe(self) -> None:
@@ -169,10 +178,11 @@ class ServerClient(RemoteClient):
             retry_on_timeout=False,
         )
 
-    def pipeline(self, queue: Callable[[valkey.client.Pipeline], object]) -> list:
+    def pipeline(self, queue: Callable[[valkey.client.Pipeline], object], *,
+                 fresh: bool = False) -> list:
         pipe = self._client.pipeline(transaction=False)
         queue(pipe)
-        return pipe.execute(raise_on_error=False)
+        return server_pipeline.send(self._client, pipe.command_stack, fresh=fresh)
 
     def probe(self) -> None:
         self._client.ping()
@@ -288,6 +298,8 @@ class ClusterClient(RemoteClient):
             retry_on_timeout=False,
         )
         self._lock = threading.Lock()
+        self._figures_left_out = 0  # nodes' memory figures left out since the last WARNING
+        self._left_out_warned_at = -LEFT_OUT_WARNING_S
         self._cluster: ValkeyCluster | None = None
         self._known: list[tuple[str, int]] = []  # nodes of the last client, to start from
 
@@ -305,14 +317,15 @@ class ClusterClient(RemoteClient):
                                          **self._options)
             return self._cluster
 
-    def pipeline(self, queue: Callable[[valkey.client.Pipeline], object]) -> list:
+    def pipeline(self, queue: Callable[[valkey.client.Pipeline], object], *,
+                 fresh: bool = False) -> list:
         cluster = self.client()
         if self._refresh_slots:
             self._refresh_slots = False
             self._ask_slots(cluster)
         pipe = cluster.pipeline(transaction=False)
         queue(pipe)
-        sent = send(cluster, pipe.command_stack, self._nodes, self._deadline)
+        sent = send(cluster, pipe.command_stack, self._nodes, self._deadline, fresh=fresh)
         if sent.went_down:
             self._refresh_slots = True
         if not sent.answered:
@@ -347,28 +360,51 @@ class ClusterClient(RemoteClient):
         return cursors[node], keys
 
     def memory(self) -> tuple[int, int]:
-        """Summed over the primaries that answer; raises if none does."""
+        """Summed over the primaries that answer with figures; raises if none does. A node
+        that answers with anything else (an error, garbage, figures out of range) is up,
+        and left out of the sums (:meth:`_left_out`): one broken node does not cost the
+        metrics every other node's figures."""
         cluster = self.client()
-        used = limit = answered = 0
+        used = limit = reported = 0
         error: Exception = NodeDown("every node of the cluster is down")
         for node in cluster.get_primaries():
             permit = self._nodes.allow(node.name)
             if permit is Permit.REFUSED:
                 continue
             try:
-                info = cluster.info("memory", target_nodes=node)
+                node_used, node_limit = _memory_figures(cluster.info("memory", target_nodes=node))
             except NO_ANSWER as e:
                 self._nodes.record(node.name, permit, e)
                 error = e
                 continue
+            except Exception as e:  # noqa: BLE001 - whatever the node sent, it is not figures
+                self._nodes.record(node.name, permit, None)
+                self._left_out(node.name, e)
+                error = e
+                continue
             self._nodes.record(node.name, permit, None)
-            answered += 1
-            node_used, node_limit = _memory_figures(info)
+            reported += 1
             used += node_used
             limit += node_limit
-        if not answered:
+        if not reported:
             raise error
         return used, limit
+
+    def _left_out(self, node: str, error: Exception) -> None:
+        """Count a node's figures left out of :meth:`memory`; a WARNING names the node and
+        the count since the last one, at most every :data:`LEFT_OUT_WARNING_S` (a stats
+        refresh runs every minute, and would repeat it on every one)."""
+        now = time.monotonic()
+        with self._lock:
+            self._figures_left_out += 1
+            if now - self._left_out_warned_at < LEFT_OUT_WARNING_S:
+                return
+            count, self._figures_left_out, self._left_out_warned_at = self._figures_left_out, 0, now
+        logger.warning(
+            "remote tier: cluster node %s answered INFO memory with no figures (%s: %.100r); "
+            "its memory is left out of the tier's figures (%d times since the last warning)",
+            node, type(error).__name__, str(error), count,
+        )
 
     def _forget(self) -> None:
         """Drop the client, keeping its nodes to start the next one from."""

@@ -3,9 +3,11 @@
 Values are records (:func:`storage.record.encode_record`) sealed under the deployment's
 shared key (``seal_key``, from a secret every instance is given), so a record read back is
 verified exactly like one read from disk: a value that fails any check (a MAC that does
-not verify, another key's seal, damage) is a miss, is counted (``corrupt``) and is deleted
-from the server. Whoever can write to the server without the secret can delete KV but
-never make an engine serve wrong KV. Keys are::
+not verify, another key's seal, damage) is a miss, and once it failed again when read on a
+connection opened for it (a reply out of step with its command fails too, see
+:meth:`RemoteStore.get_many`), it is counted (``corrupt``) and deleted from the server.
+Whoever can write to the server without the secret can delete KV but never make an engine
+serve wrong KV. Keys are::
 
     <prefix><namespace hex>:<block hash hex>        e.g. tkv:9f2c…:03ab…
 
@@ -14,7 +16,10 @@ into a miss (lookups) or a drop (stores). ``timeout_s`` is the deadline of a who
 connecting, sending and reading the whole reply (each socket wait is cut to the time left),
 so a server that answers slowly, byte by byte, holds a caller no longer than a dead one. A
 call past its deadline is a failure and its connection is closed, never returned to the
-pool in the middle of a reply. A circuit breaker (:mod:`storage.circuit_breaker`) keeps a
+pool in the middle of a reply (nor is one whose call ended any other way before its last
+reply: :mod:`storage.server_pipeline`). A call reads at most ``MAX_CALL_BYTES`` (1 GiB,
+:mod:`storage.call_deadline`), whatever the server sends; a get of records larger together
+is read in several calls. A circuit breaker (:mod:`storage.circuit_breaker`) keeps a
 dead server from costing a timeout per call. A call fails, for the breaker, when no server
 answered it: a command the server refuses by itself (out of memory) is a drop for its key
 only, and on a cluster, so is a node that does not answer while another does::
@@ -60,7 +65,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 
 from storage.base import DIGEST_SIZE, BlockKey, BlockStore, StoreStats
-from storage.call_deadline import CallDeadline
+from storage.call_deadline import CallBytesSpent, CallDeadline
 from storage.circuit_breaker import BreakerConfig, CircuitBreaker, Permit
 from storage.record import Record, RecordError, decode_record, encode_record
 from storage.remote_client import RemoteClient, parse_remote_url, redact_url, remote_client
@@ -156,7 +161,7 @@ class RemoteStore(BlockStore[Record]):
         permit = self._breaker.allow()
         if permit is Permit.REFUSED:
             return False, None
-        self._deadline.at = time.monotonic() + self._timeout
+        self._deadline.begin(self._timeout)
         ok, result, error = False, None, None
         try:
             if permit is Permit.PROBE:  # half-open: one cheap probe before the real call
@@ -166,7 +171,7 @@ class RemoteStore(BlockStore[Record]):
         except Exception as e:  # noqa: BLE001 - any client error is a miss or a drop, never a failure
             error = e
         finally:
-            self._deadline.at = None
+            self._deadline.end()
             changed = self._breaker.record(permit, ok)
         if changed and ok:
             logger.info("remote tier: the server answers again; breaker closed")
@@ -177,12 +182,13 @@ class RemoteStore(BlockStore[Record]):
             )
         return ok, result
 
-    def _pipeline(self, ops, n: int, what: str) -> list:
+    def _pipeline(self, ops, n: int, what: str, *, fresh: bool = False) -> list:
         """The ``n`` replies of the commands ``ops(pipe)`` queues, sent in one pipelined
         round-trip (per node, on a cluster); a reply is an exception where its command
         failed, e.g. all of them when the server is down, those of one node when that node
-        is. Only a call no server or node answered counts against the breaker."""
-        _, replies = self._call(lambda remote: remote.pipeline(ops), what)
+        is. Only a call no server or node answered counts against the breaker. ``fresh``:
+        on connections opened for the call (:meth:`RemoteClient.pipeline`)."""
+        _, replies = self._call(lambda remote: remote.pipeline(ops, fresh=fresh), what)
         if replies is None:
             return [ConnectionError(f"remote {what} failed")] * n
         return replies
@@ -216,36 +222,85 @@ class RemoteStore(BlockStore[Record]):
         return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[BlockKey]) -> list[Record | None]:
+        """The records, read and verified; see the module docstring for what a record that
+        fails its checks costs. It is deleted only once it failed them on a connection
+        opened to read it again: on a pooled one, a reply the server sent too many, or late
+        (a proxy's, for a command its client gave up on), shifts every reply after it to
+        the next command, and each good record after it would be taken for another key's
+        (:mod:`storage.server_pipeline`). Any reply that fails its checks may be the sign of
+        such a shift, so every key not served is read again, once."""
         kbs = [self._kb(k) for k in keys]
         if not kbs:
             return []
-        bufs = self._pipeline(lambda p: [p.get(kb) for kb in kbs], len(kbs), "get")
-        out: list[Record | None] = []
-        bad: list[bytes] = []
-        hits = misses = nbytes = 0
-        for key, kb, buf in zip(keys, kbs, bufs):
-            if buf is None or isinstance(buf, Exception):
-                misses += 1
-                out.append(None)
-                continue
-            try:
-                out.append(decode_record(buf, self._seal_key, key))
-            except RecordError as e:
-                logger.warning("remote tier: deleting corrupt record %s: %s", key.short(), e)
-                bad.append(kb)
-                misses += 1
-                out.append(None)
-                continue
-            hits += 1
-            nbytes += len(buf)
+        out = self._read(keys, kbs)
+        again = [i for i, r in enumerate(out) if not isinstance(r, Record)]
+        if any(isinstance(out[i], RecordError) for i in again):
+            reread = self._read([keys[i] for i in again], [kbs[i] for i in again], fresh=True)
+            for i, r in zip(again, reread):
+                out[i] = r
+            shifted = sum(isinstance(out[i], Record) for i in again)
+            if shifted:
+                logger.warning(
+                    "remote tier: %d records failed their checks and passed them when read "
+                    "again on a new connection: a reply out of step with its command (a "
+                    "reply too many, from the server or a proxy); nothing deleted", shifted,
+                )
+        bad = [i for i, r in enumerate(out) if isinstance(r, RecordError)]
+        for i in bad:
+            logger.warning("remote tier: deleting corrupt record %s: %s", keys[i].short(), out[i])
+        served = [r if isinstance(r, Record) else None for r in out]
+        hits = len(served) - served.count(None)
         with self._lock:
             self._stats.hits += hits
-            self._stats.misses += misses
-            self._stats.bytes_read += nbytes
+            self._stats.misses += len(served) - hits
+            self._stats.bytes_read += sum(r.nbytes for r in served if r is not None)
             self._stats.corrupt += len(bad)
         if bad:
-            self._delete_stored(bad)
+            self._delete_stored([kbs[i] for i in bad])
+        return served
+
+    def _read(self, keys: Sequence[BlockKey], kbs: Sequence[bytes], *,
+              fresh: bool = False) -> list[Record | RecordError | None]:
+        """Each key's record, the check its reply failed, or ``None`` (:meth:`_verified`),
+        from ``GET`` s pipelined. A call reads at most ``MAX_CALL_BYTES``
+        (:mod:`storage.call_deadline`): the keys whose replies it did not read
+        (``CallBytesSpent``) are asked in a call of their own, and so on while a call reads
+        any reply in full. Each call's replies are checked before the next call, and only
+        the records kept, so a batch of large records costs more round-trips, and holds no
+        more than one call's bytes besides the records asked for."""
+        out: list[Record | RecordError | None] = [None] * len(kbs)
+        asked = list(range(len(kbs)))
+        while asked:
+            cut = self._read_call(keys, kbs, asked, out, fresh)
+            if len(cut) == len(asked):
+                break
+            asked = cut
         return out
+
+    def _read_call(self, keys: Sequence[BlockKey], kbs: Sequence[bytes], asked: list[int],
+                   out: list, fresh: bool) -> list[int]:
+        """One call of :meth:`_read`, for the keys at ``asked``, into ``out``; the keys at
+        which the call's bytes ran out. (A function of its own: the call's replies go when
+        it returns, before the next call.)"""
+        replies = self._pipeline(lambda p: [p.get(kbs[i]) for i in asked], len(asked), "get",
+                                 fresh=fresh)
+        cut = []
+        for i, reply in zip(asked, replies):
+            if isinstance(reply, CallBytesSpent):
+                cut.append(i)
+            else:
+                out[i] = self._verified(keys[i], reply)
+        return cut
+
+    def _verified(self, key: BlockKey, buf) -> Record | RecordError | None:
+        """The record in a reply, the check it fails, or ``None`` for no record (a nil, an
+        error: nothing that says the record under the key is bad)."""
+        if buf is None or isinstance(buf, Exception):
+            return None
+        try:
+            return decode_record(buf, self._seal_key, key)
+        except RecordError as e:
+            return e.with_traceback(None)  # its frames hold the reply
 
     def put(self, key: BlockKey, value: Record) -> bool:
         return self.put_many([(key, value)])[0]

@@ -28,15 +28,17 @@ _SLOTS = 16384
 
 @dataclasses.dataclass(frozen=True)
 class Reply:
-    """What a script sends for a batch: ``data``, one byte every ``drip_s`` seconds if
-    set, then ``then``: ``"read"`` the next batch, ``"close"`` the connection, ``"hang"``
-    (keep it open, silent), or ``"flood"`` (``flood_bytes`` of junk as fast as the client
-    reads them, then close)."""
+    """What a script sends for a batch: ``data``, ``times`` over (without a copy of it
+    that long, which a test measuring the client's memory would count), one byte every
+    ``drip_s`` seconds if set, then ``then``: ``"read"`` the next batch, ``"close"`` the
+    connection, ``"hang"`` (keep it open, silent), or ``"flood"`` (``flood_bytes`` of junk
+    as fast as the client reads them, then close)."""
 
     data: bytes = b""
     then: str = "read"
     drip_s: float = 0.0
     flood_bytes: int = 1 << 30
+    times: int = 1
 
 
 def bulk(value: bytes) -> bytes:
@@ -50,10 +52,12 @@ def array(items: list[bytes]) -> bytes:
 
 class HostileServer(LoopbackServer):
     """See the module docstring. ``cluster``: answer ``CLUSTER SLOTS`` with every slot
-    on this server."""
+    on this server, or as ``slot_owners`` says: ``(first slot, last slot, port)`` of each
+    node of a cluster of several such servers on loopback, which the test gives each of them."""
 
     def __init__(self, *, cluster: bool = False) -> None:
         self.cluster = cluster
+        self.slot_owners: list[tuple[int, int, int]] | None = None
         self.data: dict[bytes, bytes] = {}
         self.script: Callable[[list[Command]], Reply | None] | None = None
         self._conns: list[socket.socket] = []
@@ -98,8 +102,12 @@ class HostileServer(LoopbackServer):
             used = sum(len(k) + len(v) for k, v in list(self.data.items()))
             return bulk(b"# Memory\r\nused_memory:%d\r\nmaxmemory:0\r\n" % used)
         if name == b"CLUSTER" and args and args[0].upper() == b"SLOTS":
-            node = array([bulk(b"127.0.0.1"), b":%d\r\n" % self.port, bulk(b"f" * 40)])
-            return array([array([b":0\r\n", b":%d\r\n" % (_SLOTS - 1), node])])
+            owners = self.slot_owners or [(0, _SLOTS - 1, self.port)]
+            return array([
+                array([b":%d\r\n" % first, b":%d\r\n" % last,
+                       array([bulk(b"127.0.0.1"), b":%d\r\n" % port, bulk(b"%040x" % port)])])
+                for first, last, port in owners
+            ])
         return b"-ERR unknown command '%s'\r\n" % name
 
     @staticmethod
@@ -143,13 +151,14 @@ class HostileServer(LoopbackServer):
 
     def _send(self, conn: socket.socket, reply: Reply) -> bool:
         """Send a script's reply; whether to read on."""
-        if reply.drip_s:
+        for _ in range(reply.times):
+            if not reply.drip_s:
+                conn.sendall(reply.data)
+                continue
             for i in range(len(reply.data)):
                 if self._stopping.wait(reply.drip_s):
                     return False
                 conn.sendall(reply.data[i : i + 1])
-        else:
-            conn.sendall(reply.data)
         if reply.then == "hang":
             while not self._stopping.is_set():
                 readable, _, _ = select.select([conn], [], [], 0.05)

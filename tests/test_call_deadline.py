@@ -12,7 +12,8 @@ from valkey.exceptions import InvalidResponse
 
 from storage import call_deadline
 from storage.call_deadline import (
-    MAX_BULK_BYTES, MIN_RATE_BYTES_S, CallDeadline, _DeadlineSocket, connection_class,
+    MAX_BULK_BYTES, MIN_RATE_BYTES_S, CallBytesSpent, CallDeadline, _DeadlineSocket,
+    connection_class,
 )
 
 
@@ -122,6 +123,30 @@ def test_a_large_reply_below_the_minimum_rate_is_cut_off(monkeypatch):
     assert 0 < received < 8 << 20
     # cut when the clock, at 32 MiB/s, passed 0.05 s plus what the bytes earned at 64 MiB/s
     assert received / (32 << 20) >= 0.05 + received / MIN_RATE_BYTES_S - (256 << 10) / (32 << 20)
+
+
+def test_a_call_reads_at_most_its_bytes(monkeypatch):
+    """A call reads MAX_CALL_BYTES at most: a read is cut to what is left, and a read past
+    them raises before it takes a byte. Outside a call, reads are not counted."""
+    monkeypatch.setattr(call_deadline, "MAX_CALL_BYTES", 10)
+    deadline = CallDeadline()
+    ours, peer = socket.socketpair()
+    sock = _DeadlineSocket(ours, deadline)
+    try:
+        peer.sendall(b"x" * 16)
+        assert sock.recv(64) == b"x" * 16
+        deadline.begin(5.0)
+        peer.sendall(b"y" * 16)
+        assert sock.recv(4) == b"y" * 4
+        buf = bytearray(64)
+        assert sock.recv_into(buf) == 6 and buf[:6] == b"y" * 6
+        with pytest.raises(CallBytesSpent):
+            sock.recv(64)
+        deadline.end()
+        assert sock.recv(64) == b"y" * 6  # still there, for whoever reads next
+    finally:
+        ours.close()
+        peer.close()
 
 
 def test_the_bytes_moved_extend_the_deadline_by_their_share():

@@ -15,13 +15,14 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from valkey.crc import key_slot
 
 from engine import LLM
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
 from hostile_server import HostileServer, Reply, array, bulk
 from memory_testing import traced_peak
-from remote_testing import ANSWER_S, SECRET, SILENT_S
-from storage import remote_store
+from remote_testing import ANSWER_S, SECRET, SILENT_S, watch_network
+from storage import call_deadline, remote_store
 from storage.base import BlockKey
 from storage.record import encode_record
 from storage.remote_store import BreakerConfig, RemoteStore
@@ -112,10 +113,12 @@ MUTATIONS = {
     "slot map too big": lambda s, c, n: array([array([b":0\r\n", b":%d\r\n" % (2 << 20), _NODE])]),
     "slot map garbage": lambda s, c, n: array([array([bulk(b"x"), b":1\r\n"])]),
 }
-# How a batch's replies end: all of them, one short (then silence), one extra, cut off
-# at a byte and the connection closed, dripped slower than the deadline, or a bulk reply
-# that declares a terabyte and sends three bytes before silence or closing.
-ENDINGS = ("all", "short", "extra", "cut", "drip", "terabyte, silent", "terabyte, closed")
+# How a batch's replies end: all of them, one short (then silence), one extra, one extra
+# before them (every reply after it shifted to the next command), cut off at a byte and the
+# connection closed, dripped slower than the deadline, or a bulk reply that declares a
+# terabyte and sends three bytes before silence or closing.
+ENDINGS = ("all", "short", "extra", "extra first", "cut", "drip", "terabyte, silent",
+           "terabyte, closed")
 
 
 def reply_for(server: HostileServer, batch: list[list[bytes]], ending: str,
@@ -127,6 +130,8 @@ def reply_for(server: HostileServer, batch: list[list[bytes]], ending: str,
         return Reply(b"".join(replies[:-1]), then="hang")
     if ending == "extra":
         return Reply(data + server.honest(batch[0]))
+    if ending == "extra first":
+        return Reply(server.honest(batch[0]) + data)
     if ending == "cut":
         return Reply(data[: n % max(len(data), 1)], then="close")
     if ending == "drip":
@@ -173,8 +178,9 @@ def exercise(s: RemoteStore) -> None:
     """Every public method of the store, against whatever the server does now: no
     exception, no call past its deadlines, no wrong record."""
     timed(lambda: s.put_many(list(zip(KEYS, RECORDS))))
-    check_served(timed(lambda: s.get_many(KEYS), calls=2))  # a get, a delete of what is corrupt
-    check_served([timed(lambda: s.get(KEYS[0]), calls=2)])
+    # a get, a get again of what failed its checks on a new connection, a delete of what is corrupt
+    check_served(timed(lambda: s.get_many(KEYS), calls=3))
+    check_served([timed(lambda: s.get(KEYS[0]), calls=3)])
     assert len(timed(lambda: s.contains_many(KEYS))) == N
     assert 0 <= timed(lambda: s.longest_prefix(KEYS)) <= N
     assert all(isinstance(k, BlockKey) for k in timed(lambda: list(s.keys()), calls=3))
@@ -455,3 +461,210 @@ def test_an_engine_recomputes_whatever_a_hostile_server_serves(reference, breake
         assert stats["corrupt"] >= 2 and stats["hit_blocks"] == 2 * hit_tokens(PROMPTS[0]) // BLOCK
     finally:
         server.stop()
+
+
+# ---------------------------------------------------------------- a connection out of step
+
+
+def kbs(keys) -> list[bytes]:
+    return [b"tkv:" + k.namespace.hex().encode() + b":" + k.block_hash.hex().encode()
+            for k in keys]
+
+
+def served_and_kept(s: RemoteStore, server: HostileServer, got: list) -> None:
+    """``got`` is every record, as put; none was deleted or counted corrupt, and the next
+    get serves them all again."""
+    check_served(got)
+    assert None not in got
+    assert all(kb in server.data for kb in kbs(KEYS)), "a good record was deleted"
+    assert s.stats().corrupt == 0
+    check_served(again := s.get_many(KEYS))
+    assert None not in again
+
+
+STRAYS = {
+    "another get's record": bulk(SEALED[-1]),
+    "a set's OK": b"+OK\r\n",
+    "a get's nil": b"$-1\r\n",
+}
+RESP3_NIL = b"_\r\n"  # a nil in RESP3, where ``$-1`` is a protocol error
+
+
+@pytest.mark.parametrize("stray", sorted(STRAYS))
+@pytest.mark.parametrize("mode", MODES)
+def test_a_stray_reply_before_a_pipelined_get_deletes_no_good_record(mode, stray):
+    """A server (or a proxy) that sends one reply too many, just before the replies of a
+    pipelined get: every reply after it was its command's neighbour's, each good record
+    failed verification as another key's (or damaged) and was deleted."""
+    server = HostileServer(cluster=mode == "cluster")
+    s = store(url(server, mode))
+    strays = [RESP3_NIL if (mode, stray) == ("resp3", "a get's nil") else STRAYS[stray]]
+
+    def script(batch):
+        if batch[0][0] != b"GET" or not strays:
+            return None
+        return Reply(strays.pop() + b"".join(server.honest(c) for c in batch))
+
+    try:
+        assert all(s.put_many(list(zip(KEYS, RECORDS))))
+        server.script = script
+        served_and_kept(s, server, timed(lambda: s.get_many(KEYS), calls=3))
+    finally:
+        s.close()
+        server.stop()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_late_reply_after_a_timeout_deletes_no_good_record(mode, breaker_clock):
+    """A proxy that answers a get the client gave up on (its deadline passed) on the next
+    connection, before the next get's replies: the first key got its own record, each key
+    after it the record of the key before, failed verification and was deleted."""
+    server = HostileServer(cluster=mode == "cluster")
+    s = store(url(server, mode))
+    gets = itertools.count()
+    withheld: list[bytes] = []  # the replies to the get given up on
+
+    def script(batch):
+        if batch[0][0] != b"GET":
+            return None
+        honest = b"".join(server.honest(c) for c in batch)
+        turn = next(gets)
+        if turn == 0:
+            withheld.append(honest)
+            return Reply(then="hang")
+        return Reply(withheld.pop() + honest) if turn == 1 else None
+
+    try:
+        assert all(s.put_many(list(zip(KEYS, RECORDS))))
+        server.script = script
+        assert timed(lambda: s.get(KEYS[0])) is None
+        breaker_clock.now += COOLDOWN_S  # a cluster's node that did not answer is down
+        served_and_kept(s, server, timed(lambda: s.get_many(KEYS), calls=3))
+    finally:
+        s.close()
+        server.stop()
+
+
+def test_a_cluster_node_replying_outside_the_protocol_costs_only_its_keys(breaker_clock):
+    """A node whose reply the parser refuses: the client read on past it, failed the whole
+    call (every node of it taken for down), and pooled the other nodes' connections with
+    their replies still to come. That node's keys are misses now, the others are served,
+    and their connections stay in step."""
+    bad, good = HostileServer(cluster=True), HostileServer(cluster=True)
+    keys = [key(i) for i in range(8)]
+    records = [record(i) for i in range(8)]
+    split = sorted(key_slot(kb) for kb in kbs(keys))[3]  # four keys on each node
+    bad.slot_owners = good.slot_owners = [(0, split, bad.port), (split + 1, 16383, good.port)]
+    on_good = [key_slot(kb) > split for kb in kbs(keys)]
+
+    def slow(batch):  # its replies come after the bad node's
+        if batch[0][0] == b"GET":
+            time.sleep(TIMEOUT_S / 4)
+
+    s = store(bad.url)
+    try:
+        assert all(s.put_many(list(zip(keys, records))))
+        bad.script = lambda batch: Reply(b"?what\r\n") if batch[0][0] == b"GET" else None
+        good.script = slow
+        got = timed(lambda: s.get_many(keys), calls=3)
+        assert [r is not None for r in got] == on_good
+        bad.script = good.script = None
+        breaker_clock.now += COOLDOWN_S
+        got += timed(lambda: s.get_many(keys), calls=3)
+        sealed = [encode_record(r, KEY) for r in records]
+        assert all(r is None or encode_record(r, KEY) == sealed[i % 8] for i, r in enumerate(got))
+        assert None not in got[8:] and s.stats().corrupt == 0
+    finally:
+        s.close()
+        bad.stop()
+        good.stop()
+
+
+# ---------------------------------------------------------------- the bytes of a call
+
+
+@pytest.fixture
+def small_calls(monkeypatch):
+    """A bulk reply of at most 256 KiB, and a call of at most 320 KiB: a batch of the
+    longest replies is then megabytes, not gigabytes."""
+    monkeypatch.setattr(call_deadline, "MAX_BULK_BYTES", 256 << 10)
+    monkeypatch.setattr(call_deadline, "MAX_CALL_BYTES", 320 << 10)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_pipeline_of_the_longest_replies_holds_one_calls_bytes(mode, small_calls):
+    """Each of a batch's gets answered with a bulk reply as long as one may be: a call
+    held them all, the batch's length times the longest bulk reply (32 GiB for a load of
+    32 blocks)."""
+    server = HostileServer(cluster=mode == "cluster")
+    s = store(url(server, mode))
+    keys = [key(i) for i in range(32)]
+    longest = bulk(b"x" * (256 << 10))
+    server.script = lambda batch: (
+        Reply(longest, times=len(batch)) if batch[0][0] == b"GET" else None
+    )
+    try:
+        assert s.put(KEYS[0], RECORDS[0])
+        got, peak = traced_peak(lambda: timed(lambda: s.get_many(keys), calls=3))
+        assert got == [None] * len(keys)
+        assert peak < 3 << 20, f"{peak >> 10} KiB"  # 32 replies: 8 MiB
+    finally:
+        s.close()
+        server.stop()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_records_larger_together_than_a_call_are_read_in_several(mode, monkeypatch):
+    """A batch whose records pass a call's bytes is read in as many calls as it takes,
+    every record served."""
+    monkeypatch.setattr(call_deadline, "MAX_BULK_BYTES", 1024)
+    monkeypatch.setattr(call_deadline, "MAX_CALL_BYTES", 2048)  # about 6 records of 311 bytes
+    server = HostileServer(cluster=mode == "cluster")
+    s = store(url(server, mode))
+    keys = [key(i) for i in range(32)]
+    records = [record(i) for i in range(32)]
+    try:
+        assert all(s.put_many(list(zip(keys, records))))
+        calls = watch_network(monkeypatch, s)
+        got = timed(lambda: s.get_many(keys), calls=len(keys))
+        assert [encode_record(r, KEY) for r in got] == [encode_record(r, KEY) for r in records]
+        assert 4 <= calls.count("pipeline") <= len(keys) // 2
+        assert s.stats().corrupt == 0 and len(server.data) == len(keys)
+    finally:
+        s.close()
+        server.stop()
+
+
+# ---------------------------------------------------------------- a node's INFO
+
+
+INFO_GARBAGE = {
+    "figures that are not numbers": bulk(b"used_memory:inf\r\nmaxmemory:-7\r\n\x00\xff"),
+    "figures out of range": bulk(b"used_memory:" + b"9" * 400),
+    "an error": b"-ERR not today\r\n",
+    "an integer": b":7\r\n",
+}
+
+
+@pytest.mark.parametrize("garbage", sorted(INFO_GARBAGE))
+def test_a_cluster_node_answering_info_with_garbage_costs_only_its_figures(garbage, caplog):
+    """One node of a cluster answers ``INFO memory`` with garbage: the whole refresh
+    failed, and the metrics lost every node's figures. Its own are left out, once per
+    refresh, and a WARNING says so once in a while."""
+    bad, good = HostileServer(cluster=True), HostileServer(cluster=True)
+    bad.slot_owners = good.slot_owners = [(0, 8191, bad.port), (8192, 16383, good.port)]
+    bad.script = lambda batch: Reply(INFO_GARBAGE[garbage]) if batch[0][0] == b"INFO" else None
+    figures = bulk(b"# Memory\r\nused_memory:1000\r\nmaxmemory:5000\r\n")
+    good.script = lambda batch: Reply(figures) if batch[0][0] == b"INFO" else None
+    s = store(bad.url)
+    try:
+        assert all(s.put_many(list(zip(KEYS, RECORDS))))
+        for _ in range(3):
+            st = s.stats()
+            assert (st.bytes_used, st.capacity_bytes, st.entries) == (1000, 5000, N)
+        warnings = [r.getMessage() for r in caplog.records if "no figures" in r.getMessage()]
+        assert len(warnings) == 1 and f"127.0.0.1:{bad.port}" in warnings[0], warnings
+    finally:
+        s.close()
+        bad.stop()
+        good.stop()
