@@ -1,9 +1,5 @@
-"""How the remote tier reaches Valkey/Redis: its URL, and a client for one server or a cluster.
-
-URLs::
-
-    redis://[user:PASSWORD@]host:6379[/db]        one server (valkey://; TLS: rediss://, valkeys://)
-    redis://[user:PASSWORD@]host:6379/?cluster=1  a Valkey/Redis Cluster; host:port: any node
+"""How the remote tier reaches Valkey/Redis: a client for one server or a cluster (its URL:
+:mod:`storage.remote_url`).
 
 A cluster URL names the node to start from. The client asks it for the slot map (``CLUSTER
 SLOTS``), learns the other nodes, follows ``MOVED`` and ``ASK`` redirections, and splits a
@@ -29,7 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import valkey
 from valkey.backoff import NoBackoff
@@ -41,10 +37,8 @@ from storage import server_pipeline
 from storage.call_deadline import CallDeadline, connection_class
 from storage.circuit_breaker import Permit
 from storage.cluster_pipeline import NO_ANSWER, NodeBreakers, NodeDown, send
+from storage.remote_url import is_cluster_url, without_cluster
 
-URL_SCHEMES = ("redis", "rediss", "valkey", "valkeys")
-CLUSTER_ON = ("1", "true", "yes")
-CLUSTER_OFF = ("0", "false", "no")
 SLOTS = 16384
 
 logger = logging.getLogger(__name__)
@@ -60,68 +54,6 @@ _COMMANDS = {
     "exists": (-2, ["readonly", "fast"], 1, -1, 1),
     "del": (-2, ["write"], 1, -1, 1),
 }
-
-
-def parse_remote_url(url: str) -> str:
-    """Check a ``redis://``, ``rediss://`` (TLS), ``valkey://`` or ``valkeys://`` (TLS) URL,
-    e.g. ``redis://:password@host:6379/0``, or with ``?cluster=1`` a cluster's; returns it
-    unchanged. Raises ``ValueError`` with one line (never showing the password)."""
-    if not isinstance(url, str):
-        raise ValueError(f"remote URL must be a string, got {url!r}")  # noqa: TRY004 - config
-    parts = urlsplit(url)
-    if parts.scheme not in URL_SCHEMES:
-        raise ValueError(
-            f"remote URL must start with one of {', '.join(s + '://' for s in URL_SCHEMES)}, "
-            f"got {redact_url(url)!r}"
-        )
-    if not parts.hostname:
-        raise ValueError(f"remote URL has no host: {redact_url(url)!r}")
-    try:
-        parts.port  # noqa: B018 - raises ValueError on a bad port
-    except ValueError:
-        raise ValueError(f"remote URL has an invalid port: {redact_url(url)!r}") from None
-    if is_cluster_url(url) and parts.path.strip("/") not in ("", "0"):
-        raise ValueError(
-            f"a cluster has only database 0; drop {parts.path!r} from {redact_url(url)!r}"
-        )
-    return url
-
-
-def is_cluster_url(url: str) -> bool:
-    """Whether ``url`` asks for a Valkey/Redis Cluster (``?cluster=1``, ``true`` or ``yes``).
-    Raises ``ValueError`` for any other value of ``cluster``."""
-    values = parse_qs(urlsplit(url).query, keep_blank_values=True).get("cluster", [])
-    if not values:
-        return False
-    if len(values) > 1:
-        raise ValueError(f"remote URL gives cluster= {len(values)} times: {redact_url(url)!r}")
-    value = values[0].lower()
-    if value not in CLUSTER_ON + CLUSTER_OFF:
-        raise ValueError(
-            f"remote URL: cluster must be 1 (a Valkey/Redis Cluster) or 0 (one server), "
-            f"got {values[0]!r}"
-        )
-    return value in CLUSTER_ON
-
-
-def redact_url(url: str) -> str:
-    """``url`` without its password, for logs and error messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.hostname or ""
-    if parts.port:
-        netloc = f"{netloc}:{parts.port}"
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
-
-
-def _without_cluster(url: str) -> str:
-    """``url`` less its ``cluster`` parameter, which the client library does not know."""
-    parts = urlsplit(url)
-    query = [(k, v) for k, vs in parse_qs(parts.query, keep_blank_values=True).items()
-             for v in vs if k != "cluster"]
-    return urlunsplit(parts._replace(query=urlencode(query)))
 
 
 class RemoteClient(abc.ABC):
@@ -168,7 +100,7 @@ class ServerClient(RemoteClient):
     def __init__(self, url: str, deadline: CallDeadline, *, timeout_s: float,
                  max_connections: int) -> None:
         self._client = valkey.Valkey.from_url(
-            _without_cluster(url),
+            without_cluster(url),
             connection_class=connection_class(url),
             call_deadline=deadline,
             socket_timeout=timeout_s,
@@ -276,7 +208,7 @@ class ClusterClient(RemoteClient):
 
     def __init__(self, url: str, deadline: CallDeadline, *, timeout_s: float,
                  max_connections: int, cooldown_s: float) -> None:
-        self._url = _without_cluster(url)
+        self._url = without_cluster(url)
         self._deadline = deadline
         self._nodes = NodeBreakers(cooldown_s)
         self._refresh_slots = False  # a node went down: ask a node that is up for the slot map
@@ -422,7 +354,7 @@ class ClusterClient(RemoteClient):
 
 def remote_client(url: str, deadline: CallDeadline, *, timeout_s: float,
                   max_connections: int, cooldown_s: float) -> RemoteClient:
-    """The client for a checked URL (:func:`parse_remote_url`); on a cluster, a node that
+    """The client for a checked URL (:func:`storage.remote_url.parse_remote_url`); on a cluster, a node that
     does not answer is down for ``cooldown_s``."""
     if is_cluster_url(url):
         return ClusterClient(url, deadline, timeout_s=timeout_s,

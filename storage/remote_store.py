@@ -68,7 +68,8 @@ from storage.base import DIGEST_SIZE, BlockKey, BlockStore, StoreStats
 from storage.call_deadline import CallBytesSpent, CallDeadline
 from storage.circuit_breaker import BreakerConfig, CircuitBreaker, Permit
 from storage.record import Record, RecordError, decode_record, encode_record
-from storage.remote_client import RemoteClient, parse_remote_url, redact_url, remote_client
+from storage.remote_client import RemoteClient, remote_client
+from storage.remote_url import parse_remote_url, redact_url
 from storage.seal import SealKey
 
 __all__ = ["BreakerConfig", "RemoteStore", "parse_remote_url", "redact_url"]

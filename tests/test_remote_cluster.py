@@ -367,7 +367,7 @@ def test_an_engine_runs_on_while_a_node_is_down_and_hits_again_after(
 
 def test_cluster_urls():
     from storage.remote_store import parse_remote_url
-    from storage.remote_client import is_cluster_url
+    from storage.remote_url import is_cluster_url
 
     assert is_cluster_url(parse_remote_url("redis://h:7000/?cluster=1"))
     assert is_cluster_url(parse_remote_url("rediss://:pw@h:7000/0?cluster=true"))
