@@ -69,3 +69,9 @@ def forge(buf: bytearray) -> bytes:
     buf[len(buf) - SEAL_SIZE - 1] ^= 0x55
     buf[-8:] = xxhash.xxh3_64_intdigest(bytes(buf[:-8])).to_bytes(8, "little")
     return bytes(buf)
+
+
+def other_store(tmp_path: Path, name: str) -> Path:
+    path = tmp_path / name
+    LmdbStore(path, 16 << 20).close()
+    return path

@@ -31,7 +31,7 @@ from storage.codecs import encode_block
 from storage.lmdb_store import LmdbStore
 from storage.record import SEAL_SIZE
 from storage.seal import KEY_FILE_NAME, load_key_file
-from test_storage_cli import NS_A, NS_B, key, other_store, run
+from storage_cli_testing import NS_A, NS_B, key, other_store, run
 from tiered_kv.archive import FLAG_ZSTD, MAGIC, MAX_RECORD_BYTES, VERSION
 
 pytestmark = pytest.mark.timeout(120)  # a hang; each import is also timed

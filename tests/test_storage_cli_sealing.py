@@ -11,7 +11,7 @@ from storage.codecs import encode_block
 from storage.lmdb_store import LmdbStore
 from storage.record import SEAL_SIZE
 from storage.seal import KEY_FILE_NAME, load_key_file
-from storage_cli_testing import NS_A, NS_B, forge, key, run, small_store, stored
+from storage_cli_testing import NS_A, NS_B, forge, key, other_store, run, small_store, stored
 
 
 @pytest.fixture
@@ -39,12 +39,6 @@ def test_init_gives_an_existing_store_a_private_key(store_dir: Path):
     assert (store_dir / KEY_FILE_NAME).stat().st_mode & 0o777 == 0o600
     assert fields["key_id"] == load_key_file(store_dir / KEY_FILE_NAME).name
     assert run("init", store_dir, "--json").exit_code == 0
-
-
-def other_store(tmp_path: Path, name: str) -> Path:
-    path = tmp_path / name
-    LmdbStore(path, 16 << 20).close()
-    return path
 
 
 def test_import_with_the_wrong_key_refuses_and_writes_nothing(store_dir: Path, tmp_path: Path):
