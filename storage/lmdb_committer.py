@@ -6,7 +6,7 @@ map of *pending* operations and wake the writer thread, which takes up to one ba
 in one write transaction, commits, and retires the entries no newer operation replaced.
 
 :class:`Committer` is a part of :class:`storage.lmdb_store.LmdbStore`: it uses the store's
-lock and conditions (``_lock``, ``_work``, ``_progress``), its LRU index (``_index``,
+lock and conditions (``_lock``, ``_work``, ``_progress``), its index (``_index``,
 ``_used``, ``_touched``), its counters (``_stats``), ``_env`` and ``_dbs``. A failed
 commit goes to :class:`storage.lmdb_recovery.Recovery`.
 """
@@ -19,6 +19,7 @@ import logging
 import struct
 import threading
 import time
+from collections.abc import Sequence
 
 import lmdb
 
@@ -26,7 +27,7 @@ from storage.base import KEY_SIZE, BlockKey
 from storage.lmdb_layout import (
     DB_INFO, DB_META, DB_QUARANTINE, DB_RECORDS, INFO_BYTES_USED, U64,
 )
-from storage.lmdb_meta import META, meta_size, pack_meta, unpack_meta
+from storage.lmdb_meta import META, NO_PARENT, meta_size, pack_meta, unpack_meta
 from storage.priority_lru import DEFAULT_PRIORITY
 
 logger = logging.getLogger("storage.lmdb_store")
@@ -61,6 +62,7 @@ class Pending:
     put_ns: int  # the access time to store: the put's, or a read's while queued (lmdb_reader)
     created_ns: int
     priority: int
+    parent: bytes | None  # the record's parent hash, stored with its metadata
     queued: bool = True
     next_first: int | None = None
 
@@ -100,6 +102,7 @@ class Committer:
         self, kb: bytes, op: Op, data: bytes | memoryview | None, *, reason: str = "",
         created_ns: int = 0,
         priority: int = DEFAULT_PRIORITY,
+        parent: bytes | None = None,
     ) -> Pending:
         """Record ``op`` as ``kb``'s newest pending operation. A caller other than the writer
         thread wakes the writer (``_work.notify()``) once it has queued all it queues under
@@ -108,18 +111,20 @@ class Committer:
         seq = self._seq
         entry = self._pending.get(kb)
         if entry is None:
-            entry = Pending(kb, op, data, reason, seq, seq, time.time_ns(), created_ns, priority)
+            entry = Pending(
+                kb, op, data, reason, seq, seq, time.time_ns(), created_ns, priority, parent
+            )
             self._pending[kb] = entry
             self._queue.append(kb)
         elif entry.queued:
             self._pending_bytes -= len(entry.data) if entry.data is not None else 0
             entry.op, entry.data, entry.reason, entry.seq = op, data, reason, seq
             entry.put_ns, entry.created_ns = time.time_ns(), created_ns
-            entry.priority = priority
+            entry.priority, entry.parent = priority, parent
         else:  # the writer is committing the entry as it was: a new one takes its place
             self._pending_bytes -= len(entry.data) if entry.data is not None else 0
             entry = Pending(kb, op, data, reason, seq, entry.first_seq, time.time_ns(),
-                            created_ns, priority, next_first=seq)
+                            created_ns, priority, parent, next_first=seq)
             self._pending[kb] = entry
             self._queue.append(kb)
         self._pending_bytes += len(data) if data is not None else 0
@@ -127,19 +132,21 @@ class Committer:
 
     def _enqueue_puts_locked(
         self, kbs: list[bytes], datas: list[bytes | memoryview], created: list[int],
-        priorities: list[int],
+        priorities: list[int], parents: Sequence[bytes | None],
     ) -> None:
         """:meth:`_enqueue_locked` of a put of each key, in order (the caller wakes the
         writer as there)."""
         pending, queue, put = self._pending, self._queue, Op.PUT
         now = time.time_ns()
         added = 0
-        for kb, data, created_ns, priority in zip(kbs, datas, created, priorities):
+        for kb, data, created_ns, priority, parent in zip(kbs, datas, created, priorities, parents):
             if kb in pending:  # put again before its last change was committed
-                self._enqueue_locked(kb, put, data, created_ns=created_ns, priority=priority)
+                entry = self._enqueue_locked(kb, put, data, created_ns=created_ns,
+                                             priority=priority, parent=parent)
+                entry.put_ns = now  # the call's one access time: no later than the keys after it
                 continue
             self._seq = seq = self._seq + 1
-            pending[kb] = Pending(kb, put, data, "", seq, seq, now, created_ns, priority)
+            pending[kb] = Pending(kb, put, data, "", seq, seq, now, created_ns, priority, parent)
             queue.append(kb)
             added += len(data)
         self._pending_bytes += added
@@ -268,7 +275,8 @@ class Committer:
                 old = txn.get(kb, db=meta)
                 known = unpack_meta(old) if old is not None else None
                 if known is not None:
-                    new = pack_meta(access_ns, known.nbytes, known.created_ns, known.priority)
+                    new = pack_meta(access_ns, known.nbytes, known.created_ns, known.priority,
+                                    known.parent_hash)
                     txn.put(kb, new, db=meta)
             # The puts as three calls, not a few a key: each call drops and retakes the GIL,
             # and parses its arguments holding it. A batch holds a key once.
@@ -277,10 +285,11 @@ class Committer:
             if puts:
                 txn.cursor(db=records).putmulti([(s.key, s.data) for s in puts])
                 replaced = txn.cursor(db=meta).getmulti([s.key for s in puts])
-                pack = META.pack
-                txn.cursor(db=meta).putmulti(
-                    [(s.key, pack(s.put_ns, len(s.data), s.created_ns, s.priority)) for s in puts]
-                )
+                pack, none = META.pack, NO_PARENT
+                txn.cursor(db=meta).putmulti([
+                    (s.key, pack(s.put_ns, len(s.data), s.created_ns, s.priority, s.parent or none))
+                    for s in puts
+                ])
                 used += sum([len(s.data) for s in puts]) - sum([meta_size(v) for _, v in replaced])
             for s in snaps:
                 if s.op is put:

@@ -34,6 +34,7 @@ from storage.lmdb_meta import pack_meta
 from storage.lmdb_pages import Leak
 from storage.priority_lru import DEFAULT_PRIORITY
 from storage.record import FORMAT_VERSION as RECORD_FORMAT_VERSION
+from storage.record import stated_parent_hash
 from storage.lmdb_directory import (
     DESCRIPTOR_NAME, LOCK_NAME, fsync_dir, is_aside, lock_writer, make_private,
     prepare_directory, store_key,
@@ -43,7 +44,9 @@ from storage.seal import KEY_FILE_NAME, SealKey
 logger = logging.getLogger(__name__)
 
 FORMAT_NAME = "tiered-kv-lmdb"
-STORE_VERSION = 2  # 2: meta values carry the priority (storage.lmdb_meta); 1 is read as is
+# 2: meta values carry the priority, 3: and the parent hash (storage.lmdb_meta); 1 and 2
+# are read as they are
+STORE_VERSION = 3
 LMDB_LOCK_NAME = "lock.mdb"  # LMDB's reader table (writer.lock is ours)
 # Left by a read that met a damaged page: the next writable open checks every page first.
 DAMAGE_MARK_NAME = "damage_seen"
@@ -461,7 +464,9 @@ def _match_meta_to_records(path: Path, env: lmdb.Environment, dbs: dict[bytes, A
                 txn.delete(key, db=meta)
         for key, size in sizes.items():
             if txn.get(key, db=meta) is None:
-                # Unknown access: evicted first among the default priority.
-                txn.put(key, pack_meta(0, size, 0, DEFAULT_PRIORITY), db=meta)
+                # Unknown access: evicted first among the default priority. The parent its
+                # header names keeps the record's chain in the eviction order.
+                parent = stated_parent_hash(txn.get(key, db=records))
+                txn.put(key, pack_meta(0, size, 0, DEFAULT_PRIORITY, parent), db=meta)
         txn.put(INFO_BYTES_USED, U64.pack(sum(sizes.values())), db=dbs[DB_INFO])
     logger.warning("%s: metadata disagreed with records; rebuilt it", path)

@@ -27,6 +27,8 @@ class RecordMeta(NamedTuple):
     nbytes: int
     created_ns: int
     priority: int  # the eviction priority it was put with (0 in a version-1 store)
+    parent_hash: bytes | None  # its parent's block hash; None for a root, or not known (a
+    # record of a store of version 1 or 2 not put since)
 
 
 class VerifiedRecord(NamedTuple):

@@ -5,12 +5,13 @@ committed records in one short read transaction. Every record read is verified w
 store's seal key: a corrupt one is a miss, counted and, in a writer, queued for
 quarantine. A read that meets a damaged page returns misses; in a writer, the keys it
 could not read are forgotten and the store is marked to be checked page by page at its
-next start. A hit moves its key to the end of the LRU index and notes its access time,
-which the writer commits in batches. A read-only store has no index: it looks every key
-up in LMDB, only counts corruption, and does not track access order.
+next start. A hit makes its key the most recently used of its kind in the index (the
+eviction order, :mod:`storage.lmdb_eviction`) and notes its access time, which the
+writer commits in batches. A read-only store has no index: it looks every key up in
+LMDB, only counts corruption, and does not track access order.
 
 :class:`Reader` is a part of :class:`storage.lmdb_store.LmdbStore`: it uses the store's
-lock, LRU index (``_index``, ``_used``, ``_touched``), counters (``_stats``), ``_env``,
+lock, index (``_index``, ``_used``, ``_touched``), counters (``_stats``), ``_env``,
 ``_dbs``, ``seal_key`` and ``_notify_gone``, and the committer's pending map,
 ``_enqueue_locked`` and the writer's condition ``_work``.
 """

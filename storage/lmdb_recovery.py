@@ -2,7 +2,7 @@
 
 LMDB never overwrites pages a committed snapshot may still use, and pages freed by commit
 *N* become reusable only at commit *N + 2*, so deleting inside the failing transaction
-does not help. Recovery evicts least recently used records in a commit of its own,
+does not help. Recovery evicts the records eviction takes first in a commit of its own,
 commits once more so the freed pages become reusable, and retries:
 
 - **A full map** (``MapFullError``): evict what the batch needs or 10 % of
@@ -16,7 +16,7 @@ commits once more so the freed pages become reusable, and retries:
   Any other LMDB error on commit degrades the store at once.
 
 :class:`Recovery` is a part of :class:`storage.lmdb_store.LmdbStore`: it uses the store's
-lock, LRU index and counters, and the committer's pending map and ``_write_txn``.
+lock, index and counters, and the committer's pending map and ``_write_txn``.
 """
 from __future__ import annotations
 
@@ -125,13 +125,13 @@ class Recovery:
 
     def _restore_locked(self, victims: list[Pending], sizes: dict[bytes, int]) -> list[bytes]:
         """Undo evictions whose commit failed: the records are still on disk, so they go
-        back to the front of the LRU order. Returns keys evicted to stay within budget."""
+        back to the front of the eviction order. Returns keys evicted to stay within budget."""
         for s in reversed(victims):
             entry = self._pending.get(s.key)
             if entry is None or entry.seq != s.seq:
                 continue  # changed since: the newer operation stands
             del self._pending[s.key]
-            self._index.set(s.key, sizes[s.key], s.priority)
+            self._index.set(s.key, sizes[s.key], s.priority, s.parent)
             self._index.move_to_end(s.key, last=False)
             self._used += sizes[s.key]
         self._progress.notify_all()
@@ -140,23 +140,25 @@ class Recovery:
     def _pick_victims_locked(
         self, need: int, batch_keys: set[bytes]
     ) -> tuple[list[Pending], dict[bytes, int]]:
-        """Least recently used keys on disk outside the batch worth ``need`` bytes, taken
-        out of the index and queued for deletion; their snapshots and sizes. A key with an
-        operation still pending is not on disk yet: deleting it frees nothing, and a failed
-        deletion would put it back in the index as if its put had been written."""
+        """Keys on disk outside the batch worth ``need`` bytes, the first to evict
+        (:meth:`~storage.lmdb_eviction.ChainLru.scan`), taken out of the index and queued
+        for deletion; their snapshots and sizes. A key with an operation still pending is
+        not on disk yet: deleting it frees nothing, and a failed deletion would put it back
+        in the index as if its put had been written."""
         victims: list[Pending] = []
         sizes: dict[bytes, int] = {}
         freed = 0
-        for kb in list(self._index):
+        for kb in self._index.scan():
             if freed >= need:
                 break
             if kb in batch_keys or kb in self._pending:
                 continue
-            priority = self._index.priority(kb)  # kept in case the deletion is undone
+            # kept in case the deletion is undone
+            priority, parent = self._index.priority(kb), self._index.parent_hash(kb)
             sizes[kb] = self._index.pop(kb)
             freed += sizes[kb]
             self._touched.pop(kb, None)
-            entry = self._enqueue_locked(kb, Op.DELETE, None, priority=priority)
+            entry = self._enqueue_locked(kb, Op.DELETE, None, priority=priority, parent=parent)
             victims.append(self._take_locked(entry))
         self._used -= freed
         return victims, sizes

@@ -1,12 +1,13 @@
 """The disk tier: checksummed records in one LMDB environment per cache directory.
 
-:class:`LmdbStore` is the store API. This module opens the store and holds its LRU index,
-stats, flush and close; its other parts live beside it:
+:class:`LmdbStore` is the store API. This module opens the store and holds its index (the
+eviction order), stats, flush and close; its other parts live beside it:
 
 - :mod:`storage.lmdb_layout`: the directory, descriptor, writer lock and LMDB options;
 - :mod:`storage.lmdb_file`: ``data.mdb`` checked without mapping it;
 - :mod:`storage.lmdb_reader`: lookups, reads, verification and key listings;
 - :mod:`storage.lmdb_writes`: puts and deletes, eviction to the capacity;
+- :mod:`storage.lmdb_eviction`: the eviction order: priority, chain ends first, LRU;
 - :mod:`storage.lmdb_committer`: pending operations and the writer thread;
 - :mod:`storage.lmdb_meta`: the ``meta`` db's values;
 - :mod:`storage.lmdb_recovery`: a full map, a full or failing disk;
@@ -16,12 +17,12 @@ stats, flush and close; its other parts live beside it:
 - :mod:`storage.lmdb_salvage`: what repair salvages from a damaged ``data.mdb``.
 
 Sub-databases: ``records`` (key → encoded :class:`~storage.record.Record`), ``meta`` (key →
-last access, size, created, priority), ``quarantine`` (key → reason and the head of a
-record that failed verification) and ``info`` (format name, version, bytes used).
+last access, size, created, priority, parent hash), ``quarantine`` (key → reason and the
+head of a record that failed verification) and ``info`` (format name, version, bytes used).
 
 Threads
     Any thread may call any method. ``put``/``delete`` only update in-memory state (the
-    LRU index and a map of pending operations) and return; one writer thread commits the
+    index and a map of pending operations) and return; one writer thread commits the
     pending operations in batched write transactions. Reads use short read transactions.
 
 ``on_evict``
@@ -48,10 +49,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import lmdb
+import numpy as np
 
 from storage.base import BlockKey, BlockStore, StoreError, StoreStats
 from storage.lmdb_admin import Admin, QuarantineEntry, StoreInfo, VerifyResult
 from storage.lmdb_committer import QUARANTINE_KEEP_BYTES, Committer
+from storage.lmdb_eviction import ChainLru
 from storage.lmdb_file import DamagedStore, check_data_file, check_structure
 from storage.lmdb_directory import LOCK_NAME, move_aside
 from storage.lmdb_layout import (
@@ -61,13 +64,12 @@ from storage.lmdb_layout import (
     Opened, lmdb_errors, open_for_reading, open_for_writing,
 )
 from storage.lmdb_listing import Listing, RecordMeta
-from storage.lmdb_meta import unpack_meta
+from storage.lmdb_meta import unpack_columns
 from storage.lmdb_pages import Leak
 from storage.lmdb_reader import Reader
 from storage.lmdb_recovery import Recovery
 from storage.lmdb_repair import Repair, RepairResult
 from storage.lmdb_writes import Writes
-from storage.priority_lru import PriorityLru
 from storage.record import Record
 
 __all__ = [
@@ -152,7 +154,7 @@ class LmdbStore(Writes, Admin, Listing, Repair, Reader, Recovery, Committer, Blo
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # the writer waits here
         self._progress = threading.Condition(self._lock)  # flush() and backpressure wait here
-        self._index: PriorityLru[bytes] = PriorityLru()  # key -> size, in eviction order
+        self._index = ChainLru()  # key -> size, in eviction order
         self._used = 0
         self._touched: dict[bytes, int] = {}
         self._stats = LmdbStats(tier=self.tier)
@@ -209,24 +211,24 @@ class LmdbStore(Writes, Admin, Listing, Repair, Reader, Recovery, Committer, Blo
             self._notify_gone(evicted)
 
     def _load_index(self) -> None:
-        """Rebuild the LRU index from the meta db, least recently accessed first within
-        each priority."""
-        entries = []
+        """Rebuild the eviction order from the meta db: each record at its priority, filed
+        by whether a record here names it as parent, least recently accessed first."""
         with lmdb_errors(self.path), self._env.begin(db=self._dbs[DB_META]) as txn:
-            for key, value in txn.cursor():
-                meta = unpack_meta(value)
-                if meta is None:
-                    raise StoreError(
-                        f"{self.path}: the meta db holds a {len(value)}-byte value, which no "
-                        f"store version up to {STORE_VERSION} writes; not a store this build reads"
-                    )
-                entries.append((meta.last_access_ns, key, meta.nbytes, meta.priority))
-        entries.sort()
-        self._index = PriorityLru()
-        for _, key, size, priority in entries:
-            self._index.set(key, size, priority)
-        self._used = sum(self._index.values())
-        self._disk_bytes = self._used
+            items = list(txn.cursor())
+        metas = unpack_columns([value for _, value in items])
+        if isinstance(metas, int):
+            raise StoreError(
+                f"{self.path}: the meta db holds a {metas}-byte value, which no store version "
+                f"up to {STORE_VERSION} writes; not a store this build reads"
+            )
+        # by last access; a stable sort leaves a tie in key order, the cursor's
+        order = np.argsort(metas.last_access_ns, kind="stable").tolist()
+        sizes = metas.nbytes[order].tolist()
+        self._index = ChainLru.build(
+            [items[i][0] for i in order], sizes, metas.priority[order].tolist(),
+            [metas.parent_hash[i] for i in order],
+        )
+        self._used = self._disk_bytes = sum(sizes)
 
     def _lmdb_errors(self) -> contextlib.AbstractContextManager[None]:
         return lmdb_errors(self.path)

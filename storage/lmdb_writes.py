@@ -1,22 +1,24 @@
 """The disk tier's write path: puts and deletes, and eviction to the capacity.
 
-``put``/``delete`` only update in-memory state (the LRU index and the committer's map of
+``put``/``delete`` only update in-memory state (the index and the committer's map of
 pending operations) and return; the writer thread commits them. Every key that leaves the
 store other than through ``delete`` goes to ``on_evict`` (see :mod:`storage.lmdb_store`).
 
 Capacity
     ``capacity_bytes`` bounds the sum of encoded record sizes of the store as seen by
     readers (committed plus pending). A ``put`` that would exceed it evicts at once, in
-    the order of :class:`~storage.priority_lru.PriorityLru`: the records put with the
+    the order of :class:`~storage.lmdb_eviction.ChainLru`: the records put with the
     highest ``priority`` value first (a lower value matters more, as a request's
-    priority does), the least recently accessed first within one priority. A put that
-    could only make room by evicting records that matter more is refused (``dropped``).
-    The writer deletes the victims in the same transaction that stores the new record.
-    A record's priority is stored with its metadata (the latest put's), so records found
-    at start-up keep theirs; those of a version-1 store have the default, 0.
+    priority does); within one priority, the records that end their chain in the store
+    before those with a child here, the least recently accessed first within each. A put
+    that could only make room by evicting records that matter more is refused
+    (``dropped``). The writer deletes the victims in the same transaction that stores the
+    new record. A record's priority and parent hash are stored with its metadata (the
+    latest put's), so records found at start-up keep their place; those of a version-1
+    store have the default priority, 0, and those of a version-1 or 2 store no parent.
 
 :class:`Writes` is a part of :class:`storage.lmdb_store.LmdbStore`: it uses the store's
-lock, LRU index (``_index``, ``_used``, ``_touched``), counters (``_stats``), limits
+lock, index (``_index``, ``_used``, ``_touched``), counters (``_stats``), limits
 (``capacity_bytes``, ``max_record_bytes``, ``_max_batch_bytes``, ``_max_batch_items``),
 ``seal_key``, ``_on_evict`` and ``_check_writable``, and the committer's
 ``_enqueue_locked``, ``_enqueue_puts_locked``, ``_wait_for_room_locked``, ``_pending_bytes``, ``_max_pending_bytes``
@@ -63,8 +65,9 @@ class Writes:
             kbs = list(map(b"".join, items.keys))
             datas: list[bytes | memoryview | None] = items.sealed(self.seal_key)
             created = items.created_ns
+            parents = items.parent_hashes
         else:
-            kbs, datas, created = [], [], []
+            kbs, datas, created, parents = [], [], [], []
             for key, record in items:
                 key.validate()
                 if record.key != key:
@@ -72,6 +75,7 @@ class Writes:
                 kbs.append(key.to_bytes())
                 datas.append(encode_record_buffer(record, self.seal_key))
                 created.append(record.created_ns)
+                parents.append(record.parent_hash)
         if priorities is None:
             ranks = [DEFAULT_PRIORITY] * len(kbs)
         else:
@@ -89,7 +93,7 @@ class Writes:
         for end in self._group_ends(sizes):
             group = slice(start, end)
             self._queue_puts(kbs[group], datas[group], sizes[group], created[group], ranks[group],
-                             results, evicted)
+                             parents[group], results, evicted)
             start = end
         self._notify_gone(evicted)
         return results
@@ -118,6 +122,7 @@ class Writes:
         sizes: list[int],
         created: list[int],
         priorities: list[int],
+        parents: list[bytes | None],
         results: list[bool],
         evicted: list[bytes],
     ) -> None:
@@ -129,19 +134,23 @@ class Writes:
             # none evicts, and the index and the pending map take the group at once.
             if (None not in datas and total <= self.capacity_bytes - self._used
                     and self._pending_bytes + total <= self._max_pending_bytes):
-                self._used += total - self._index.set_weights(kbs, sizes, priorities)
-                self._enqueue_puts_locked(kbs, datas, created, priorities)
+                self._used += total - self._index.set_many(kbs, sizes, priorities, parents)
+                self._enqueue_puts_locked(kbs, datas, created, priorities, parents)
                 self._stats.puts += len(kbs)
                 results.extend([True] * len(kbs))
                 self._work.notify()
                 return
-            for kb, data, size, created_ns, priority in zip(kbs, datas, sizes, created, priorities):
-                results.append(self._queue_put_locked(kb, data, size, created_ns, priority, evicted))
+            for kb, data, size, created_ns, priority, parent in zip(
+                kbs, datas, sizes, created, priorities, parents
+            ):
+                results.append(
+                    self._queue_put_locked(kb, data, size, created_ns, priority, parent, evicted)
+                )
             self._work.notify()
 
     def _queue_put_locked(
         self, kb: bytes, data: bytes | memoryview | None, size: int, created_ns: int,
-        priority: int, evicted: list[bytes],
+        priority: int, parent: bytes | None, evicted: list[bytes],
     ) -> bool:
         """One put of a group that does not fit at once: it may wait for the pending budget,
         evict, or be refused (counted dropped)."""
@@ -159,9 +168,10 @@ class Writes:
         replaced = self._index.get(kb)
         if replaced is not None:  # set updates it, no removal
             self._used -= replaced
-        self._index.set(kb, size, priority)
+        self._index.set(kb, size, priority, parent)
         self._used += size
-        self._enqueue_locked(kb, Op.PUT, data, created_ns=created_ns, priority=priority)
+        self._enqueue_locked(kb, Op.PUT, data, created_ns=created_ns, priority=priority,
+                             parent=parent)
         self._stats.puts += 1
         if self._used > self.capacity_bytes:
             evicted.extend(self._evict_to_budget_locked(keep=kb))
@@ -196,10 +206,12 @@ class Writes:
         return room
 
     def _evict_to_budget_locked(self, keep: bytes | None = None) -> list[bytes]:
+        """Evict in order until the budget holds: never ``keep`` (the record a put is
+        making room for) nor a record that matters more than it."""
         evicted = []
-        while self._used > self.capacity_bytes and self._index:
-            victim = next(iter(self._index))
-            if victim == keep:
+        while self._used > self.capacity_bytes:
+            victim = self._index.first(keep)
+            if victim is None:
                 break
             self._used -= self._index.pop(victim)
             self._touched.pop(victim, None)

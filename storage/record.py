@@ -281,6 +281,19 @@ def sealing_key_id(buf: bytes | memoryview) -> bytes | None:
     return bytes(view[start : start + KEY_ID_SIZE])
 
 
+def stated_parent_hash(buf: bytes | memoryview) -> bytes | None:
+    """The parent hash ``buf``'s header names (unverified), or ``None`` for a root or a
+    buffer that is not a record of this format: for a hint that is worth no verification
+    (the disk tier's eviction order, when its metadata is rebuilt from the records)."""
+    view = memoryview(buf).cast("B")
+    if len(view) < _FIXED.size + SEAL_SIZE or bytes(view[:4]) != MAGIC:
+        return None
+    (flags,) = struct.unpack_from("<H", view, FLAGS_AT)
+    if not flags & _FLAG_HAS_PARENT:
+        return None
+    return bytes(view[PARENT_AT : PARENT_AT + DIGEST_SIZE])
+
+
 def decode_record(
     buf: bytes | memoryview,
     seal_key: SealKey,

@@ -137,13 +137,13 @@ def test_a_version_1_store_opens_as_it_is_at_priority_0(tmp_path: Path):
         assert reader.get(key(0)) == record(0)
     evicted: list[BlockKey] = []
     with LmdbStore(path, sync=False, on_evict=evicted.append) as s:
-        assert s.descriptor.version == STORE_VERSION == 2
+        assert s.descriptor.version == STORE_VERSION == 3
         assert [s.get(key(i)) for i in range(4)] == [record(i) for i in range(4)]
         assert set(priorities(s).values()) == {0}
         assert not s.put(key(4), record(4), priority=1)  # the old records count as 0
         assert s.put(key(4), record(4), priority=0)
         assert evicted == [key(0)]  # the least recently used of them
-    assert json.loads((path / DESCRIPTOR_NAME).read_text())["version"] == 2
+    assert json.loads((path / DESCRIPTOR_NAME).read_text())["version"] == 3
 
 
 def test_a_priority_the_meta_db_cannot_hold_is_refused(tmp_path: Path):

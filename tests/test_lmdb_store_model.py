@@ -1,8 +1,9 @@
 """A model-based fuzz of the disk tier: hypothesis draws sequences of calls on a real
-:class:`~storage.lmdb_store.LmdbStore` (puts of overlapping keys, sizes and priorities,
-reads, lookups, deletes, flushes, reopenings with another budget, records damaged in
-``data.mdb``, verify, bursts of writes under concurrent readers) and checks each answer
-against :class:`lmdb_store_model.StoreModel`; after every reopening the files themselves.
+:class:`~storage.lmdb_store.LmdbStore` (puts of overlapping keys of chained blocks, with
+sizes, priorities and parents, reads, lookups, deletes, flushes, reopenings with another
+budget, records damaged in ``data.mdb``, verify, bursts of writes under concurrent
+readers) and checks each answer against :class:`lmdb_store_model.StoreModel`; after every
+reopening the files themselves.
 
 Two budgets: one that evicts on nearly every put, in a map that never fills (every answer
 is known exactly), and one in a 1 MiB map that fills on nearly every commit (the writer
@@ -26,7 +27,7 @@ from hypothesis.stateful import (
     RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test,
 )
 
-from lmdb_store_model import NAMESPACES, Blocks, Entry, StoreModel, block_key, damage_record
+from lmdb_store_model import NAMESPACES, Blocks, StoreModel, block_key, damage_record
 from storage.base import BlockKey
 from storage.lmdb_layout import (
     DB_INFO, DB_META, DB_NAMES, DB_QUARANTINE, DB_RECORDS, INFO_BYTES_USED, U64,
@@ -64,10 +65,12 @@ sizes_ = st.integers(0, 5)  # an index into Budget.sizes
 priorities_ = st.sampled_from([-1, 0, 0, 3])
 
 
-def read_files(path: Path) -> tuple[dict[int, tuple[bytes, tuple[int, int, int]]], set[int]]:
+def read_files(
+    path: Path,
+) -> tuple[dict[int, tuple[bytes, tuple[int, int, int, bytes | None]]], set[int]]:
     """A closed store's records (block -> its bytes and its meta: last access, size,
-    priority) and the blocks in its quarantine, read straight from the file. The records,
-    the meta db and the byte count in the info db must agree."""
+    priority, parent hash) and the blocks in its quarantine, read straight from the file.
+    The records, the meta db and the byte count in the info db must agree."""
     env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=4)
     try:
         dbs = {name: env.open_db(name, create=False) for name in DB_NAMES}
@@ -85,7 +88,9 @@ def read_files(path: Path) -> tuple[dict[int, tuple[bytes, tuple[int, int, int]]
     for kb, data in records.items():
         m = meta[kb]
         assert m.nbytes == len(data), "meta's size is not the record's"
-        stored[INDEX[BlockKey.from_bytes(kb)]] = (data, (m.last_access_ns, m.nbytes, m.priority))
+        stored[INDEX[BlockKey.from_bytes(kb)]] = (
+            data, (m.last_access_ns, m.nbytes, m.priority, m.parent_hash)
+        )
     return stored, quarantine
 
 
@@ -149,7 +154,8 @@ class StoreMachine(RuleBasedStateMachine):
         records = [self.blocks.record(g) for g in gens]
         batch = RecordBatch(
             "raw", records[0].dtype, records[0].shape, [r.key for r in records],
-            [None] * len(records), [r.token_ids for r in records], [r.payload for r in records],
+            [r.parent_hash for r in records], [r.token_ids for r in records],
+            [r.payload for r in records],
         )
         batch.created_ns = [r.created_ns for r in records]
         results = self.store.put_many(batch, priorities=[priority] * len(ks))
@@ -167,13 +173,13 @@ class StoreMachine(RuleBasedStateMachine):
                 assert not ok, f"{nbytes} bytes taken, max {model.max_record_bytes}"
             if not model.exact:
                 if ok:
-                    model.entries[k] = Entry(gen, nbytes, priority, 0)
+                    model.put(k, gen, nbytes, priority, self.blocks.parent(gen))
                     self.reported.discard(k)
                 continue
             expected = model.admits(k, nbytes, priority)
             assert ok == expected, f"block {k}, {nbytes} B at {priority}: {ok}"
             if ok:
-                chosen += model.accept(k, gen, nbytes, priority, seen)
+                chosen += model.accept(k, gen, nbytes, priority, self.blocks.parent(gen), seen)
                 self.reported.discard(k)
             else:
                 model.refuse()
@@ -186,7 +192,7 @@ class StoreMachine(RuleBasedStateMachine):
             self.reported.update(evicted + others)  # perhaps of a version this call put
             for k in evicted:
                 if k not in batch:
-                    model.entries.pop(k, None)
+                    model.remove(k)
 
     # ------------------------------------------------------------------ reads
 
@@ -221,7 +227,7 @@ class StoreMachine(RuleBasedStateMachine):
         if present:
             assert k in self.model.entries, f"block {k} came back"
         else:
-            self.model.entries.pop(k, None)
+            self.model.remove(k)
 
     @rule(ks=st.lists(blocks_, min_size=1, max_size=6))
     def lookups(self, ks: list[int]) -> None:
@@ -308,11 +314,11 @@ class StoreMachine(RuleBasedStateMachine):
         else:
             self.model.capacity, self.model.max_record_bytes = capacity, self.store.max_record_bytes
             for k in evicted:
-                del self.model.entries[k]
+                self.model.remove(k)
 
-    def check_files(self) -> dict[int, tuple[int, int, int]]:
+    def check_files(self) -> dict[int, tuple[int, int, int, bytes | None]]:
         """A closed store's files against the model; its metadata (block -> last access,
-        size, priority)."""
+        size, priority, parent hash)."""
         self.expect_no_other_events()  # what the writer evicted while closing
         stored, quarantine = read_files(self.path)
         model = self.model
@@ -322,7 +328,7 @@ class StoreMachine(RuleBasedStateMachine):
             assert quarantine <= self.quarantined, "the quarantine holds keys never found bad"
         for k in model.entries.keys() - stored.keys():  # the writer evicted it
             assert k in self.reported, f"block {k} was lost without an on_evict"
-            del model.entries[k]
+            model.remove(k)
         for k, (data, _) in stored.items():
             entry = model.entries.get(k)
             assert entry is not None, f"block {k} is on disk, but it was deleted or evicted"
@@ -336,12 +342,15 @@ class StoreMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ damage
 
-    @rule(k=blocks_)
-    def damage(self, k: int) -> None:
-        """Flip a byte of a committed record in data.mdb behind the store's back."""
-        entry = self.model.entries.get(k)
-        if entry is None or entry.poisoned:
+    @rule(i=blocks_)
+    def damage(self, i: int) -> None:
+        """Flip a byte of a committed record in data.mdb behind the store's back: of the
+        ``i``-th one the model has, in block order."""
+        sound = sorted(k for k, e in self.model.entries.items() if not e.poisoned)
+        if not sound:
             return
+        k = sound[i % len(sound)]
+        entry = self.model.entries[k]
         assert self.store.flush(timeout=30) or not self.model.exact
         stored = encode_record(self.blocks.record(entry.gen), self.store.seal_key)
         copies = damage_record(self.path, stored)
@@ -361,7 +370,7 @@ class StoreMachine(RuleBasedStateMachine):
         checked = (len(self.model.entries), len(poisoned), len(poisoned))
         assert (result.checked, result.corrupt, result.quarantined) == checked
         for k in poisoned:
-            del self.model.entries[k]
+            self.model.remove(k)
         self.model.counts["corrupt"] += len(poisoned)
         self.quarantined.update(poisoned)
 
@@ -433,6 +442,17 @@ class StoreMachine(RuleBasedStateMachine):
         counted = {name: getattr(stats, name) for name in COUNTERS}
         expected = {name: self.model.counts[name] for name in COUNTERS}
         assert counted == expected, f"stats {counted}, the model's {expected}"
+
+    @invariant()
+    def children_agree(self) -> None:
+        """The store knows which records have a child here, as its eviction order needs:
+        whatever removed a record (an eviction, a delete, a quarantine) counted it gone."""
+        if not self.model.exact:
+            return
+        with self.store._lock:
+            index = self.store._index
+            found = {k for k in self.model.entries if index.has_child(block_key(k).to_bytes())}
+        assert found == {k for k in self.model.entries if self.model.has_child(k)}, "children"
 
     def teardown(self) -> None:
         try:

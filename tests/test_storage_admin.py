@@ -38,6 +38,15 @@ def tokens(text: str) -> list[int]:
     return list(text.encode().ljust(16)[:16])
 
 
+def chain_keys(ns: bytes, texts: list[str]) -> list[BlockKey]:
+    """The keys :func:`put_chain` gives a chain of ``texts`` from a root."""
+    keys, parent = [], None
+    for text in texts:
+        parent = block_hash(parent or ns, tokens(text))
+        keys.append(BlockKey(ns, parent))
+    return keys
+
+
 def put_chain(store: LmdbStore, ns: bytes, texts: list[str], parent: bytes | None = None) -> list[bytes]:
     hashes = []
     for text in texts:
@@ -93,7 +102,7 @@ def set_access_times(path: Path, when_ns: dict[bytes, int]) -> None:
     with env.begin(write=True, db=env.open_db(b"meta")) as txn:
         for kb, ns in when_ns.items():
             meta = unpack_meta(txn.get(kb))
-            txn.put(kb, pack_meta(ns, meta.nbytes, meta.created_ns, meta.priority))
+            txn.put(kb, pack_meta(ns, meta.nbytes, meta.created_ns, meta.priority, meta.parent_hash))
     env.close()
 
 
@@ -161,15 +170,19 @@ def test_gc_older_than_uses_last_access(store_dir: Path):
     assert {k.namespace for k in records(store_dir)} == {NS_A}
 
 
-def test_gc_max_size_evicts_least_recently_used(store_dir: Path):
+def test_gc_max_size_evicts_chain_ends_first_least_recently_used_first(store_dir: Path):
+    """As the server evicts: namespace B's chain keeps its start, used longer ago than its
+    end and than every block of namespace A, whose blocks all go first."""
+    b0, b1, b2 = (k.to_bytes() for k in chain_keys(NS_B, ["b0", "b1", "b2"]))
     keys = sorted(records(store_dir))
-    newest = keys[0].to_bytes()
-    set_access_times(store_dir, {k.to_bytes(): i + 1 for i, k in enumerate(keys)} | {newest: 10**18})
-    sizes = records(store_dir)
-    limit = len(sizes[keys[0]]) + 10
+    set_access_times(
+        store_dir, {k.to_bytes(): i + 10 for i, k in enumerate(keys)} | {b0: 1, b1: 2, b2: 10**18}
+    )
+    sizes = {k.to_bytes(): len(data) for k, data in records(store_dir).items()}
+    limit = sizes[b0] + sizes[b1] + 10
     done = ok_json("gc", store_dir, "--max-size", str(limit))
-    assert done["evicted_blocks"] == 8 and done["remaining_bytes"] <= limit
-    assert list(records(store_dir)) == [keys[0]]
+    assert done["evicted_blocks"] == 7 and done["remaining_bytes"] == sizes[b0] + sizes[b1]
+    assert sorted(k.to_bytes() for k in records(store_dir)) == sorted([b0, b1])
 
 
 def test_gc_max_size_evicts_the_highest_priority_value_first(store_dir: Path):

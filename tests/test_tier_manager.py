@@ -293,6 +293,20 @@ def test_a_chain_partly_evicted_from_the_cpu_pool_still_hits_its_start(reference
     assert again.num_cached_tokens == 4 * BLOCK and again.token_ids == reference[0]
 
 
+def test_a_chain_partly_evicted_from_the_disk_still_hits_its_start(reference, disk):
+    """A disk tier alone, full of one prompt's chain, reopened: a newcomer evicts the
+    chain's end, not its start (its start went first before, and the rest of the chain
+    could not be hit)."""
+    tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=0, disk_bytes=8 * (tiny_block_nbytes() + 1024))
+    with make_llm(tiers) as llm:
+        llm.generate(PROMPTS[0], GREEDY)  # 8 blocks: the disk is full
+    with make_llm(tiers) as llm:
+        llm.generate(PROMPTS[1][:70], GREEDY)  # 4 more
+    with make_llm(tiers) as llm:
+        again = llm.generate(PROMPTS[0], GREEDY)[0]
+    assert again.num_cached_tokens == 4 * BLOCK and again.token_ids == reference[0]
+
+
 def test_another_block_size_never_hits(disk):
     tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=0, disk_bytes=64 << 20)
     with make_llm(tiers) as llm:

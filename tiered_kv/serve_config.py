@@ -240,8 +240,8 @@ class ServeConfig:
         vllm_note="the pool is tiered-kv's own, under the disk and remote tiers",
     )
     kv_disk_size: float = option(
-        8.0, "GiB budget of the disk tier in encoded bytes, LRU by last access; 0: no disk "
-        "tier.", TIERS, vllm=False,
+        8.0, "GiB budget of the disk tier in encoded bytes, evicted by priority, chains from "
+        "their end, LRU by last access; 0: no disk tier.", TIERS, vllm=False,
     )
     kv_codec: str = option(
         "raw", "Encoding of the offloaded KV: raw, zstd[:LEVEL] (lossless, on disk and "

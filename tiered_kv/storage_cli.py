@@ -142,7 +142,8 @@ def init(
         str | None,
         typer.Option("--size", help=f"Disk budget, e.g. 4GiB, 500MB (default {DEFAULT_SIZE}). On an "
                      "existing store: its new budget; a smaller one evicts in the server's "
-                     "order: the highest priority value first, least recently used first."),
+                     "order: the highest priority value first, chains from their end, least "
+                     "recently used first."),
     ] = None,
     as_json: AsJson = False,
 ) -> None:

@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from storage.base import BlockKey, StoreError
+from storage.lmdb_eviction import ChainLru
 from storage.lmdb_store import LmdbStore
 from tiered_kv.storage_cli import (
     EXIT_FOUND_CORRUPT,
@@ -53,7 +54,8 @@ def gc(
     max_size: Annotated[
         str | None,
         typer.Option("--max-size", help="Then evict blocks until under this, in the server's "
-                     "order: the highest priority value first, least recently used first."),
+                     "order: the highest priority value first, chains from their end, least "
+                     "recently used first."),
     ] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Only report what would be evicted (read-only).")
@@ -61,7 +63,8 @@ def gc(
     as_json: AsJson = False,
 ) -> None:
     """Evict blocks by age (last access, else creation) and/or down to a size, in the
-    order the server evicts: the highest priority value first, LRU first within one."""
+    order the server evicts: the highest priority value first; within one, the blocks that
+    end their chain before those with a child stored, LRU first within each."""
     if older_than is None and max_size is None:
         raise _fail("say what to evict: --older-than DURATION, --max-size SIZE, or both")
     try:
@@ -74,24 +77,27 @@ def gc(
         "and POST /admin/evict on the server drops a namespace's blocks",
     )
     with opener as store:
-        # The store's eviction order: the highest priority value first, then least recently
-        # used first; an unknown access time (0) falls back to creation.
-        entries = sorted(
-            store.metadata(),
-            key=lambda m: (-m.priority, m.last_access_ns or m.created_ns, m.key),
-        )
+        # Least recently used first; an unknown access time (0) falls back to creation.
+        entries = sorted(store.metadata(), key=lambda m: (m.last_access_ns or m.created_ns, m.key))
         total = sum(m.nbytes for m in entries)
         cutoff = time.time_ns() - int(max_age * 1e9) if max_age is not None else None
         victims = [m for m in entries if cutoff is not None and (m.last_access_ns or m.created_ns) < cutoff]
         remaining = total - sum(m.nbytes for m in victims)
-        if limit is not None:
-            chosen = {m.key for m in victims}
-            for m in entries:
-                if remaining <= limit:
-                    break
-                if m.key not in chosen:
-                    victims.append(m)
-                    remaining -= m.nbytes
+        if limit is not None and remaining > limit:
+            # The store's eviction order: the highest priority value first, chain ends first
+            # within one, least recently used first within each.
+            by_key = {m.key.to_bytes(): m for m in entries}
+            order = ChainLru.build(
+                list(by_key), [m.nbytes for m in entries], [m.priority for m in entries],
+                [m.parent_hash for m in entries],
+            )
+            for m in victims:
+                order.pop(m.key.to_bytes())
+            while remaining > limit:
+                kb = order.first()
+                order.pop(kb)
+                victims.append(by_key[kb])
+                remaining -= by_key[kb].nbytes
         freed = sum(m.nbytes for m in victims)
         if not dry_run and victims:
             _delete(store, [m.key for m in victims], "evicting")
