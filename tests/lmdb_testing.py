@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import random
 import struct
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from storage.base import BlockKey
+from storage.lmdb_layout import DESCRIPTOR_NAME
 from storage.lmdb_store import (
     LmdbStore,
     default_map_size,
@@ -195,3 +197,19 @@ def disk_error(code: int) -> lmdb.Error:
     error = kind(f"mdb_txn_commit: {os.strerror(code)}")
     error.code = code
     return error
+
+
+def write_old_version(path: Path, version: int) -> None:
+    """Turn a store into what store ``version`` (1 or 2) wrote: its shorter meta values
+    (24 bytes: no priority; 32: no parent hash) and its version in the info db and the
+    descriptor."""
+    size = {1: 24, 2: 32}[version]
+    env = lmdb.open(str(path), max_dbs=4)
+    with env.begin(write=True) as txn:
+        meta, info = env.open_db(b"meta", txn=txn), env.open_db(b"info", txn=txn)
+        for kb, value in list(txn.cursor(db=meta)):
+            txn.put(kb, value[:size], db=meta)
+        txn.put(b"version", str(version).encode(), db=info)
+    env.close()
+    descriptor = path / DESCRIPTOR_NAME
+    descriptor.write_text(json.dumps(json.loads(descriptor.read_text()) | {"version": version}))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import random
 from pathlib import Path
 
@@ -12,10 +11,10 @@ import lmdb
 import pytest
 import torch
 
-from lmdb_testing import FailingDisk, corrupt_stored, disk_error, flip
+from lmdb_testing import FailingDisk, corrupt_stored, disk_error, flip, write_old_version
 from storage.base import BlockKey
 from storage.lmdb_eviction import ChainLru
-from storage.lmdb_store import DESCRIPTOR_NAME, LmdbStore
+from storage.lmdb_store import LmdbStore
 from storage.record import Record
 
 NS = hashlib.sha256(b"chain namespace").digest()
@@ -227,26 +226,13 @@ def test_metadata_rebuilt_from_the_records_takes_each_parent_from_its_header(tmp
         assert evicted == [record("a3").key]
 
 
-def write_version_2(path: Path) -> None:
-    """Turn a store into what store version 2 wrote: 32-byte meta values, no parent."""
-    env = lmdb.open(str(path), max_dbs=4)
-    with env.begin(write=True) as txn:
-        meta, info = env.open_db(b"meta", txn=txn), env.open_db(b"info", txn=txn)
-        for key, value in list(txn.cursor(db=meta)):
-            txn.put(key, value[:32], db=meta)
-        txn.put(b"version", b"2", db=info)
-    env.close()
-    descriptor = path / DESCRIPTOR_NAME
-    descriptor.write_text(json.dumps(json.loads(descriptor.read_text()) | {"version": 2}))
-
-
 def test_a_version_2_store_opens_as_it_is_its_records_chain_ends_until_put_again(tmp_path: Path):
     """Metadata that names no parent: every record counts as a chain of its own, evicted
     by LRU as version 2 evicted it; a record put again names its parent from then on."""
     path, evicted = tmp_path / "store", []
     with LmdbStore(path, 1 << 20, sync=False) as store:
         put_chain(store, chain("a", 4))
-    write_version_2(path)
+    write_old_version(path, 2)
     with LmdbStore(path, 4 * nbytes(tmp_path), sync=False, on_evict=evicted.append) as store:
         assert store.descriptor.version == 3
         assert {m.parent_hash for m in store.metadata()} == {None}

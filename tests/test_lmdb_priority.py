@@ -8,10 +8,10 @@ import json
 import random
 from pathlib import Path
 
-import lmdb
 import pytest
 import torch
 
+from lmdb_testing import write_old_version
 from storage.base import BlockKey
 from storage.lmdb_store import DESCRIPTOR_NAME, STORE_VERSION, LmdbStore
 from storage.record import Record
@@ -116,22 +116,9 @@ def test_a_record_put_again_keeps_its_latest_priority(tmp_path: Path):
         assert evicted == [key(0), key(3)]
 
 
-def write_version_1(path: Path) -> None:
-    """Turn a store into what store version 1 wrote: 24-byte meta values, version 1."""
-    env = lmdb.open(str(path), max_dbs=4)
-    with env.begin(write=True) as txn:
-        meta, info = env.open_db(b"meta", txn=txn), env.open_db(b"info", txn=txn)
-        for kb, value in list(txn.cursor(db=meta)):
-            txn.put(kb, value[:24], db=meta)
-        txn.put(b"version", b"1", db=info)
-    env.close()
-    descriptor = path / DESCRIPTOR_NAME
-    descriptor.write_text(json.dumps(json.loads(descriptor.read_text()) | {"version": 1}))
-
-
 def test_a_version_1_store_opens_as_it_is_at_priority_0(tmp_path: Path):
     path = fill(tmp_path)
-    write_version_1(path)
+    write_old_version(path, 1)
     with LmdbStore(path, readonly=True) as reader:
         assert set(priorities(reader).values()) == {0}
         assert reader.get(key(0)) == record(0)
