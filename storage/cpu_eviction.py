@@ -44,6 +44,7 @@ import collections
 from collections.abc import Iterable
 
 from storage.base import BlockKey
+from storage.chain_levels import drop_child, refile_as_end
 from storage.cpu_slots import SlotEntry
 from storage.priority_lru import PriorityLru
 
@@ -76,18 +77,8 @@ class Eviction:
         """A block left the pool: its parent may end its chain now, the least recently used
         of its level. (A block entering the pool is counted in ``_children`` by the pool's
         commit; its parent, if evictable, is refiled only when eviction comes to it.)"""
-        if parent_hash is None:
-            return
-        children = self._children[parent_hash] - 1
-        if children:
-            self._children[parent_hash] = children
-            return
-        del self._children[parent_hash]
-        parent = BlockKey(key.namespace, parent_hash)
-        level = self._evictable.get_priority(parent)
-        if level is not None and not level & 1:  # refiled as a chain's inside: an end again
-            self._evictable.set(parent, 1, level + 1)
-            self._evictable.move_to_end(parent, last=False)
+        if parent_hash is not None and drop_child(self._children, parent_hash):
+            refile_as_end(self._evictable, BlockKey(key.namespace, parent_hash))
 
     def _take_slot_locked(self, priority: int, *, may_pass: bool = False) -> int | None:
         """A free slot; a slot passing blocks left, for a newcomer that matters as much as

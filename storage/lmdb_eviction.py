@@ -31,6 +31,7 @@ import operator
 from collections.abc import Iterable, Iterator, Sequence
 
 from storage.base import DIGEST_SIZE
+from storage.chain_levels import drop_child, refile_as_end
 from storage.priority_lru import PriorityLru
 
 _MISSING = object()
@@ -101,18 +102,8 @@ class ChainLru:
         """``kb`` is no child of its parent now: the parent may end its chain, the least
         recently used of its kind (a parent still filed as a chain's end stays where it is)."""
         parent_hash = self._parents.pop(kb, None)
-        if parent_hash is None:
-            return
-        children = self._children[parent_hash] - 1
-        if children:
-            self._children[parent_hash] = children
-            return
-        del self._children[parent_hash]
-        parent = kb[:DIGEST_SIZE] + parent_hash
-        level = self._lru.get_priority(parent)
-        if level is not None and not level & 1:
-            self._lru.set(parent, self._lru[parent], level + 1)
-            self._lru.move_to_end(parent, last=False)
+        if parent_hash is not None and drop_child(self._children, parent_hash):
+            refile_as_end(self._lru, kb[:DIGEST_SIZE] + parent_hash)
 
     def pop(self, kb: bytes, default: object = _MISSING) -> int:
         """Take ``kb`` out; its size (``default`` if it is not here, else ``KeyError``)."""
