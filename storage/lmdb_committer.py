@@ -164,9 +164,15 @@ class Committer:
             self._progress.wait()
 
     def _wait_committed_locked(self, target: int, deadline: float | None) -> bool:
-        """Wait until every change numbered ``target`` or lower is committed or given up."""
+        """Wait until every change numbered ``target`` or lower is committed or given up,
+        and ``on_evict`` has been called for the keys the batch under way made leave (the
+        writer calls it after the commit)."""
         self._work.notify()
-        while any(entry.first_seq <= target for entry in self._pending.values()):
+        # (an on_evict callback that flushes runs on the writer: it cannot wait for itself)
+        notifying = threading.get_ident() != self._writer_ident
+        while (notifying and self._notifying) or any(
+            entry.first_seq <= target for entry in self._pending.values()
+        ):
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 return False
@@ -204,6 +210,7 @@ class Committer:
                     touches, self._touched = self._touched, {}
                     next_touch_flush = now + self._access_flush_interval
                 done = self._closing and not self._queue
+                self._notifying = bool(snaps or touches)
             if snaps or touches:
                 gone: list[bytes] = []
                 try:
@@ -211,7 +218,12 @@ class Committer:
                 except Exception:
                     logger.exception("%s: writer failed; dropping a batch", self.path)
                     self._abandon(snaps, gone)
-                self._notify_gone(gone)
+                try:
+                    self._notify_gone(gone)
+                finally:
+                    with self._lock:  # a flush returns once on_evict heard of the batch's leavers
+                        self._notifying = False
+                        self._progress.notify_all()
             if time.monotonic() >= next_reader_check:
                 self._reclaim_readers()
                 next_reader_check = time.monotonic() + self._reader_check_interval

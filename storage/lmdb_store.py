@@ -159,6 +159,7 @@ class LmdbStore(Writes, Admin, Listing, Repair, Reader, Recovery, Committer, Blo
         self._touched: dict[bytes, int] = {}
         self._stats = LmdbStats(tier=self.tier)
         self._closing = False
+        self._notifying = False  # the writer has a batch whose leavers on_evict has not heard of
         self._closed = False
         self._damage_seen = False  # a read met a damaged page (see _unreadable)
         self._lock_fd: int | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import time
 import os
 import stat
 from pathlib import Path
@@ -41,6 +42,25 @@ def test_full_disk_evicts_and_retries(path: Path, monkeypatch, caplog, code: int
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     with LmdbStore(path, 16 << 20) as store:
         assert sorted(store.keys()) == sorted(key(i) for i in range(60) if key(i) not in evicted)
+
+
+def test_flush_returns_once_on_evict_heard_of_the_evictions(path: Path, monkeypatch) -> None:
+    """The writer calls ``on_evict`` after its commit; a flush that returned in between
+    left a caller counting evictions ``on_evict`` had not reported yet."""
+    evicted: list[BlockKey] = []
+
+    def slow(k: BlockKey) -> None:
+        time.sleep(0.02)
+        evicted.append(k)
+
+    with LmdbStore(path, 16 << 20, on_evict=slow) as store:
+        FailingDisk(store, monkeypatch, disk_error(errno.ENOSPC), room=200_000)
+        for i in range(40):
+            put(store, i, size=10_000)
+            if i % 5 == 4:
+                assert store.flush(timeout=10)
+                assert store.stats().evictions == len(evicted)
+        assert evicted
 
 
 def test_failing_disk_degrades_the_store_with_one_warning(
