@@ -19,11 +19,9 @@ import lmdb
 from storage.base import BlockKey, StoreError
 from storage.lmdb_committer import QUARANTINE_HEAD
 from storage.lmdb_directory import copy_key_file, fsync_dir, make_file_private
-from storage.lmdb_layout import (
-    DATA_NAME, DB_QUARANTINE, DESCRIPTOR_NAME, StoreDescriptor,
-)
+from storage.lmdb_descriptor import StoreDescriptor
+from storage.lmdb_layout import DATA_NAME, DB_QUARANTINE
 from storage.record import RecordError, decode_record
-from storage.seal import KEY_FILE_NAME
 
 
 class QuarantineEntry(NamedTuple):

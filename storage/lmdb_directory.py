@@ -22,7 +22,7 @@ from storage.seal import KEY_FILE_NAME, SealKey, create_key_file, load_key_file
 logger = logging.getLogger(__name__)
 
 LOCK_NAME = "writer.lock"
-DESCRIPTOR_NAME = "tiered_kv.json"  # storage.lmdb_layout's StoreDescriptor
+DESCRIPTOR_NAME = "tiered_kv.json"  # storage.lmdb_descriptor's StoreDescriptor
 
 
 def prepare_directory(path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The disk tier's directory: its layout, descriptor, and opening it.
+"""The disk tier's directory: its layout, and opening it.
 
 Layout (created 0700)::
 
@@ -10,14 +10,13 @@ Layout (created 0700)::
 
 :func:`open_for_writing` and :func:`open_for_reading` check the directory and, with
 :mod:`storage.lmdb_file`, ``data.mdb`` before LMDB maps it, then open the environment with
-every option set on purpose. The directory's other files (permissions, the writer lock,
-the key file) are handled by :mod:`storage.lmdb_directory`.
+every option set on purpose. The descriptor is :mod:`storage.lmdb_descriptor`; the
+directory's other files (permissions, the writer lock, the key file) are handled by
+:mod:`storage.lmdb_directory`.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import logging
 import os
 import struct
@@ -29,6 +28,9 @@ from typing import Any, NamedTuple
 import lmdb
 
 from storage.base import StoreError
+from storage.lmdb_descriptor import (
+    DESCRIPTOR_TMP_NAME, FORMAT_NAME, STORE_VERSION, StoreDescriptor, default_map_size,
+)
 from storage.lmdb_file import DATA_NAME, DamagedStore, check_data_file, check_structure
 from storage.lmdb_meta import pack_meta
 from storage.lmdb_pages import Leak
@@ -43,17 +45,12 @@ from storage.seal import KEY_FILE_NAME, SealKey
 
 logger = logging.getLogger(__name__)
 
-FORMAT_NAME = "tiered-kv-lmdb"
-# 2: meta values carry the priority, 3: and the parent hash (storage.lmdb_meta); 1 and 2
-# are read as they are
-STORE_VERSION = 3
 LMDB_LOCK_NAME = "lock.mdb"  # LMDB's reader table (writer.lock is ours)
 # Left by a read that met a damaged page: the next writable open checks every page first.
 DAMAGE_MARK_NAME = "damage_seen"
-_DESCRIPTOR_TMP = ".tiered_kv.json.tmp"
 # What a directory may hold and still count as empty: leftovers of a creation cut short
 # (and damaged stores moved aside into it: lmdb_directory.is_aside).
-_CREATION_LEFTOVERS = frozenset({LOCK_NAME, _DESCRIPTOR_TMP, KEY_FILE_NAME})
+_CREATION_LEFTOVERS = frozenset({LOCK_NAME, DESCRIPTOR_TMP_NAME, KEY_FILE_NAME})
 
 DB_RECORDS = b"records"
 DB_META = b"meta"
@@ -61,7 +58,6 @@ DB_QUARANTINE = b"quarantine"
 DB_INFO = b"info"
 DB_NAMES = (DB_RECORDS, DB_META, DB_QUARANTINE, DB_INFO)
 
-MiB = 1 << 20
 DEFAULT_MAX_READERS = 256
 KEYS_CHUNK = 1024  # keys listed per read transaction: short ones keep old pages reusable
 U64 = struct.Struct("<Q")
@@ -71,85 +67,6 @@ DAMAGE_ERRORS = (
     lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.VersionMismatchError,
     lmdb.PanicError,
 )
-
-
-def default_map_size(capacity_bytes: int) -> int:
-    """Address space reserved for ``capacity_bytes`` of records.
-
-    Twice the budget plus 64 MiB: overflow pages round every record up to whole pages,
-    pages freed by a commit are reusable only two commits later (copy-on-write keeps the
-    previous snapshot intact), and the B-trees and free list need room of their own.
-    """
-    return -(-(2 * capacity_bytes + 64 * MiB) // MiB) * MiB
-
-
-@dataclasses.dataclass(frozen=True)
-class StoreDescriptor:
-    """The contents of ``tiered_kv.json``."""
-
-    format: str
-    version: int
-    created_ns: int
-    capacity_bytes: int
-    map_size: int
-    record_format_version: int = RECORD_FORMAT_VERSION
-    lmdb_version: str = ".".join(map(str, lmdb.version()))
-
-    def to_json(self) -> str:
-        fields = dataclasses.asdict(self)
-        fields["created"] = time.strftime(
-            "%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created_ns / 1e9)
-        )
-        return json.dumps(fields, indent=2, sort_keys=True) + "\n"
-
-    @classmethod
-    def load(cls, path: Path) -> StoreDescriptor:
-        """Read and check a store's descriptor; :class:`StoreError` if it is not ours."""
-        where = path / DESCRIPTOR_NAME
-        try:
-            fields = json.loads(where.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise StoreError(f"{where}: unreadable store descriptor ({e})") from None
-        if not isinstance(fields, dict) or fields.get("format") != FORMAT_NAME:
-            raise StoreError(f"{path} is not a tiered-kv disk store ({where} names another format)")
-        version = fields.get("version")
-        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-            raise StoreError(f"{where}: the store version is missing or not a version")
-        if version > STORE_VERSION:
-            raise StoreError(
-                f"{path} was written by a newer tiered-kv (store version {version}; this build "
-                f"reads up to {STORE_VERSION}); upgrade tiered-kv or use another directory"
-            )
-        try:
-            descriptor = cls(
-                format=FORMAT_NAME,
-                version=version,
-                created_ns=int(fields["created_ns"]),
-                capacity_bytes=int(fields["capacity_bytes"]),
-                map_size=int(fields["map_size"]),
-                record_format_version=int(fields.get("record_format_version", 1)),
-                lmdb_version=str(fields.get("lmdb_version", "")),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise StoreError(f"{where}: malformed store descriptor ({e})") from None
-        if descriptor.capacity_bytes <= 0 or descriptor.map_size <= 0:
-            raise StoreError(
-                f"{where}: malformed store descriptor (capacity_bytes {descriptor.capacity_bytes}, "
-                f"map_size {descriptor.map_size}: both must be positive)"
-            )
-        return descriptor
-
-    def save(self, path: Path) -> None:
-        """Replace the descriptor atomically (write, fsync, rename, fsync the directory)."""
-        tmp = path / _DESCRIPTOR_TMP
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, self.to_json().encode("utf-8"))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path / DESCRIPTOR_NAME)
-        fsync_dir(path)
 
 
 def mark_damage_seen(path: Path) -> None:

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from storage.base import KEY_SIZE, BlockKey, StoreError
 from storage.lmdb_directory import fresh_place, lock_writer, replace_aside, store_key
-from storage.lmdb_layout import DATA_NAME, DB_META, DB_RECORDS, DESCRIPTOR_NAME, StoreDescriptor
+from storage.lmdb_descriptor import StoreDescriptor
+from storage.lmdb_layout import DATA_NAME, DB_META, DB_RECORDS, DESCRIPTOR_NAME
 from storage.lmdb_meta import unpack_meta
 from storage.lmdb_salvage import Found, salvage
 from storage.priority_lru import DEFAULT_PRIORITY

@@ -57,10 +57,11 @@ from storage.lmdb_committer import QUARANTINE_KEEP_BYTES, Committer
 from storage.lmdb_eviction import ChainLru
 from storage.lmdb_file import DamagedStore, check_data_file, check_structure
 from storage.lmdb_directory import LOCK_NAME, move_aside
+from storage.lmdb_descriptor import (
+    FORMAT_NAME, STORE_VERSION, MiB, StoreDescriptor, default_map_size,
+)
 from storage.lmdb_layout import (
-    DB_INFO, DB_META, DB_RECORDS, DEFAULT_MAX_READERS, DESCRIPTOR_NAME, FORMAT_NAME,
-    INFO_BYTES_USED, STORE_VERSION, U64, MiB, StoreDescriptor,
-    default_map_size,
+    DB_INFO, DB_META, DB_RECORDS, DEFAULT_MAX_READERS, DESCRIPTOR_NAME, INFO_BYTES_USED, U64,
     Opened, lmdb_errors, open_for_reading, open_for_writing,
 )
 from storage.lmdb_listing import Listing, RecordMeta
