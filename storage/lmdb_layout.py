@@ -32,7 +32,7 @@ from storage.lmdb_descriptor import (
     DESCRIPTOR_TMP_NAME, FORMAT_NAME, STORE_VERSION, StoreDescriptor, default_map_size,
 )
 from storage.lmdb_file import DATA_NAME, DamagedStore, check_data_file, check_structure
-from storage.lmdb_meta import pack_meta
+from storage.lmdb_meta import META, pack_meta, unpack_meta
 from storage.lmdb_pages import Leak
 from storage.priority_lru import DEFAULT_PRIORITY
 from storage.record import FORMAT_VERSION as RECORD_FORMAT_VERSION
@@ -232,17 +232,28 @@ def open_for_writing(
                 _save(old, path)  # a budget whose map cannot be reserved: the store stays as it was
             raise
         env.reader_check()
-        with lmdb_errors(path), env.begin(write=True) as txn:
+        upgraded = 0
+        with lmdb_errors(path), env.begin(write=True, buffers=True) as txn:
             dbs = {name: env.open_db(name, txn=txn) for name in DB_NAMES}
             stored = txn.get(b"format", db=dbs[DB_INFO])
+            stored = None if stored is None else bytes(stored)
             if stored is None:
                 txn.put(b"format", FORMAT_NAME.encode(), db=dbs[DB_INFO])
                 txn.put(b"created_ns", U64.pack(descriptor.created_ns), db=dbs[DB_INFO])
             elif stored != FORMAT_NAME.encode():
                 raise StoreError(f"{path}: the LMDB environment is not a tiered-kv store")
             version = str(STORE_VERSION).encode()
-            if txn.get(b"version", db=dbs[DB_INFO]) != version:  # new, or an older version
+            stored = txn.get(b"version", db=dbs[DB_INFO])
+            if stored is None or bytes(stored) != version:  # new, or an older version
+                if stored is not None and not unverifiable:
+                    upgraded = _name_parents(txn, dbs)
                 txn.put(b"version", version, db=dbs[DB_INFO])
+        if upgraded:
+            logger.info(
+                "%s: upgraded to store version %d: the metadata of %d records now names "
+                "their parents (read from their headers), for chain-end eviction",
+                path, STORE_VERSION, upgraded,
+            )
         with lmdb_errors(path):
             if unverifiable:
                 _drop_records(path, env, dbs)
@@ -365,6 +376,26 @@ def lmdb_errors(path: Path) -> Iterator[None]:
         raise DamagedStore(f"{path / DATA_NAME} is damaged ({e})") from None
     except lmdb.Error as e:
         raise StoreError(f"{path}: {e}") from None
+
+
+def _name_parents(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> int:
+    """Rewrite the ``meta`` values of an older store version (no parent hash) in the
+    current layout, each parent read from its record's header (a page of each record,
+    zero-copy): once, in the transaction that records the new version, so that a store is
+    upgraded whole or not at all. How many values were rewritten."""
+    records, meta = dbs[DB_RECORDS], dbs[DB_META]
+    upgraded = []
+    for key, value in txn.cursor(db=meta):
+        old = unpack_meta(value) if len(value) != META.size else None
+        record = txn.get(key, db=records) if old is not None else None
+        if record is not None:  # a value without a record is _match_meta_to_records' business
+            parent = stated_parent_hash(record)
+            upgraded.append((bytes(key), pack_meta(
+                old.last_access_ns, old.nbytes, old.created_ns, old.priority, parent,
+            )))
+    if upgraded:
+        txn.cursor(db=meta).putmulti(upgraded)
+    return len(upgraded)
 
 
 def _match_meta_to_records(path: Path, env: lmdb.Environment, dbs: dict[bytes, Any]) -> None:

@@ -28,7 +28,7 @@ class RecordMeta(NamedTuple):
     created_ns: int
     priority: int  # the eviction priority it was put with (0 in a version-1 store)
     parent_hash: bytes | None  # its parent's block hash; None for a root, or not known (a
-    # record of a store of version 1 or 2 not put since)
+    # store of version 1 or 2 read before its first open for writing upgraded it)
 
 
 class VerifiedRecord(NamedTuple):

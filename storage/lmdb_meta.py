@@ -2,15 +2,12 @@
 parent.
 
 Store version 3 writes 64 bytes; version 2 wrote the first 32, without a parent, and
-version 1 the first 24, without a priority either. All three are read, so a store of any
-of them opens as it is: a missing priority as 0 (the default), a missing parent as none
-known. A record whose parent is not known is no record's child for the eviction order
-(:mod:`storage.lmdb_eviction`), so the records of an older store are evicted by priority
-and LRU among themselves, as that store's build evicted them, until each is put again
-(with its parent). Reading each parent from its record's header instead would cost the
-open a read of every record, a page or more each. An older value is rewritten in the
-version-3 layout when its record is put or accessed again (an access keeps the parent
-unknown)::
+version 1 the first 24, without a priority either. All three are read: a missing priority
+as 0 (the default), a missing parent as none known. The first open for writing of an
+older store rewrites its values in the version-3 layout, each parent read from its
+record's header (:mod:`storage.lmdb_layout`); a read-only open takes them as they are. A
+record whose parent is not known is no record's child for the eviction order
+(:mod:`storage.lmdb_eviction`)::
 
     0 u64 last access ns | 8 u64 encoded size | 16 u64 created ns | 24 i64 priority (v2)
     32 parent hash, 32 bytes, zeros for none known (v3)

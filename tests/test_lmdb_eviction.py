@@ -226,21 +226,56 @@ def test_metadata_rebuilt_from_the_records_takes_each_parent_from_its_header(tmp
         assert evicted == [record("a3").key]
 
 
-def test_a_version_2_store_opens_as_it_is_its_records_chain_ends_until_put_again(tmp_path: Path):
-    """Metadata that names no parent: every record counts as a chain of its own, evicted
-    by LRU as version 2 evicted it; a record put again names its parent from then on."""
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_older_store_opened_for_writing_names_each_parent_and_evicts_chain_ends(
+    tmp_path: Path, version: int, caplog
+):
+    """A store of version 1 or 2 (meta values without a parent) is upgraded by its first
+    open for writing: each parent is read from its record's header, the access order and
+    the priorities are kept, and from then on its chains go from their ends."""
     path, evicted = tmp_path / "store", []
     with LmdbStore(path, 1 << 20, sync=False) as store:
         put_chain(store, chain("a", 4))
-    write_old_version(path, 2)
-    with LmdbStore(path, 4 * nbytes(tmp_path), sync=False, on_evict=evicted.append) as store:
+        for name in chain("a", 4):  # a0 the least recently used
+            assert store.get(record(name).key) is not None
+        before = {m.key: m for m in store.metadata()}
+    write_old_version(path, version)
+    with LmdbStore(path, readonly=True) as reader:  # a reader takes the store as it is
+        assert {m.parent_hash for m in reader.metadata()} == {None}
+    with caplog.at_level("INFO", logger="storage"):
+        store = LmdbStore(path, 4 * nbytes(tmp_path), sync=False, on_evict=evicted.append)
+    assert "metadata of 4 records now names their parents" in caplog.text
+    with store:
         assert store.descriptor.version == 3
-        assert {m.parent_hash for m in store.metadata()} == {None}
-        assert [r is not None for r in store.get_many([record("a2").key])] == [True]
-        put_chain(store, ["a3", "x0"])  # a3 again, with its parent
-        assert evicted == [record("a0").key]  # the least recently used, start or not
-    with LmdbStore(path, sync=False, on_evict=evicted.append) as store:  # values of both layouts
-        parents = {m.key: m.parent_hash for m in store.metadata()}
-        assert parents[record("a3").key] == parent_of("a3") and parents[record("a1").key] is None
-        assert store.put(record("y0").key, record("y0"))
-        assert evicted == [record("a0").key, record("a1").key]  # a2 has a child now, a1 none
+        after = {m.key: m for m in store.metadata()}
+        assert {k: m.parent_hash for k, m in after.items()} == {
+            record(n).key: parent_of(n) for n in chain("a", 4)
+        }
+        assert all(after[k].last_access_ns == m.last_access_ns for k, m in before.items())
+        assert all(after[k].nbytes == m.nbytes and after[k].created_ns == m.created_ns
+                   for k, m in before.items())
+        put_chain(store, ["x0"])
+        assert evicted == [record("a3").key]  # the chain's end, not a0 (its LRU start)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="storage"), LmdbStore(path, sync=False):
+        pass
+    assert "now names their parents" not in caplog.text  # once
+
+
+def test_an_upgrade_keeps_each_records_priority_and_leaves_an_unreadable_header_parentless(
+    tmp_path: Path,
+):
+    path = tmp_path / "store"
+    with LmdbStore(path, 1 << 20, sync=False) as store:
+        assert store.put(record("a0").key, record("a0"), priority=5)
+        put_chain(store, ["a1", "b0"])
+    write_old_version(path, 2)
+    env = lmdb.open(str(path), max_dbs=4)
+    with env.begin(write=True) as txn:  # a header that is no record's: no parent to read
+        records = env.open_db(b"records", txn=txn)
+        txn.put(kb("a1"), b"\0" * 64, db=records)
+    env.close()
+    with LmdbStore(path, sync=False) as store:
+        meta = {m.key: m for m in store.metadata()}
+    assert meta[record("a0").key].priority == 5 and meta[record("b0").key].priority == 0
+    assert meta[record("a1").key].parent_hash is None
