@@ -32,11 +32,28 @@ of their places (blocks already written, as only clean ones are evicted)::
     full of clean gold blocks, a batch block saved:   [g g g g g g g g]  -> [b g g g g g g g]
     written below, its slot is kept for the next:     [p g g g g g g g]  (p: _passed)
 
+``load_reserve`` (a pool in front of lower tiers) keeps slots from saves for loads: a hit
+from the disk or the remote tier is decoded into a reserved slot, and otherwise a slow disk
+fills the pool with blocks not yet written and every such hit is recomputed, when the
+tiers are busiest. A save's reservation (``reserve_many(..., save=True)``) takes a slot
+only while more than ``load_reserve`` of them are free, kept for passing blocks, or clean
+and unread (:meth:`Eviction.num_evictable`); a load's may take them all. At most one slot
+in ``LOAD_SHARE`` is kept so. Saves then wait for the writers while loads find slots::
+
+    a slow disk, the saves' share pending:   [P P P P P P c f]   a save waits
+                                                          └─┘    a disk hit takes c or f
+                                                     load_reserve   (P pending, c clean, f free)
+
+A block saved again while the pool holds it becomes pending without a reservation, and a
+hit from the remote tier may be promoted pending for the disk: either may hold part of the
+reserve until the writers catch up, and saves are refused meanwhile.
+
 :class:`Eviction` is a part of :class:`storage.cpu_pool.CpuBlockPool`. It owns the free
 list, the evictable blocks by priority and the count of blocks per priority, and the
-passing slots (set up by ``_init_eviction``; the pool's slab sets ``_free`` and
-``_max_passing``). It uses the pool's lock, ``_entries``, ``_stats``, ``keep_clean``,
-``pass_through`` and ``num_slots``; every ``_locked`` method needs the lock.
+passing slots (set up by ``_init_eviction``; the pool's slab sets ``_free``,
+``_max_passing`` and ``_load_reserve``). It uses the pool's lock, ``_entries``,
+``_stats``, ``keep_clean``, ``pass_through`` and ``num_slots``; every ``_locked`` method
+needs the lock.
 """
 from __future__ import annotations
 
@@ -50,6 +67,9 @@ from storage.priority_lru import PriorityLru
 
 # With pass_through, at most one slot in this many holds a passing block.
 PASSING_SHARE = 16
+# At most one slot in this many is kept from saves for loads (``load_reserve``): a pool too
+# small to spare one keeps none, and saves always have most of the pool.
+LOAD_SHARE = 8
 
 
 class Eviction:
@@ -62,6 +82,7 @@ class Eviction:
         self._passing: set[int] = set()  # slots of passing blocks, reserved or committed
         self._passed: list[int] = []  # free slots passing blocks left, kept for the next
         self._max_passing = 0
+        self._load_reserve = 0  # slots a save's reservation leaves to loads
         self._removals = 0  # blocks that left: evicted, dropped once written, deleted
         self._refused = 0  # reservations that found no slot
         # children in the pool by their parent's block hash (present or not; a pool holds
@@ -176,9 +197,10 @@ class Eviction:
             return [least < priority for priority in priorities]
 
     def refused(self) -> int:
-        """Reservations so far that found no slot. A write-back writer takes a rise as
-        pressure: a newcomer's slot may be one only a pending block of its own priority can
-        free, while blocks that matter more keep ``num_evictable`` up."""
+        """Reservations so far that found no slot, saves' kept from the reserve for loads
+        included. A write-back writer takes a rise as pressure: a newcomer's slot may be
+        one only a pending block of its own priority can free, while blocks that matter
+        more keep ``num_evictable`` up."""
         return self._refused
 
     def num_evictable(self) -> int:
@@ -186,3 +208,14 @@ class Eviction:
         passing blocks, or clean and unread)."""
         with self._lock:
             return len(self._free) + len(self._passed) + len(self._evictable)
+
+    def num_savable(self) -> int:
+        """Slots a save's reservation could have right now: :meth:`num_evictable` less the
+        reserve for loads."""
+        with self._lock:
+            return max(0, self._save_room_locked())
+
+    def _save_room_locked(self) -> int:
+        """:meth:`num_evictable` less the reserve for loads (negative while loads, or blocks
+        made pending without a slot, hold part of the reserve)."""
+        return len(self._free) + len(self._passed) + len(self._evictable) - self._load_reserve

@@ -17,7 +17,8 @@ A slot's life::
 
 Which slot a new block gets, and which block is evicted for it (by priority, then least
 recently used; with ``pass_through``, a slot for blocks on their way to the lower tiers
-only), is :mod:`storage.cpu_eviction`.
+only; with ``load_reserve``, slots saves leave free or clean for loads), is
+:mod:`storage.cpu_eviction`.
 
 ``keep_clean=False`` makes the pool a pure staging buffer: a block leaves as soon as no
 tier is pending for it.
@@ -31,7 +32,7 @@ from collections.abc import Collection, Iterable, Iterator, Sequence, Sized
 import torch
 
 from storage.base import BlockKey, BlockStore, StoreStats, check_keys
-from storage.cpu_eviction import PASSING_SHARE, Eviction
+from storage.cpu_eviction import LOAD_SHARE, PASSING_SHARE, Eviction
 from storage.cpu_slots import Commit, Commits, HostBlock, SlotBlock, SlotEntry
 from storage.cpu_write_behind import WriteBehind
 from storage.pinned import PinnedSlab
@@ -43,6 +44,11 @@ class CpuBlockPool(Eviction, WriteBehind, BlockStore[HostBlock]):
 
     ``get`` returns a copy. :meth:`acquire` returns a view of a block's slot and keeps the
     slot from being reused until :meth:`release`, for copies that outlive the call.
+
+    ``load_reserve``: slots that saves (``reserve_many(..., save=True)``) leave free or
+    clean for loads, so that a hit from a lower tier finds a slot while a slow writer
+    holds the rest of the pool; at most one slot in ``LOAD_SHARE``, and none in a staging
+    buffer (it holds no clean block, and its size is the writers' budget).
     """
 
     tier = "cpu"
@@ -55,15 +61,19 @@ class CpuBlockPool(Eviction, WriteBehind, BlockStore[HostBlock]):
         pin_memory: bool | None = None,
         keep_clean: bool = True,
         pass_through: bool = False,
+        load_reserve: int = 0,
     ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         if block_nbytes is not None and not 0 < block_nbytes <= capacity_bytes:
             raise ValueError(f"block_nbytes must be in (0, {capacity_bytes}], got {block_nbytes}")
+        if load_reserve < 0:
+            raise ValueError(f"load_reserve must be at least 0, got {load_reserve}")
         self.capacity_bytes = capacity_bytes
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.keep_clean = keep_clean
         self.pass_through = pass_through and keep_clean  # a staging buffer keeps nothing
+        self._load_reserve_asked = load_reserve if keep_clean else 0
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._entries: dict[BlockKey, SlotEntry] = {}
@@ -87,6 +97,11 @@ class CpuBlockPool(Eviction, WriteBehind, BlockStore[HostBlock]):
         return 0 if self._slab is None else self._slab.tensor.shape[0]
 
     @property
+    def load_reserve(self) -> int:
+        """Slots saves leave free or clean for loads (0 until the slab is reserved)."""
+        return self._load_reserve
+
+    @property
     def slab(self) -> torch.Tensor:
         """The whole slab, ``[num_slots, slot_nbytes]`` uint8 (for batched copies)."""
         if self._slab is None:
@@ -99,6 +114,7 @@ class CpuBlockPool(Eviction, WriteBehind, BlockStore[HostBlock]):
         self._slot_nbytes = slot_nbytes
         self._free = list(range(num_slots - 1, -1, -1))
         self._max_passing = max(1, num_slots // PASSING_SHARE) if self.pass_through else 0
+        self._load_reserve = min(self._load_reserve_asked, num_slots // LOAD_SHARE)
 
     def slot_view(self, slot: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         return self.slab[slot].view(dtype).view(shape)
@@ -113,16 +129,26 @@ class CpuBlockPool(Eviction, WriteBehind, BlockStore[HostBlock]):
         slots = self.reserve_many((priority,))
         return slots[0] if slots else None
 
-    def reserve_many(self, priorities: Iterable[int]) -> list[int]:
+    def reserve_many(self, priorities: Iterable[int], *, save: bool = False) -> list[int]:
         """:meth:`reserve` for new blocks of ``priorities`` in order, under one lock: their
         slots, stopping at the first block that gets none. The slots come in ascending
         order (whichever block's priority freed which, they are all the batch's), so that
         consecutive blocks meet consecutive slots and move as one copy: slots given back
         one by one return to the free list in the order they left it, and would otherwise
-        be handed out backwards."""
+        be handed out backwards.
+
+        ``save``: slots for saved blocks, which stay pending until the lower tiers have
+        them: they leave the reserve for loads alone (:meth:`num_savable`); being held
+        back by it counts as a refusal."""
         slots: list[int] = []
         with self._lock:
             self._check_open()
+            if save:
+                priorities = list(priorities)
+                room = max(0, self._save_room_locked())
+                if len(priorities) > room:
+                    self._refused += 1
+                    del priorities[room:]
             free = self._free
             if isinstance(priorities, Sized) and len(priorities) <= len(free):
                 slots = free[len(free) - len(priorities) :]  # what as many pops would take

@@ -82,6 +82,21 @@ def test_a_long_load_reads_ahead_and_restores_every_block_in_place(tmp_path, mon
     store.close()
 
 
+def test_a_long_load_in_a_pool_short_of_slots_reads_less_ahead_and_loads_every_block(tmp_path):
+    """A pool whose other slots hold blocks the writers have not written leaves a load only
+    its reserve (JOB_SLOTS): the job reads one chunk ahead, which fits, not as many as the
+    whole pool would allow, which would not (a chunk that finds no slot ends the load)."""
+    loader, pool, store, cache, source, wanted = make(tmp_path)
+    others = pool.reserve_many([0] * (pool.num_slots - block_loader.JOB_SLOTS))
+    result = loader.run("r", wanted)
+    assert result.loaded == BLOCKS and torch.equal(cache[3 : BLOCKS + 3], source)
+    assert pool.num_evictable() == block_loader.JOB_SLOTS
+    for slot in others:
+        pool.unreserve(slot)
+    loader.close()
+    store.close()
+
+
 def test_a_bad_block_ends_the_load_there_and_chunks_read_past_it_are_let_go(tmp_path):
     loader, pool, store, cache, source, wanted = make(tmp_path, bad=150)
     result = loader.run("r", wanted)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from storage.base import BlockKey
-from storage.cpu_eviction import PASSING_SHARE
+from storage.cpu_eviction import LOAD_SHARE, PASSING_SHARE
 from storage.cpu_pool import CpuBlockPool
 from storage.cpu_slots import HostBlock
 from storage.pinned import available_host_bytes
@@ -176,6 +176,64 @@ def test_a_staging_pool_lets_a_block_go_once_written():
     assert pool.contains(key(0))  # findable while it waits for the disk
     pool.done_pending("disk", [b.key for b in pool.take_pending("disk", 1, timeout=0)])
     assert not pool.contains(key(0)) and pool.num_evictable() == 2
+
+
+def commit_slots(pool: CpuBlockPool, first: int, slots: list[int], pending=("disk",), **kw):
+    kv = block(0).kv
+    for i, slot in enumerate(slots, first):
+        assert pool.commit(key(i), slot, kv.dtype, tuple(kv.shape), None, (i,), pending, **kw)
+
+
+def test_saves_leave_the_reserve_for_loads_in_a_pool_full_of_pending_blocks():
+    """A disk that does not keep up: saves fill the pool with blocks not yet written up to
+    ``load_reserve`` slots and are then refused (a refusal, for a write-back writer, and
+    no room to retry), while a load's reservation still gets the reserved slots, and again
+    once they hold its clean blocks. A written block makes room for one more save."""
+    slots = 2 * LOAD_SHARE
+    pool = CpuBlockPool(slots * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, pin_memory=False,
+                        pass_through=True, load_reserve=2)
+    saved = pool.reserve_many([0] * slots, save=True)
+    assert len(saved) == slots - 2 and pool.refused() == 1
+    commit_slots(pool, 0, saved)
+    assert pool.num_pending("disk") == slots - 2
+    assert pool.num_savable() == 0 and pool.num_evictable() == 2
+    assert pool.reserve_many([0], save=True) == [] and pool.refused() == 2  # a save waits
+    loaded = pool.reserve_many([0, 0])  # a disk hit: decoded into the reserve, held
+    assert len(loaded) == 2
+    commit_slots(pool, 100, loaded, pending=(), hold=True)
+    assert pool.reserve_many([0]) == []  # both held while they are restored
+    pool.release_many([key(100), key(101)])  # clean now: the reserve holds hits
+    assert pool.num_savable() == 0 and pool.reserve_many([0], save=True) == []
+    again = pool.reserve_many([0, 0])  # the next hit evicts them
+    assert len(again) == 2 and not pool.contains(key(100))
+    for slot in again:
+        pool.unreserve(slot)
+    (taken,) = pool.take_pending("disk", 1, timeout=0)
+    pool.done_pending("disk", [taken.key])
+    assert pool.num_savable() == 1 and len(pool.reserve_many([0, 0], save=True)) == 1
+
+
+def test_the_reserve_for_loads_is_a_bounded_share_and_only_of_a_pool_that_keeps_blocks():
+    """At most one slot in LOAD_SHARE: a pool too small to spare one keeps none, so saves
+    can always fill it; a staging buffer keeps none (it holds no clean block); without a
+    reserve, saves may take every slot."""
+    def pool_of(slots: int, **kw) -> CpuBlockPool:
+        return CpuBlockPool(slots * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, pin_memory=False,
+                            load_reserve=100, **kw)
+
+    assert pool_of(4 * LOAD_SHARE).load_reserve == 4
+    tiny = pool_of(LOAD_SHARE - 1)
+    assert tiny.load_reserve == 0 and len(tiny.reserve_many([0] * 8, save=True)) == LOAD_SHARE - 1
+    staging = pool_of(4 * LOAD_SHARE, keep_clean=False)
+    assert staging.load_reserve == 0 and staging.num_savable() == 4 * LOAD_SHARE
+    plain = CpuBlockPool(4 * BLOCK_BYTES, block_nbytes=BLOCK_BYTES, pin_memory=False)
+    assert len(plain.reserve_many([0] * 4, save=True)) == 4
+    lazy = CpuBlockPool(4 * LOAD_SHARE * BLOCK_BYTES, pin_memory=False, load_reserve=1)
+    assert lazy.load_reserve == 0
+    lazy.put(key(0), block(0))  # the slab comes with the first block
+    assert lazy.load_reserve == 1
+    with pytest.raises(ValueError, match="load_reserve"):
+        CpuBlockPool(BLOCK_BYTES, load_reserve=-1)
 
 
 def test_commit_of_a_key_already_there_frees_the_slot():

@@ -13,16 +13,19 @@ from engine import SamplingParams
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.connector import SavedBlock
+from engine.hashing import hash_blocks, root_hash
 from engine.scheduler import Scheduler
 from engine.stats import StatsCollector
-from engine_testing import make_seq, scheduler_step
+from engine_testing import NAMESPACE, make_seq, scheduler_step
 from engine_testing import one_thread  # noqa: F401  (autouse fixture)
 from storage.codecs.kivi import KiviCodec
+from storage.cpu_eviction import LOAD_SHARE
 from storage.cpu_pool import CpuBlockPool
 from storage.lmdb_store import LmdbStore
 from tiered_kv import TierConfig, TierManager, block_saver, pool_writer
 from tier_testing import (
-    BLOCK, GREEDY, PROMPTS, assert_all_dropped, hit_tokens, make_llm, stall_disk, tiny_block_nbytes,
+    BLOCK, GREEDY, PROMPTS, assert_all_dropped, hit_tokens, make_llm, random_prompts, stall_disk,
+    tiny_block_nbytes,
 )
 from tier_testing import disk, reference  # noqa: F401  (fixtures)
 
@@ -232,6 +235,93 @@ def test_a_refused_save_has_the_write_back_writer_make_room(disk):
         assert sorted(saved) == list(range(6)) and manager.stats()["cpu"]["dropped"] == 0
 
 
+def test_disk_hits_are_served_while_the_pool_is_full_of_blocks_the_disk_has_not_written(
+    disk, monkeypatch, caplog
+):
+    """A long prompt saved behind a disk that does not keep up fills the CPU pool with blocks
+    not yet written, and the rest of its saves wait. A request whose prefix the disk has
+    from before still loads it from disk, into the slots the pool keeps for loads, instead
+    of recomputing it; once the disk goes on, every saved block reaches it."""
+    bs, slots = 4, 8 * LOAD_SHARE
+    source = torch.randn(160, 1, 2, bs, 1, 2)  # [N, L, 2, T, H, D]
+    slot = source[0].numel() * source.element_size()
+    tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=slots * slot, disk_bytes=1 << 20)
+    tokens = random_prompts(2, 80 * bs, seed=3)
+    prefix = hash_blocks(root_hash(NAMESPACE), tokens[0][: 8 * bs], bs)  # blocks 0-7
+    long = hash_blocks(root_hash(NAMESPACE), tokens[1], bs)  # 80 blocks, more than the pool
+
+    def save(manager, hashes, token_ids, first_id):
+        manager.save_blocks([
+            SavedBlock(h, hashes[i - 1] if i else None, tuple(token_ids[i * bs : (i + 1) * bs]),
+                       first_id + i, True)
+            for i, h in enumerate(hashes)
+        ])
+
+    with contextlib.closing(TierManager(tiers)) as manager:
+        manager.register_kv_cache(source.clone(), NAMESPACE, bs)
+        save(manager, prefix, tokens[0], 0)
+        assert manager.flush(10)
+    stalled = stall_disk(monkeypatch)
+    kv_cache = source.clone()
+    kv_cache[100:108] = 0  # where the hit is loaded to
+    manager = TierManager(tiers)
+    try:
+        manager.register_kv_cache(kv_cache, NAMESPACE, bs)
+        pool = manager.stores()["cpu"]
+        save(manager, long, tokens[1], 8)
+        assert stalled.writing.wait(10)  # the writer holds its first batch
+        saved = manager.poll().saved  # the rest of the saves wait for a slot
+        assert len(saved) == pool.num_pending("disk") == slots - pool.load_reserve > 0
+        assert pool.num_savable() == 0
+        assert manager.get_num_matched_blocks("hit", prefix, 0) == 8
+        manager.start_load("hit", prefix, list(range(100, 108)))
+        loaded: dict[str, int] = {}
+        deadline = time.monotonic() + 10
+        while "hit" not in loaded and time.monotonic() < deadline:
+            done = manager.poll(0.01)
+            loaded.update(done.loaded)
+            saved += done.saved
+        stats = manager.stats()
+        assert loaded == {"hit": 8} and torch.equal(kv_cache[100:108], source[:8])
+        assert stats["disk"]["hit_blocks"] == 8 and stats["disk"]["load_failures"] == 0
+        assert not [r for r in caplog.records if "no free slot" in r.getMessage()]
+        stalled.release.set()
+        assert manager.flush(10)
+        saved += manager.poll().saved
+        assert sorted(saved) == list(range(8, 88))
+        stats = manager.stats()
+        assert stats["cpu"]["dropped"] == stats["disk"]["dropped"] == 0
+        assert stats["disk"]["entries"] == 8 + 80
+    finally:
+        stalled.release.set()
+        manager.close()
+
+
+def test_write_back_writes_while_saves_wait_for_the_slots_kept_for_loads(disk):
+    """A write-back pool full of its own pending blocks but for the slots kept for loads:
+    those are no room for saves, so the writer writes until the waiting saves find slots,
+    with the engine stepping and no flush. (The reserve keeps the pool's evictable count at
+    the low watermark: going by that count, the writer would leave the saves to drop.)"""
+    bs, slots = 4, 8 * LOAD_SHARE
+    kv_cache = torch.randn(2 * slots, 1, 2, bs, 1, 2)  # [N, L, 2, T, H, D]
+    slot = kv_cache[0].numel() * kv_cache.element_size()
+    tiers = TierConfig(kv_cache_dir=disk, cpu_bytes=slots * slot, disk_bytes=1 << 20,
+                       write_policy="write-back")
+    with contextlib.closing(TierManager(tiers)) as manager:
+        manager.register_kv_cache(kv_cache, NAMESPACE, bs)
+        manager.save_blocks([  # more than a writer's batch waits for a slot
+            SavedBlock((b + 1).to_bytes(32, "big"), None, (b,) * bs, b, True)
+            for b in range(2 * slots)
+        ])
+        saved: list[int] = []
+        deadline = time.monotonic() + 5
+        while len(saved) < 2 * slots and time.monotonic() < deadline:  # the engine's steps
+            saved += manager.poll().saved
+            time.sleep(0.01)
+        assert sorted(saved) == list(range(2 * slots))
+        assert manager.stats()["cpu"]["dropped"] == 0
+
+
 def test_a_failing_offload_drops_its_blocks_and_the_engine_serves_on(reference, monkeypatch):
     """A KIVI offload runs on the mover's thread; if it fails, its blocks are dropped
     (counted, slots given back, GPU blocks released) and requests are unaffected."""
@@ -307,7 +397,7 @@ def test_a_save_that_fails_part_way_releases_each_hold_once(monkeypatch):
     failed = b.block_table[0]
     s.finish(a, "abort")
     s.finish(b, "abort")
-    monkeypatch.setattr(pool, "reserve_many", lambda priorities: [])  # no room: c's saves wait
+    monkeypatch.setattr(pool, "reserve_many", lambda priorities, save=False: [])  # no room: c's saves wait
     s.add(c := make_seq(range(21, 34), "c", block_size=bs))
     scheduler_step(s)  # the reports come in; c reuses every block and its 3 full ones wait
     assert failed in c.block_table[:3] and blocks.num_held_blocks == 3

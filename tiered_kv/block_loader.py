@@ -48,6 +48,11 @@ READ_CHUNK = 16
 # checksums (BLAKE3) and zstd release the GIL, so a disk hit scales with the cores, up to 8.
 READ_THREADS = min(8, max(4, (os.cpu_count() or 1) // 2))
 READ_AHEAD = READ_THREADS
+# The slots a job holds at most at once when it reads one chunk ahead: that chunk's, and
+# those of the two before it, whose restore may still read them (see _load). The CPU pool
+# keeps this many per load worker from saves (its load_reserve), so that a hit from a lower
+# tier is served while the pool is full of blocks the writers have not written yet.
+JOB_SLOTS = 3 * READ_CHUNK
 
 
 @dataclasses.dataclass
@@ -157,8 +162,11 @@ class BlockLoader:
         chunks = [blocks[i : i + READ_CHUNK] for i in range(0, len(blocks), READ_CHUNK)]
         # A few chunks are read at once on the reader threads: copies out of the map or the
         # socket, checksums and codecs release the GIL, so reads of one request overlap.
-        # Their slots count against the pool: a job holds at most a quarter of it.
-        ahead = max(1, min(READ_AHEAD, self._pool.num_slots // (4 * READ_CHUNK) - 2))
+        # Their slots count against the pool, and a chunk that finds no slot ends the load
+        # there: a job holds at most a quarter of the slots it could take when it starts, or
+        # JOB_SLOTS (one chunk ahead) where that is more, as under write pressure, when the
+        # pool leaves loads only its reserve.
+        ahead = max(1, min(READ_AHEAD, self._pool.num_evictable() // (4 * READ_CHUNK) - 2))
         reads: collections.deque[concurrent.futures.Future[_Chunk]] = collections.deque()
         # Chunks whose restore may still read their slots: (copy, keys held for it).
         in_flight: list[tuple[Copy, list[BlockKey]]] = []

@@ -9,9 +9,12 @@ fails, when it is queued or on the way, drops its blocks (reported saved, counte
 and so does any other step of a save that fails: a save never raises, since the engine lets
 go of every block of a ``save_blocks`` that raises, and some may be reported already.
 
-When every slot holds a block not yet written to the lower tiers, a save waits, deferred
-(its GPU block stays held), and is retried at each ``poll`` (or by a flush while the engine
-is idle) for up to ``SAVE_WAIT_S``; it is then dropped, counted and logged (one WARNING per
+Saves reserve their slots as saves (``reserve_many(..., save=True)``): they leave the
+pool's reserve for loads alone, so that a disk or remote hit still finds a slot while the
+lower tiers lag behind. When every other slot holds a block not yet written to the lower
+tiers, a save waits, deferred (its GPU block stays held), and is retried at each ``poll``
+(or by a flush while the engine is idle), as many as ``num_savable`` allows, for up to
+``SAVE_WAIT_S``; it is then dropped, counted and logged (one WARNING per
 ``drop_warning.DROP_WARNING_INTERVAL_S``, naming the setting to raise). It is dropped at once when the
 engine runs short of blocks (``release_deferred``): a save never stalls a request. A save
 of a tenant that matters less than every block in the pool (``tenant_priorities``) passes
@@ -111,8 +114,9 @@ class BlockSaver:
         self._saves_in_flight = 0  # copies not yet committed to the pool
         self._in_flight_lock = threading.Lock()
         self._drops = DropWarning(
-            logger, "dropped %d KV blocks: the CPU pool was full of blocks not yet written to the "
-            "lower tiers; raise %s (or use a faster disk or codec)"
+            logger, "dropped %d KV blocks: the CPU pool's room for saves (all but the slots it "
+            "keeps for loads) was full of blocks not yet written to the lower tiers; raise %s (or "
+            "use a faster disk or codec)"
         )
         self._outranked = DropWarning(
             logger, "dropped %d KV blocks at once: every block in the CPU pool belongs to a "
@@ -142,8 +146,10 @@ class BlockSaver:
                 self._offload([(block, now) for block in blocks])
 
     def retry_deferred(self) -> None:
-        """Offload the oldest saves that found no slot, as many as slots could be had now
-        (from the engine's poll, or from a flush while the engine is idle). Only those are
+        """Offload the oldest saves that found no slot, as many as a save could have slots
+        now (from the engine's poll, or from a flush while the engine is idle; the slots
+        kept for loads do not count, or each retry would take saves out and put them back
+        for nothing). Only those are
         looked at: while the writers drain a full pool a few slots at a time, the engine
         thread retries step after step, and going over every deferred block each time cost
         it time in proportion to the backlog."""
@@ -151,7 +157,7 @@ class BlockSaver:
             return
         with self._deferred_lock:
             self._drop_deferred(time.monotonic())
-            room = min(len(self._deferred), self._pool.num_evictable())
+            room = min(len(self._deferred), self._pool.num_savable())
             if room == 0:
                 return
             # each keeps the time it has waited since; those that find no slot go back in front
@@ -209,7 +215,7 @@ class BlockSaver:
                 todo = [item for item, here in zip(blocks, present) if not here]
                 keys = [key for key, here in zip(keys, present) if not here]
             priorities = self._config.tenant_priorities_of([block.cache_salt for block, _ in todo])
-            slots = self._pool.reserve_many(priorities)
+            slots = self._pool.reserve_many(priorities, save=True)
             if len(slots) < len(todo):  # the rest wait for slots (their GPU blocks stay held)
                 rest = todo[len(slots):]
                 # unless every slot holds a block that matters more: none will free up

@@ -4,7 +4,8 @@ The CPU pool is the only buffer between the engine and the disk or remote tier. 
 is committed to the pool with the tiers it still has to reach; until a writer reports it
 done, the pool neither evicts nor reuses its slot. So nothing waits in a second queue, a
 block is findable (in the pool) from its offload until it is in the store, and a block is
-dropped only when the whole pool is full of blocks not yet written.
+dropped only when the pool is full of blocks not yet written, but for the slots it keeps
+for loads (:mod:`storage.cpu_eviction`).
 
 ::
 
@@ -25,10 +26,11 @@ whose columns the disk tier seals the whole batch without a
 what they run a block is Python the engine may wait for (``benchmarks/writer_cost.py``
 counts it).
 
-With ``write_back`` the writer leaves blocks pending until the pool runs short of slots it
-could evict (fewer than ``low_watermark``), or refuses a reservation (a newcomer of a tenant
-that matters less may evict only blocks of its own kind, which may all be pending), then
-writes the oldest; :meth:`PoolWriter.drain` writes everything.
+With ``write_back`` the writer leaves blocks pending until the pool runs short of slots a
+save could take (``num_savable``, fewer than ``low_watermark``: the slots kept for loads
+are no room for saves), or refuses a reservation (a newcomer of a tenant that matters less
+may evict only blocks of its own kind, which may all be pending), then writes the oldest;
+:meth:`PoolWriter.drain` writes everything.
 """
 from __future__ import annotations
 
@@ -154,7 +156,7 @@ class PoolWriter:
         while not self._stopping.is_set():
             if self._write_back and not self._draining.is_set():
                 refused = self._pool.refused()
-                roomy = self._pool.num_evictable() >= self._low_watermark
+                roomy = self._pool.num_savable() >= self._low_watermark
                 if roomy and refused == self._refused_seen:
                     self._stopping.wait(IDLE_WAIT_S)
                     continue

@@ -12,10 +12,13 @@ save only starts a transfer. The worker side moves the bytes::
                   into a slot (promoted) ─▶ BlockMover.restore ─▶ copied ─▶ poll: loaded
 
 The CPU pool is one pinned slab and the only write-behind buffer: a block stays in it,
-pinned against eviction, until every lower tier it goes to has it. When every slot holds
-an unwritten block, a save waits (its GPU block stays held) for up to
-``block_saver.SAVE_WAIT_S``, or until the engine runs short of blocks (``release_held``),
-and is then dropped, counted and logged (rate-limited, naming the setting to raise). The save side is :class:`tiered_kv.block_saver.BlockSaver`.
+pinned against eviction, until every lower tier it goes to has it. Saves leave a few slots
+to loads (``block_loader.JOB_SLOTS`` per load worker, at most one slot in
+``cpu_eviction.LOAD_SHARE``), so that disk and remote hits are still served while the
+writers lag. When every other slot holds an unwritten block, a save waits (its GPU block
+stays held) for up to ``block_saver.SAVE_WAIT_S``, or until the engine runs short of
+blocks (``release_held``), and is then dropped, counted and logged (rate-limited, naming
+the setting to raise). The save side is :class:`tiered_kv.block_saver.BlockSaver`.
 
 Lookups go CPU → disk → remote: the run of blocks the CPU pool and the disk hold is
 extended by the remote tier with one pipelined round-trip for the rest of the chain, on a
@@ -44,7 +47,7 @@ from prometheus_client import CollectorRegistry
 from engine.connector import FinishedTransfers, KVConnector, SavedBlock
 from storage.base import BlockStore
 from storage.codecs import get_codec
-from tiered_kv.block_loader import BlockLoader, LoadResult
+from tiered_kv.block_loader import JOB_SLOTS, BlockLoader, LoadResult
 from tiered_kv.block_mover import BlockMover
 from tiered_kv.block_saver import BlockSaver
 from tiered_kv.config import TierConfig
@@ -221,8 +224,10 @@ class TierManager(KVConnector):
         disk, remote = self._stores.disk, self._stores.remote
         written_below = disk is not None or (
             remote is not None and config.remote_write_policy == "write-through")
+        # where blocks can be pending, saves leave the load workers their slots
         pool = self._stores.reserve_pool(
-            slot_nbytes, pin_memory=kv_cache.is_cuda, pass_through=written_below)
+            slot_nbytes, pin_memory=kv_cache.is_cuda, pass_through=written_below,
+            load_reserve=LOAD_WORKERS * JOB_SLOTS if written_below else 0)
         self._kv_cache = kv_cache
         self._mover = BlockMover(kv_cache, pool.slab, self._codec.stage)
         block = (kv_cache.dtype, self._block_shape)

@@ -64,11 +64,12 @@ class TierStores:
             )
 
     def reserve_pool(
-        self, slot_nbytes: int, pin_memory: bool, pass_through: bool = False
+        self, slot_nbytes: int, pin_memory: bool, pass_through: bool = False, load_reserve: int = 0
     ) -> CpuBlockPool:
         """Reserve the CPU pool in slots of ``slot_nbytes`` (``pass_through``: saves have a
-        lower tier to go to, see :class:`CpuBlockPool`); a size that holds no slot, or more
-        than the host can pin, raises ``ValueError`` naming the setting to change."""
+        lower tier to go to; ``load_reserve``: slots saves leave to loads; see
+        :class:`CpuBlockPool`); a size that holds no slot, or more than the host can pin,
+        raises ``ValueError`` naming the setting to change."""
         config = self.config
         pool_bytes = config.cpu_bytes if config.has_cpu else config.staging_bytes
         setting = "cpu_bytes" if config.has_cpu else "staging_bytes"
@@ -80,7 +81,7 @@ class TierStores:
         try:
             self.pool = CpuBlockPool(
                 pool_bytes, block_nbytes=slot_nbytes, keep_clean=config.has_cpu,
-                pass_through=pass_through,
+                pass_through=pass_through, load_reserve=load_reserve,
                 pin_memory=pin_memory,
             )
         except ValueError as e:  # more than the host can pin
