@@ -129,8 +129,8 @@ class BlockManager:
             changed = np.flatnonzero(self._versions[ids[:n]] != versions[:n])
             hit = ids[: int(changed[0]) if len(changed) else n].tolist()
         found = len(hit)
-        hashes = seq.hashes_of_full_blocks(max_blocks * self.block_size)
-        for i in range(found, len(hashes)):
+        hashes = seq.block_hash_chain(max_blocks * self.block_size)
+        for i in range(found, min(len(hashes), max_blocks)):
             block_id = self._cached.get(hashes[i])
             if block_id is None or self.blocks[block_id].token_ids != tuple(seq.block_tokens(i)):
                 break
@@ -278,7 +278,7 @@ class BlockManager:
         hash another block already holds stays unregistered and is simply reused when freed).
         With prefix caching off nothing is registered and every index is returned.
         """
-        hashes = seq.hashes_of_full_blocks(end * self.block_size)
+        hashes = seq.block_hash_chain(end * self.block_size)
         if not self.enable_prefix_caching:
             return list(range(start, end))
         new: list[int] = []

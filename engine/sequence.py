@@ -159,11 +159,19 @@ class Sequence:
         return self.token_ids[index * self.block_size : (index + 1) * self.block_size]
 
     def hashes_of_full_blocks(self, num_tokens: int | None = None) -> list[bytes]:
-        """Hashes of the full blocks among the first ``num_tokens`` tokens (default: all)."""
+        """Hashes of the full blocks among the first ``num_tokens`` tokens (default: all),
+        a list of the caller's own."""
         num_tokens = self.num_tokens if num_tokens is None else num_tokens
+        return self.block_hash_chain(num_tokens)[: num_tokens // self.block_size]
+
+    def block_hash_chain(self, num_tokens: int) -> list[bytes]:
+        """The sequence's own chain of block hashes, grown to cover the full blocks among
+        the first ``num_tokens`` tokens (it may hold more): to read, never to change. The
+        block manager reads it each time a block completes, where a copy would cost a pass
+        over the whole chain (2,048 hashes at 32K tokens) for one new block."""
         num_blocks = num_tokens // self.block_size
         if len(self.block_hashes) < num_blocks:
             extend_block_hashes(
                 self.block_hashes, self.root_hash, self.token_ids, self.block_size, num_blocks
             )
-        return self.block_hashes[:num_blocks]
+        return self.block_hashes
