@@ -11,28 +11,11 @@ serve wrong KV. Keys are::
 
     <prefix><namespace hex>:<block hash hex>        e.g. tkv:9f2c…:03ab…
 
-Network failures never fail a request. Every client error is caught, counted and turned
-into a miss (lookups) or a drop (stores). ``timeout_s`` is the deadline of a whole call:
-connecting, sending and reading the whole reply (each socket wait is cut to the time left),
-so a server that answers slowly, byte by byte, holds a caller no longer than a dead one. A
-call past its deadline is a failure and its connection is closed, never returned to the
-pool in the middle of a reply (nor is one whose call ended any other way before its last
-reply: :mod:`storage.server_pipeline`). A call reads at most ``MAX_CALL_BYTES`` (1 GiB,
-:mod:`storage.call_deadline`), whatever the server sends; a get of records larger together
-is read in several calls. A circuit breaker (:mod:`storage.circuit_breaker`) keeps a
-dead server from costing a timeout per call. A call fails, for the breaker, when no server
-answered it: a command the server refuses by itself (out of memory) is a drop for its key
-only, and on a cluster, so is a node that does not answer while another does::
-
-    closed ──N consecutive failures──▶ open ──cooldown──▶ half-open ──probe ok──▶ closed
-                                        ▲                    │
-                                        └────probe fails─────┘
-
-While open, lookups are misses and stores are dropped without touching the network. After
-the cooldown the next call, whichever it is, probes the server (a ``PING`` before the call
-itself; on a cluster, of every primary, from a fresh view of the slots); the client's pool
-reconnects by itself. :attr:`RemoteStore.available` is true
-once a probe is due, so a caller that checks it first does not keep the breaker open.
+Network failures never fail a request: every call goes through
+:class:`storage.remote_calls.GuardedCalls` (a deadline for the whole call, a cap on the
+bytes it reads, a circuit breaker), and every client error is counted and turned into a
+miss (lookups) or a drop (stores). :attr:`RemoteStore.available` is false while the
+breaker is open and no probe is due.
 
 Puts are synchronous (one pipelined round-trip per :meth:`RemoteStore.put_many`), so a put
 is visible as soon as it returns and :meth:`RemoteStore.flush` has nothing to wait for;
@@ -65,10 +48,11 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 
 from storage.base import DIGEST_SIZE, BlockKey, BlockStore, StoreStats
-from storage.call_deadline import CallBytesSpent, CallDeadline
-from storage.circuit_breaker import BreakerConfig, CircuitBreaker, Permit
+from storage.call_deadline import CallBytesSpent
+from storage.circuit_breaker import BreakerConfig
 from storage.record import Record, RecordError, decode_record, encode_record
-from storage.remote_client import RemoteClient, remote_client
+from storage.remote_calls import GuardedCalls
+from storage.remote_client import RemoteClient
 from storage.remote_url import parse_remote_url, redact_url
 from storage.seal import SealKey
 
@@ -122,13 +106,10 @@ class RemoteStore(BlockStore[Record]):
         self.prefix = prefix
         self._prefix = prefix.encode("ascii")
         self._ttl = ttl_s
-        self._timeout = timeout_s
-        self._breaker = CircuitBreaker(breaker or BreakerConfig())
-        self._deadline = CallDeadline()
-        self._remote: RemoteClient = remote_client(
-            url, self._deadline, timeout_s=timeout_s, max_connections=max_connections,
-            cooldown_s=self._breaker.config.cooldown_s,
+        self._calls = GuardedCalls(
+            url, timeout_s=timeout_s, breaker=breaker, max_connections=max_connections
         )
+        self._remote: RemoteClient = self._calls.client
         self._stats_interval = stats_interval_s
         self._lock = threading.Lock()
         self._stats = StoreStats(tier=self.tier)
@@ -154,51 +135,11 @@ class RemoteStore(BlockStore[Record]):
 
     # ------------------------------------------------------------------ the network
 
-    def _call(self, fn, what: str):
-        """Run ``fn(remote client)`` behind the breaker and within the deadline;
-        ``(True, result)``, or ``(False, None)`` on failure."""
-        if self._closed:
-            return False, None
-        permit = self._breaker.allow()
-        if permit is Permit.REFUSED:
-            return False, None
-        self._deadline.begin(self._timeout)
-        ok, result, error = False, None, None
-        try:
-            if permit is Permit.PROBE:  # half-open: one cheap probe before the real call
-                self._remote.probe()
-            result = fn(self._remote)
-            ok = True
-        except Exception as e:  # noqa: BLE001 - any client error is a miss or a drop, never a failure
-            error = e
-        finally:
-            self._deadline.end()
-            changed = self._breaker.record(permit, ok)
-        if changed and ok:
-            logger.info("remote tier: the server answers again; breaker closed")
-        elif changed:
-            logger.warning(
-                "remote tier: %s failed (%s); breaker open for %.1f s",
-                what, error, self._breaker.config.cooldown_s,
-            )
-        return ok, result
-
-    def _pipeline(self, ops, n: int, what: str, *, fresh: bool = False) -> list:
-        """The ``n`` replies of the commands ``ops(pipe)`` queues, sent in one pipelined
-        round-trip (per node, on a cluster); a reply is an exception where its command
-        failed, e.g. all of them when the server is down, those of one node when that node
-        is. Only a call no server or node answered counts against the breaker. ``fresh``:
-        on connections opened for the call (:meth:`RemoteClient.pipeline`)."""
-        _, replies = self._call(lambda remote: remote.pipeline(ops, fresh=fresh), what)
-        if replies is None:
-            return [ConnectionError(f"remote {what} failed")] * n
-        return replies
-
     @property
     def available(self) -> bool:
         """``False`` while the breaker is open and no probe is due: a call now would be a
         miss or a drop without touching the network."""
-        return self._breaker.available
+        return self._calls.available
 
     # ------------------------------------------------------------------ BlockStore
 
@@ -209,7 +150,7 @@ class RemoteStore(BlockStore[Record]):
         kbs = [self._kb(k) for k in keys]
         if not kbs:
             return []
-        replies = self._pipeline(lambda p: [p.exists(kb) for kb in kbs], len(kbs), "exists")
+        replies = self._calls.pipeline(lambda p: [p.exists(kb) for kb in kbs], len(kbs), "exists")
         return [not isinstance(r, Exception) and bool(r) for r in replies]
 
     def longest_prefix(self, keys: Sequence[BlockKey]) -> int:
@@ -283,7 +224,7 @@ class RemoteStore(BlockStore[Record]):
         """One call of :meth:`_read`, for the keys at ``asked``, into ``out``; the keys at
         which the call's bytes ran out. (A function of its own: the call's replies go when
         it returns, before the next call.)"""
-        replies = self._pipeline(lambda p: [p.get(kbs[i]) for i in asked], len(asked), "get",
+        replies = self._calls.pipeline(lambda p: [p.get(kbs[i]) for i in asked], len(asked), "get",
                                  fresh=fresh)
         cut = []
         for i, reply in zip(asked, replies):
@@ -316,7 +257,7 @@ class RemoteStore(BlockStore[Record]):
             encoded.append((kb, encode_record(record, self._seal_key)))
         if not encoded:
             return []
-        replies = self._pipeline(
+        replies = self._calls.pipeline(
             lambda p: [p.set(kb, buf, ex=self._ttl) for kb, buf in encoded], len(encoded), "set"
         )
         stored = [not isinstance(r, Exception) for r in replies]
@@ -337,7 +278,7 @@ class RemoteStore(BlockStore[Record]):
         slots); how many existed."""
         if not kbs:
             return 0
-        replies = self._pipeline(lambda p: [p.delete(kb) for kb in kbs], len(kbs), "delete")
+        replies = self._calls.pipeline(lambda p: [p.delete(kb) for kb in kbs], len(kbs), "delete")
         return sum(r == 1 for r in replies)  # anything else, an error or garbage, deleted nothing
 
     def keys(self, namespace: bytes | None = None) -> Iterator[BlockKey]:
@@ -346,7 +287,7 @@ class RemoteStore(BlockStore[Record]):
         answers something other than a page, at a cursor the walk already passed, after
         ``_MAX_SCAN_PAGES`` pages of a node, and once the store is closed)."""
         pattern = self._prefix + (namespace.hex().encode() + b":" if namespace else b"") + b"*"
-        ok, nodes = self._call(lambda r: r.scan_nodes(), "scan")
+        ok, nodes = self._calls.call(lambda r: r.scan_nodes(), "scan")
         if not ok:
             return
         seen: set[bytes] = set()  # SCAN may return a key twice
@@ -356,7 +297,7 @@ class RemoteStore(BlockStore[Record]):
             while (cursor is not None and cursor not in visited and not self._closed
                    and len(visited) < _MAX_SCAN_PAGES):
                 visited.add(cursor)
-                ok, reply = self._call(
+                ok, reply = self._calls.call(
                     lambda r, cur=cursor, node=node: _page(r.scan(node, cur, pattern, _SCAN_COUNT)),
                     "scan",
                 )
@@ -403,7 +344,7 @@ class RemoteStore(BlockStore[Record]):
                 self._refreshing = False
 
     def _refresh_server_stats(self) -> None:
-        ok, memory = self._call(lambda r: r.memory(), "info")
+        ok, memory = self._calls.call(lambda r: r.memory(), "info")
         if not ok:
             return
         entries = sum(1 for _ in self.keys())
@@ -416,7 +357,7 @@ class RemoteStore(BlockStore[Record]):
         if self._closed:
             return
         self._closed = True
-        self._remote.close()
+        self._calls.close()
 
 
 def _page(reply) -> tuple[int, list[bytes]]:

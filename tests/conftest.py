@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from redis_server import RedisServer, server_binary
-from storage import cluster_pipeline, remote_store
+from storage import cluster_pipeline, remote_calls
 from storage.circuit_breaker import CircuitBreaker
 from test_circuit_breaker import Clock
 
@@ -94,6 +94,6 @@ def breaker_clock(monkeypatch) -> Clock:
     before it."""
     clock = Clock()
     breaker = functools.partial(CircuitBreaker, clock=clock)
-    monkeypatch.setattr(remote_store, "CircuitBreaker", breaker)
+    monkeypatch.setattr(remote_calls, "CircuitBreaker", breaker)
     monkeypatch.setattr(cluster_pipeline, "CircuitBreaker", breaker)
     return clock
