@@ -21,8 +21,19 @@ That wait grows when the server merges the steps of a stream it fell behind on, 
 when tokens end inside a character: a random model's byte tokens can run 20 steps without
 a whole character, whose text then comes at once.
 
+``--stub-step-ms MS`` replaces the engine's step with a sleep of MS milliseconds (the
+interpreter lock free) that gives every running request one token of text
+(``stub_serve.py``): the server's event loop is then all the work there is, one event per
+token, and its CPU per event is the cost of the streaming path alone, without the engine's
+thread taking turns with it. No engine-alone row then. With ``--callgrind`` as well, the
+server runs under valgrind's callgrind, counting while one streamed round runs: the event
+loop's instructions per event, the same from run to run where CPU time on a shared machine
+is not (give the steps time enough under valgrind, e.g. 100 ms, or the loop falls behind
+and merges events).
+
     python benchmarks/serve_stream.py [--shape tiny|1b] [--device cpu|cuda] [--batch 128]
-        [--new 128] [--rounds 3] [--out benchmarks/results/serve_stream.json]
+        [--new 128] [--rounds 3] [--stub-step-ms MS [--callgrind]]
+        [--out benchmarks/results/serve_stream.json]
 """
 from __future__ import annotations
 
@@ -31,12 +42,14 @@ import asyncio
 import json
 import os
 import resource
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -158,8 +171,17 @@ def measured(pid: int, port: int, texts: list[str], new: int, stream: bool) -> d
     return result
 
 
-def start_server(model: str, device: str, port: int, batch: int, new: int, log: Path) -> subprocess.Popen:
-    args = [sys.executable, "-c", "from tiered_kv.cli import main; main()", "serve",
+def start_server(
+    model: str, device: str, port: int, batch: int, new: int, log: Path, stub_step_s: float | None = None,
+    under: Sequence[str] = (),
+) -> subprocess.Popen:
+    """``tiered-kv serve`` (``under`` a command such as valgrind); with ``stub_step_s``, its
+    engine's steps stubbed (``stub_serve.py``)."""
+    if stub_step_s is None:
+        program = ["-c", "from tiered_kv.cli import main; main()"]
+    else:
+        program = [str(Path(__file__).resolve().parent / "stub_serve.py"), str(stub_step_s)]
+    args = [*under, sys.executable, *program, "serve",
             "--model", model, "--served-model-name", "bench", "--device", device, "--port", str(port),
             "--max-num-seqs", str(batch), "--max-model-len", str(64 + new + 16),
             "--kv-offloading-size", "0", "--kv-disk-size", "0", "--log-level", "warning"]
@@ -212,6 +234,36 @@ def offline(model: str, device: str, texts: list[str], new: int, rounds: int) ->
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def count_instructions(args: argparse.Namespace, texts: list[str], work: Path) -> None:
+    """``--callgrind``: the stubbed server under callgrind, counting only while one streamed
+    round runs (after a warm-up); prints and writes the event loop's instructions per event."""
+    folder, port, log = work / "callgrind", free_port(), work / "server.log"
+    folder.mkdir()
+    under = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes",
+             f"--callgrind-out-file={folder}/cg.%p"]
+    proc = start_server("tiny", args.device, port, args.batch, args.new, log, args.stub_step_ms / 1e3, under)
+    try:
+        wait_healthy(proc, port, log)
+        asyncio.run(round_trip(port, texts[:4], args.new, True))  # warm-up
+        subprocess.run(["callgrind_control", "-i", "on", str(proc.pid)], check=True, capture_output=True)
+        result = asyncio.run(round_trip(port, texts, args.new, True))
+        subprocess.run(["callgrind_control", "-i", "off", str(proc.pid)], check=True, capture_output=True)
+    finally:
+        proc.terminate()
+        proc.wait(120)
+    loop = folder / f"cg.{proc.pid}-01"  # callgrind's thread 1: the main thread, the event loop's
+    totals = [line for line in loop.read_text().splitlines() if line.startswith(("totals:", "summary:"))]
+    per_event = int(totals[-1].split()[1]) / (result["events_per_request"] * len(texts))
+    print(f"{args.batch} streamed completions × {args.new} new tokens, stub engine, "
+          f"{args.stub_step_ms:g} ms steps, under callgrind")
+    print(f"{result['events_per_request']:.0f} events per request; event loop: "
+          f"{per_event / 1e3:.1f} k instructions per event")
+    write_json(args.out, {"machine": machine(), "stub_step_ms": args.stub_step_ms, "callgrind": True,
+                          "batch": args.batch, "new": args.new,
+                          "events_per_request": result["events_per_request"],
+                          "event_loop_instructions_per_event": per_event})
+
+
 def model_folder(shape: str, device: str, work: Path) -> str:
     if shape == "tiny":
         return "tiny"
@@ -231,17 +283,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--stub-step-ms", type=float, default=None,
+                    help="stub the engine: each step sleeps this long and gives every request one token")
+    ap.add_argument("--callgrind", action="store_true",
+                    help="with --stub-step-ms: count the event loop's instructions per event under callgrind")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/serve_stream.json")
     args = ap.parse_args(argv)
     if args.batch < 1 or args.new < 2 or args.rounds < 1:
         sys.exit("--batch >= 1, --new >= 2 and --rounds >= 1")
+    if args.callgrind and (args.stub_step_ms is None or shutil.which("valgrind") is None):
+        sys.exit("--callgrind needs --stub-step-ms and valgrind")
     texts = prompts(args.batch)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
+        if args.callgrind:
+            count_instructions(args, texts, work)
+            return
         model = model_folder(args.shape, args.device, work)
-        engine_alone = offline(model, args.device, texts, args.new, args.rounds)
+        stub_s = args.stub_step_ms / 1e3 if args.stub_step_ms is not None else None
+        engine_alone = offline(model, args.device, texts, args.new, args.rounds) if stub_s is None else None
         port, log = free_port(), work / "server.log"
-        proc = start_server(model, args.device, port, args.batch, args.new, log)
+        proc = start_server(model, args.device, port, args.batch, args.new, log, stub_s)
         try:
             wait_healthy(proc, port, log)
             asyncio.run(round_trip(port, texts[:4], args.new, True))  # warm-up
@@ -255,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
             proc.terminate()
             proc.wait(30)
     client_cpu = (cpu_after.ru_utime + cpu_after.ru_stime) - (cpu_before.ru_utime + cpu_before.ru_stime)
-    rows = {"engine alone": engine_alone}
+    rows = {"engine alone": engine_alone} if engine_alone is not None else {}
     for mode, results in runs.items():
         rows[mode] = {"tok_s": statistics.median(r["tok_s"] for r in results),
                       "tok_s_runs": [r["tok_s"] for r in results],
@@ -263,7 +325,8 @@ def main(argv: list[str] | None = None) -> None:
         for key in results[0]:
             if key.endswith(("cpu us per token", "_p50", "_p99")):
                 rows[mode][key] = statistics.median(r[key] for r in results)
-    print(f"{args.batch} completions × {args.new} new tokens, {args.shape} on {args.device} "
+    source = f"{args.shape} on {args.device}" if stub_s is None else f"stub engine, {args.stub_step_ms:g} ms steps"
+    print(f"{args.batch} completions × {args.new} new tokens, {source} "
           f"(median of {args.rounds} rounds; client CPU {client_cpu:.1f} s over all rounds)")
     print("| run | tok/s | / engine alone | events per request | event loop CPU µs / token "
           "| engine thread CPU µs / token |")
@@ -272,7 +335,8 @@ def main(argv: list[str] | None = None) -> None:
         events = f"{row['events_per_request']:.0f}" if "events_per_request" in row else "–"
         loop, engine = (f"{row[k]:.1f}" if k in row else "–"
                         for k in ("event loop cpu us per token", "engine thread cpu us per token"))
-        print(f"| {name} | {row['tok_s']:,.0f} | {row['tok_s'] / engine_alone['tok_s']:.2f} | {events} "
+        ratio = f"{row['tok_s'] / engine_alone['tok_s']:.2f}" if engine_alone is not None else "–"
+        print(f"| {name} | {row['tok_s']:,.0f} | {ratio} | {events} "
               f"| {loop} | {engine} |")
     streamed = rows["streamed"]
     if "ttft_ms_p50" in streamed:
@@ -280,6 +344,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{streamed['ttft_ms_p99']:.1f}), then {streamed['tpot_ms_p50']:.2f} ms a token (median); "
               f"longest wait for events {streamed['longest_gap_ms_p99']:.1f} ms (p99 of requests)")
     write_json(args.out, {"machine": machine(), "shape": args.shape, "device": args.device,
+                          "stub_step_ms": args.stub_step_ms,
                           "batch": args.batch, "new": args.new, "rounds": args.rounds,
                           "client_cpu_s": client_cpu, "rows": rows})
 

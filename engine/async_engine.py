@@ -2,7 +2,7 @@
 
 The engine thread owns the :class:`~engine.llm_engine.LLMEngine` and everything in it. Other
 threads talk to it only through a command queue (add, abort, stop); it answers each request
-on that request's ``asyncio.Queue``, a step's outputs for one event loop in one
+on that request's stream on its event loop, a step's outputs for one event loop in one
 ``loop.call_soon_threadsafe`` (one wake-up of the loop, not one per request). While no
 request is unfinished the thread blocks on the command queue, so an idle engine costs
 nothing, and the model forward never runs on the event loop.
@@ -20,6 +20,7 @@ go on. Only a failed step as a whole (the model forward) stops the engine.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import os
@@ -49,7 +50,7 @@ class _Add:
     add_special_tokens: bool
     priority: int
     loop: asyncio.AbstractEventLoop
-    stream: asyncio.Queue
+    stream: _Stream
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,33 @@ class _Abort:
 @dataclasses.dataclass(frozen=True)
 class _Stop:
     pass
+
+
+class _Stream:
+    """A request's outputs on their way to its consumer: put on the consumer's event loop
+    (by the engine thread's hand-off), read by :meth:`AsyncLLM.generate` on the same loop.
+    What an ``asyncio.Queue`` did here and no more (a put per request per step when
+    streaming): a future exists only while the consumer waits."""
+
+    __slots__ = ("items", "_loop", "_waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.items: collections.deque[RequestOutput | BaseException] = collections.deque()
+        self._loop = loop
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item: RequestOutput | BaseException) -> None:
+        self.items.append(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():  # not cancelled
+                waiter.set_result(None)
+
+    def arrival(self) -> asyncio.Future:
+        """A future that is done once the next item is put."""
+        self._waiter = self._loop.create_future()
+        return self._waiter
 
 
 class EngineDeadError(RuntimeError):
@@ -136,38 +164,34 @@ class AsyncLLM:
         :class:`EngineDeadError` once the engine has stopped.
         """
         request_id = request_id if request_id is not None else uuid.uuid4().hex
-        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop)
+        waiting = stream.items
         prompt = prompt if isinstance(prompt, str) else list(prompt)
         add = _Add(
-            request_id,
-            prompt,
-            params or SamplingParams(),
-            cache_salt,
-            add_special_tokens,
-            priority,
-            asyncio.get_running_loop(),
-            stream,
+            request_id, prompt, params or SamplingParams(), cache_salt, add_special_tokens, priority,
+            loop, stream,
         )
         with self._lock:  # pairs with the drain in _run: no command is left unanswered
             if self._stopped.is_set():
                 raise EngineDeadError("the engine is shut down") from self._error
             self._commands.put(add)
-        finished, pending = False, None
+        finished = False
         merge = _joined if add.params.output_kind is RequestOutputKind.DELTA else _merged
         try:
             while True:
-                item = pending if pending is not None else await stream.get()
-                pending = None
+                while not waiting:
+                    await stream.arrival()
+                item = waiting.popleft()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                while not item.finished and not stream.empty():  # behind: merge what waits
-                    later = stream.get_nowait()
+                while waiting and item.finish_reason is None:  # behind: merge what waits
+                    later = waiting[0]
                     if isinstance(later, BaseException) or later.finish_reason == "error":
-                        pending = later  # what came before it is yielded first
-                        break
-                    item = merge(item, later)
-                finished = item.finished
+                        break  # what came before it is yielded first
+                    item = merge(item, waiting.popleft())
+                finished = item.finish_reason is not None
                 if item.finish_reason == "error":
                     raise RequestFailedError(f"the engine failed on request {request_id}")
                 yield item
@@ -296,7 +320,7 @@ class AsyncLLM:
         self._streams.clear()
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
     for stream, output in items:
         stream.put_nowait(output)
 

@@ -10,7 +10,7 @@ import torch
 
 from engine import LLM, AsyncLLM, RequestOutputKind, SamplingParams
 from engine import llm_engine
-from engine.async_engine import EngineDeadError, RequestFailedError
+from engine.async_engine import EngineDeadError, RequestFailedError, _Stream
 from engine_testing import fail_detokenizing, hold_steps, one_thread  # noqa: F401  (one_thread: autouse fixture)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -105,6 +105,35 @@ def test_a_consumer_that_falls_behind_gets_the_waiting_outputs_merged(llm, monke
         assert "".join(o.text for o in outs) == expected.text
         assert [lp for o in outs for lp in o.logprobs] == pytest.approx(expected.logprobs)
         assert [len(o.top_logprobs) for o in outs] == [len(o.token_ids) for o in outs]
+
+
+def test_a_request_stream_keeps_what_is_put_and_outlives_a_cancelled_wait():
+    """What is put while nobody waits is kept; a consumer cancelled while it waited leaves the
+    stream to the next one, which the next put wakes."""
+    async def main():
+        stream = _Stream(asyncio.get_running_loop())
+        stream.put_nowait("first")
+        assert list(stream.items) == ["first"]
+        stream.items.clear()
+        cancelled = asyncio.ensure_future(stream.arrival())
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        stream.put_nowait("second")  # the cancelled wait is not woken (it cannot be)
+        assert list(stream.items) == ["second"]
+        stream.items.clear()
+
+        async def next_item():
+            while not stream.items:
+                await stream.arrival()
+            return stream.items.popleft()
+
+        waiting = asyncio.ensure_future(next_item())
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        stream.put_nowait("third")
+        assert await asyncio.wait_for(waiting, 5) == "third"
+
+    asyncio.run(main())
 
 
 def test_a_steps_outputs_reach_each_event_loop_in_one_hand_off(fresh, monkeypatch):

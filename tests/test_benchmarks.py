@@ -134,6 +134,15 @@ def test_serve_stream_serves_every_token_streamed_and_not(tmp_path):
     assert got["rows"]["streamed"]["events_per_request"] >= 1
 
 
+def test_serve_stream_with_a_stub_engine_sends_an_event_per_token(tmp_path):
+    """The script itself fails unless every request got all its tokens (from the usage)."""
+    got = run("serve_stream.py", "--batch", "4", "--new", "8", "--rounds", "1", "--stub-step-ms", "20",
+              out=tmp_path / "serve.json")
+    assert list(got["rows"]) == ["not streamed", "streamed"]
+    # 8 tokens and the usage; fewer only if the event loop fell behind a step and merged
+    assert 2 <= got["rows"]["streamed"]["events_per_request"] <= 9
+
+
 def test_waiting_host_times_each_kind_of_waiting_request(tmp_path):
     """The script itself fails if the long request got in (it must wait) or the batch was
     preempted (the pool was sized wrong)."""

@@ -125,3 +125,58 @@ def test_a_stream_whose_event_loop_falls_behind_loses_nothing(llm, monkeypatch, 
         content = [t for ch in chunks if ch.get("logprobs") for t in ch["logprobs"]["content"]]
         assert [t["token"] for t in content] == [t["token"] for t in whole["choices"][0]["logprobs"]["content"]]
     assert len(chunks) < 24  # merged: fewer chunks than tokens
+
+
+# ------------------------------------------------- a whole stream, event by event, against pydantic
+
+SAMPLED = {"temperature": 1.0, "seed": 3, "max_tokens": 24, "ignore_eos": True}  # varied text
+USAGE = {"include_usage": True}
+RUNNING_USAGE = {"include_usage": True, "continuous_usage_stats": True}
+
+
+def rebuilt_completion_event(payload: dict, include_usage: bool) -> str:
+    return event(_chunk_dict(CompletionResponse.model_validate(payload), include_usage))
+
+
+def rebuilt_chat_event(payload: dict, include_usage: bool) -> str:
+    chunk = ChatCompletionChunk.model_validate(payload)
+    d = _chunk_dict(chunk, include_usage)
+    if chunk.choices:  # a delta shows only the fields it has, as the server builds it
+        d["choices"][0]["delta"] = chunk.choices[0].delta.model_dump(exclude_none=True)
+    return event(d)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "Hi", "n": 2, "stream_options": USAGE}),
+    ("/v1/completions", {"prompt": "Hi", "n": 2}),
+    ("/v1/completions", {"prompt": 'Say "hi" \\ é', "echo": True, "stream_options": RUNNING_USAGE}),
+    ("/v1/completions", {"prompt": "Hi", "logprobs": 2, "stream_options": RUNNING_USAGE}),
+    ("/v1/completions", {"prompt": "Hi", "stop": ["a", "e"], "stream_options": USAGE}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 2, "stream_options": USAGE}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True,
+                              "top_logprobs": 2, "stream_options": RUNNING_USAGE}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "stop": ["a", "e"]}),
+], ids=["completion-n2-usage", "completion-n2", "completion-echo-running-usage", "completion-logprobs",
+        "completion-stop", "chat-n2-usage", "chat-logprobs-running-usage", "chat-stop"])
+def test_every_event_of_a_stream_is_its_chunk_built_by_pydantic(llm, path, body):
+    """Each event, text-only ones from their template included, is byte for byte what
+    building the chunk it holds with the response models and serializing it gives; the
+    stream is those events and ``data: [DONE]``, nothing else."""
+    async def test(c):
+        return (await c.post(path, json={**body, **SAMPLED, "stream": True})).text
+
+    text = run(llm, test)
+    raw = text.split("\n\n")
+    assert raw[-2:] == ["data: [DONE]", ""]
+    include_usage = "stream_options" in body
+    rebuilt = rebuilt_completion_event if path == "/v1/completions" else rebuilt_chat_event
+    payloads = []
+    for e in raw[:-2]:
+        payload = json.loads(e.removeprefix("data: "))
+        assert e + "\n\n" == rebuilt(payload, include_usage)
+        payloads.append(payload)
+    choices = [ch for p in payloads for ch in p["choices"]]
+    assert {ch["index"] for ch in choices} == set(range(body.get("n", 1)))
+    assert all(ch["finish_reason"] in ("length", "stop") for ch in choices if ch["finish_reason"])
+    assert sum(1 for ch in choices if ch["finish_reason"]) == body.get("n", 1)
+    assert ("usage" in payloads[-1] and payloads[-1]["choices"] == []) == include_usage

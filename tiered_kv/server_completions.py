@@ -56,7 +56,7 @@ async def completions(
     _observe_params(state, jobs, body.num_generated)
     texts = _echo_texts(state, body, prompts, prompt_ids) if body.echo else []
     if body.stream:
-        return server_stream.sse(server_stream.completion_chunks(state, group, body, texts))
+        return server_stream.SSEResponse(server_stream.completion_events(state, group, body, texts))
     outs = await group.final(request)
     return JSONResponse(server_responses.completion_response(state, group, outs, body, texts))
 
@@ -183,7 +183,7 @@ async def chat_completions(
     group = await Generations.start(state, request, "chatcmpl", jobs, body.cache_salt, body.priority)
     _observe_params(state, jobs, body.n)
     if body.stream:
-        return server_stream.sse(server_stream.chat_chunks(state, group, body))
+        return server_stream.SSEResponse(server_stream.chat_events(state, group, body))
     outs = await group.final(request)
     return JSONResponse(server_responses.chat_response(state, group, outs, body))
 

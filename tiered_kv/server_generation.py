@@ -79,8 +79,7 @@ class Generation:
                 metrics.ttft.observe(max(0.0, first - self.arrival))
             self._last_time, new = first, new - 1
         if metrics is not None and new > 0:
-            for _ in range(new):
-                metrics.itl.observe(max(0.0, now - self._last_time) / new)
+            metrics.itl.observe(max(0.0, now - self._last_time) / new, new)
         if new > 0:
             self._last_time = now
         self.num_tokens = total
@@ -97,13 +96,13 @@ class Generation:
             metrics.e2e.observe(time.perf_counter() - self.arrival)
             metrics.finished.labels(finished_reason=reason).inc()
 
-    async def outputs(self) -> AsyncIterator[RequestOutput]:
-        """The first output, then the rest until the request finishes."""
+    async def outputs(self, k: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """``(k, output)`` for the first output, then the rest until the request finishes."""
         out = self.first
-        yield out
-        while not out.finished:
+        yield k, out
+        while out.finish_reason is None:
             out = await self._next()
-            yield out
+            yield k, out
 
     async def close(self) -> None:
         """Abort the request if it is still running and give its place back. Idempotent."""
@@ -188,17 +187,19 @@ class Generations:
             raise
         return group
 
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """``(k, output)`` for every output of every generation, as they come."""
+    def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """``(k, output)`` for every output of every generation, as they come (a single
+        generation's own, with nothing between: a stream reads this once per output)."""
         if len(self.generations) == 1:
-            async for out in self.generations[0].outputs():
-                yield 0, out
-            return
+            return self.generations[0].outputs(0)
+        return self._interleaved()
+
+    async def _interleaved(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         arrived: asyncio.Queue[tuple[int, RequestOutput | None, Exception | None]] = asyncio.Queue()
 
         async def pump(k: int, generation: Generation) -> None:
             try:
-                async for out in generation.outputs():
+                async for _, out in generation.outputs(k):
                     arrived.put_nowait((k, out, None))
             except Exception as e:
                 arrived.put_nowait((k, None, e))

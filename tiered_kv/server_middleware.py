@@ -7,6 +7,7 @@ Keys: with ``--api-key``, every route but ``/admin/*`` and the open ones (``/hea
 from __future__ import annotations
 
 import hmac
+from collections.abc import Awaitable
 
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -38,11 +39,12 @@ class HttpMiddleware:
         route = path if path in self.paths else "unmatched"
         status = 500
 
-        async def counting_send(message: Message) -> None:
+        def counting_send(message: Message) -> Awaitable[None]:
+            # send's own awaitable, not a coroutine around it: a frame fewer per streamed event
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-            await send(message)
+            return send(message)
 
         try:
             if path.startswith(ADMIN_PREFIX) and self.admin_expected is None:

@@ -4,11 +4,16 @@ are :attr:`~engine.outputs.RequestOutputKind.DELTA` ones: each brings its new to
 and logprobs only, and its :class:`~tiered_kv.server_generation.Generation` counts the
 tokens for the usage.
 
+Every streamed output costs the event loop, which shares Python's interpreter lock with the
+engine's thread, so the path from an engine output to its bytes is kept short: one async
+generator per response (:func:`completion_events`, :func:`chat_events`) reads the
+generations and yields each event rendered, and :class:`SSEResponse` writes it.
+
 A chunk that carries only new text (no logprobs, no finish, no running usage), which is
 nearly every chunk of a stream, is rendered from a template of its choice: the chunk built
 and serialized once, as any other, around a marker, and then each event is the two halves
 around the text's JSON string. That is the same bytes as building and serializing the chunk
-(tested), at a fraction of the event loop's time, which the engine's thread shares.
+(tested), at a fraction of the event loop's time.
 """
 from __future__ import annotations
 
@@ -16,9 +21,10 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tiered_kv.protocol_errors import RequestError
@@ -36,29 +42,49 @@ from tiered_kv.server_responses import prompt_usage, usage
 from tiered_kv.server_state import ServerState
 
 _MARK = "\ue000tiered-kv text\ue000"  # where a template's text goes (a private-use character)
+_DONE = b"data: [DONE]\n\n"
 
 
 class TextEvents:
     """The events of text-only chunks: ``render(k, text)`` gives choice ``k``'s chunk as a
-    dict; ``event(k, text)`` its event, from the choice's template once there is one."""
+    dict; ``event(k, text)`` its event, from the choice's template once there is one.
+
+    ``json.dumps`` of a string, with its default arguments, is ``encode_basestring_ascii``
+    of it; the halves are around that."""
 
     def __init__(self, render: Callable[[int, str], dict[str, Any]]) -> None:
         self._render = render
         self._halves: dict[int, tuple[str, str] | None] = {}
 
     def event(self, k: int, text: str) -> str:
-        if k not in self._halves:
+        try:
+            halves = self._halves[k]
+        except KeyError:
             parts = event(self._render(k, _MARK)).split(json.dumps(_MARK))
-            self._halves[k] = (parts[0], parts[1]) if len(parts) == 2 else None  # else: by hand
-        halves = self._halves[k]
+            halves = self._halves[k] = (parts[0], parts[1]) if len(parts) == 2 else None  # else: by hand
         if halves is None:
             return event(self._render(k, text))
-        return halves[0] + json.dumps(text) + halves[1]
+        return halves[0] + encode_basestring_ascii(text) + halves[1]
 
 
-class _SSEResponse(StreamingResponse):
-    """Closes its body iterator however the response ends (a client that disconnects
-    cancels the send, not the iterator), so the request is aborted at once."""
+class SSEResponse(StreamingResponse):
+    """Writes ``events`` (rendered events) as they come, then ``data: [DONE]`` with the end
+    of the body. An error after the status line went out (the engine failed on the request)
+    is sent as a last ``{"error": ...}`` event before ``[DONE]``, as vLLM does. The events
+    are closed however the response ends (a client that disconnects cancels the send, not
+    the iterator), so the request is aborted at once."""
+
+    def __init__(self, events: AsyncIterator[str]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        try:
+            async for text in self.body_iterator:
+                await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
+        except RequestError as e:
+            await send({"type": "http.response.body", "body": event(e.body()).encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": _DONE, "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -67,32 +93,14 @@ class _SSEResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-def sse(chunks: AsyncIterator[dict[str, Any] | str]) -> Response:
-    """A stream of ``chunks`` (dicts, or events already rendered). An error after the status
-    line went out (the engine failed on the request) is sent as a last ``{"error": ...}``
-    event before ``[DONE]``, as vLLM does."""
-
-    async def body() -> AsyncIterator[str]:
-        try:
-            async for chunk in chunks:
-                yield chunk if isinstance(chunk, str) else event(chunk)
-        except RequestError as e:
-            yield event(e.body())
-        finally:
-            await chunks.aclose()
-        yield "data: [DONE]\n\n"
-
-    return _SSEResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
 def event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-async def completion_chunks(
+async def completion_events(
     state: ServerState, group: Generations, body: CompletionRequest, prompt_texts: list[str]
-) -> AsyncIterator[dict | str]:
-    """Chunks of every choice as they come (``best_of > n`` is not streamed: all are sent)."""
+) -> AsyncIterator[str]:
+    """Events of every choice as they come (``best_of > n`` is not streamed: all are sent)."""
     config, llm = state.config, state.llm
     created = int(time.time())
     generations = group.generations
@@ -114,15 +122,15 @@ async def completion_chunks(
         )
         return _chunk_dict(chunk, body.include_usage)
 
-    texts = TextEvents(render)
+    text_event = TextEvents(render).event
     plain = body.logprobs is None and not body.continuous_usage  # text-only chunks
     try:
         async with contextlib.aclosing(group.outputs()) as outputs:
             async for k, out in outputs:
                 last[k] = out
-                if plain and not echo[k] and not out.finished:
+                if plain and out.finish_reason is None and not echo[k]:
                     if out.delta_text:
-                        yield texts.event(k, out.delta_text)
+                        yield text_event(k, out.delta_text)
                     continue
                 logprobs = None
                 if body.logprobs is not None:
@@ -133,19 +141,19 @@ async def completion_chunks(
                     text, echo[k] = prompt_texts[k // body.n] + text, False
                 if not text and not out.finished and not (logprobs and logprobs.tokens):
                     continue
-                yield render(k, text, out, logprobs)
+                yield event(render(k, text, out, logprobs))
         if body.include_usage and all(last):
             usage_chunk = CompletionResponse(
                 id=group.id, created=created, model=config.model_name, choices=[],
                 usage=usage([last[i : i + body.n] for i in range(0, count, body.n)],
                             sum(g.num_tokens for g in generations)),
             )
-            yield usage_chunk.model_dump()
+            yield event(usage_chunk.model_dump())
     finally:
         await group.close()
 
 
-async def chat_chunks(state: ServerState, group: Generations, body: ChatCompletionRequest) -> AsyncIterator[dict | str]:
+async def chat_events(state: ServerState, group: Generations, body: ChatCompletionRequest) -> AsyncIterator[str]:
     config, llm = state.config, state.llm
     created = int(time.time())
     generations = group.generations
@@ -169,31 +177,33 @@ async def chat_chunks(state: ServerState, group: Generations, body: ChatCompleti
         d["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
         return d
 
-    texts = TextEvents(lambda k, text: chunk(k, DeltaMessage(content=text)))
+    text_event = TextEvents(lambda k, text: chunk(k, DeltaMessage(content=text))).event
     plain = not body.logprobs and not body.continuous_usage  # text-only chunks
     try:
         for k in range(count):
-            yield chunk(k, DeltaMessage(role="assistant", content=""))
+            yield event(chunk(k, DeltaMessage(role="assistant", content="")))
         async with contextlib.aclosing(group.outputs()) as outputs:
             async for k, out in outputs:
                 last[k] = out
-                if plain and not out.finished:
+                if plain and out.finish_reason is None:
                     if out.delta_text:
-                        yield texts.event(k, out.delta_text)
+                        yield text_event(k, out.delta_text)
                     continue
                 logprobs = None
                 if body.logprobs:
                     logprobs = chat_logprobs(llm, out, 0)
                 if out.delta_text or (logprobs and logprobs.content):
-                    yield chunk(k, DeltaMessage(content=out.delta_text), logprobs=logprobs)
+                    yield event(chunk(k, DeltaMessage(content=out.delta_text), logprobs=logprobs))
                 if out.finished:
-                    yield chunk(k, DeltaMessage(), finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+                    yield event(chunk(
+                        k, DeltaMessage(), finish_reason=out.finish_reason, stop_reason=out.stop_reason
+                    ))
         if body.include_usage and all(last):
             usage_chunk = ChatCompletionChunk(
                 id=group.id, created=created, model=config.model_name, choices=[],
                 usage=usage([last], sum(g.num_tokens for g in generations)),
             )
-            yield usage_chunk.model_dump()
+            yield event(usage_chunk.model_dump())
     finally:
         await group.close()
 
