@@ -88,8 +88,14 @@ class RedisCluster:
     """A Valkey/Redis Cluster of ``size`` primaries on loopback, no replicas: each node its
     own process and directory (its ``nodes.conf`` lets a stopped node rejoin with its slots
     when started again), on a free port and a free cluster-bus port. The slots are split in
-    equal ranges (``CLUSTER ADDSLOTSRANGE``) and the nodes introduced (``CLUSTER MEET``);
-    ``extra``: more command-line options for every node."""
+    equal ranges (``CLUSTER ADDSLOTSRANGE``), each node is given a config epoch of its own
+    (``CLUSTER SET-CONFIG-EPOCH``, as ``redis-cli --cluster create`` does) and the nodes
+    introduced (``CLUSTER MEET``); ``extra``: more command-line options for every node.
+
+    Without their own epochs the nodes all start at 0 and tell theirs apart by gossip, over
+    seconds; a slot moved meanwhile can go back to its old owner at the new one, which then
+    deletes the keys moved to it (as keys of a slot it lost) and redirects to the old owner,
+    which redirects back."""
 
     def __init__(self, binary: str, workdir: Path, size: int = 3, node_timeout_ms: int = 5000,
                  extra: tuple[str, ...] = ()) -> None:
@@ -115,8 +121,9 @@ class RedisCluster:
         clients = [node.client() for node in self.nodes]
         try:
             bounds = [SLOTS * i // len(clients) for i in range(len(clients) + 1)]
-            for client, start, end in zip(clients, bounds, bounds[1:]):
+            for epoch, (client, start, end) in enumerate(zip(clients, bounds, bounds[1:]), 1):
                 client.execute_command("CLUSTER ADDSLOTSRANGE", start, end - 1)
+                client.execute_command("CLUSTER SET-CONFIG-EPOCH", epoch)
             for node, bus in zip(self.nodes[1:], self.bus_ports[1:]):
                 clients[0].execute_command("CLUSTER MEET", "127.0.0.1", node.port, bus)
             self.wait_ok(timeout, clients)
@@ -125,7 +132,9 @@ class RedisCluster:
                 client.close()
 
     def wait_ok(self, timeout: float = 20.0, clients: list | None = None) -> None:
-        """Until every node sees every other and says ``cluster_state:ok``."""
+        """Until every node sees every other and every slot's owner, and says
+        ``cluster_state:ok`` (which a node says with slots unknown to it where the cluster
+        does not require full coverage)."""
         own = clients is None
         clients = clients or [node.client() for node in self.nodes]
         deadline = time.monotonic() + timeout
@@ -176,7 +185,8 @@ def _cluster_ok(info, size: int) -> bool:
         info = info.decode()
     if isinstance(info, str):
         info = dict(line.split(":", 1) for line in info.split() if ":" in line)
-    return info.get("cluster_state") == "ok" and int(info.get("cluster_known_nodes", 0)) == size
+    return (info.get("cluster_state") == "ok" and int(info.get("cluster_known_nodes", 0)) == size
+            and int(info.get("cluster_slots_assigned", 0)) == SLOTS)
 
 
 class DripServer(LoopbackServer):

@@ -11,6 +11,7 @@ import zmq
 
 from engine.kv_events import BlockStored, decode_batch
 from redis_server import redis_cluster  # noqa: F401  (fixture)
+from remote_testing import ANSWER_S
 from server_testing import ServerProcess, free_port
 
 ADMIN_KEY = "scale-out-admin-key"
@@ -59,7 +60,7 @@ def servers(redis_cluster, tmp_path_factory, events_port):  # noqa: F811
     secret_file.chmod(0o600)
     common = ["--model", "tiny", "--max-model-len", "512", "--num-gpu-blocks-override", "96",
               "--kv-offloading-size", "0.01", "--kv-disk-size", "0",
-              "--kv-remote-url", redis_cluster.url, "--kv-remote-timeout", "1",
+              "--kv-remote-url", redis_cluster.url, "--kv-remote-timeout", str(ANSWER_S),
               "--admin-api-key", ADMIN_KEY, "--log-level", "warning"]
     events = ('{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:%d", "topic": "kv"}'
               % events_port)
