@@ -4,10 +4,14 @@ and :class:`LoopbackServer`, the base of the fake servers tests run in a thread.
 A port that ``bind(0)`` hands out is an ephemeral one: between the moment a test picks it
 and the moment its server binds it (or binds it again after a restart), any outgoing
 connection on the machine may take it as its source port, and the server then fails to
-start. Ports below the ephemeral range are never used that way.
+start. Ports below the ephemeral range are never used that way. Each process remembers the
+ports it handed out; pytest-xdist workers pick from shares of the range of their own, so two
+workers never hand out the same port (a server started on a port another worker's server
+took would answer that worker's checks).
 """
 from __future__ import annotations
 
+import os
 import random
 import socket
 import threading
@@ -26,6 +30,19 @@ def _below_ephemeral() -> range | None:
     return range(_LOWEST, first) if first - _LOWEST >= 1000 else None
 
 
+def _own_share(ports: range) -> range:
+    """This process's share of ``ports``: every n-th one from its own offset for worker k
+    of n pytest-xdist workers, all of them otherwise."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    try:
+        count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    except ValueError:
+        count = 1
+    if count > 1 and worker.startswith("gw") and worker[2:].isdigit():
+        return ports[int(worker[2:]) % count :: count]
+    return ports
+
+
 def _bindable(port: int) -> bool:
     with socket.socket() as s:
         try:
@@ -40,7 +57,8 @@ def free_port() -> int:
     says where that is (else whatever ``bind(0)`` gives)."""
     candidates = _below_ephemeral()
     if candidates is not None:
-        for port in random.sample(candidates, 200):
+        candidates = _own_share(candidates)
+        for port in random.sample(candidates, min(200, len(candidates))):
             if port not in _given and _bindable(port):
                 _given.add(port)
                 return port
