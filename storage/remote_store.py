@@ -52,7 +52,6 @@ from storage.call_deadline import CallBytesSpent
 from storage.circuit_breaker import BreakerConfig
 from storage.record import Record, RecordError, decode_record, encode_record
 from storage.remote_calls import GuardedCalls
-from storage.remote_client import RemoteClient
 from storage.remote_url import parse_remote_url, redact_url
 from storage.seal import SealKey
 
@@ -109,7 +108,6 @@ class RemoteStore(BlockStore[Record]):
         self._calls = GuardedCalls(
             url, timeout_s=timeout_s, breaker=breaker, max_connections=max_connections
         )
-        self._remote: RemoteClient = self._calls.client
         self._stats_interval = stats_interval_s
         self._lock = threading.Lock()
         self._stats = StoreStats(tier=self.tier)

@@ -33,5 +33,5 @@ def watch_network(monkeypatch, store: RemoteStore) -> list[str]:
         return call
 
     for name in ("pipeline", "probe", "scan_nodes", "scan", "memory"):
-        monkeypatch.setattr(store._remote, name, watched(name, getattr(store._remote, name)))
+        monkeypatch.setattr(store._calls.client, name, watched(name, getattr(store._calls.client, name)))
     return calls

@@ -291,7 +291,7 @@ def test_a_scan_whose_cursor_cycles_ends(redis_server, monkeypatch):
             return 0, []
         return 7, [s._kb(key(0))] if cursor == 0 else []  # 7, then 7 again
 
-    monkeypatch.setattr(s._remote, "scan", cycling_scan)
+    monkeypatch.setattr(s._calls.client, "scan", cycling_scan)
     assert list(s.keys()) == [key(0)]
     assert pages == [0, 7]  # cursor 7 came back after it was walked: the walk stopped
     s.close()

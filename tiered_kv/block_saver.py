@@ -149,10 +149,9 @@ class BlockSaver:
         """Offload the oldest saves that found no slot, as many as a save could have slots
         now (from the engine's poll, or from a flush while the engine is idle; the slots
         kept for loads do not count, or each retry would take saves out and put them back
-        for nothing). Only those are
-        looked at: while the writers drain a full pool a few slots at a time, the engine
-        thread retries step after step, and going over every deferred block each time cost
-        it time in proportion to the backlog."""
+        for nothing). Only those are looked at: while the writers drain a full pool a few
+        slots at a time, the engine thread retries step after step, and going over every
+        deferred block each time cost it time in proportion to the backlog."""
         if not self._deferred:
             return
         with self._deferred_lock:
